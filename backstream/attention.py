@@ -1,0 +1,167 @@
+"""Attention of one block batch over its history, split into parts merged by log-sum-exp.
+
+A block batch of B rows (sibling blocks of a token tree) attends to three parts:
+  shared  — the history every row has in common (a GRPO group's prompt), ONE copy, batch 1;
+  private — each row's own earlier tokens (earlier chunks of its node), batch B;
+  block   — the block's own keys, batch B, causal.
+Concatenating an expanded shared part with each row's keys would materialise B copies of the
+prefix per layer, and autograd would keep them for the backward (DESIGN §5, trap 1). Instead each
+part is attended separately and the outputs are merged by their log-sum-exp (Hydragen's
+decomposition): with lse_i the row log-sum-exp of part i and lse = logaddexp_i lse_i,
+    out = Σ_i exp(lse_i − lse) · out_i.
+The shared part folds the B rows (and the GQA group) into its query axis, so it reads one copy of
+K/V and never repeats KV heads.
+
+Kernels: on CPU the fused flash kernel (`_scaled_dot_product_flash_attention_for_cpu`) returns the
+lse; its backward, called per part with the *merged* output and lse, gives each part's exact
+gradient (the standard ring-attention argument: dS_i = P_i ∘ (dO·V_iᵀ − rowsum(dO ∘ O)) with
+P_i = exp(S_i − lse)). Elsewhere, and as the naive reference, `merged_attention_math` materialises
+the scores of all parts and lets autograd differentiate them.
+
+Positions are absolute: a query at position p sees a key at position k iff k ≤ p and, with a
+sliding window W, p − k < W (the convention of transformers' masks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class Part:
+    """One group of keys. k/v: [1 or B, Hkv, Lk, D]; kpos_K: [Lk] absolute key positions (shared by
+    all rows); shared=True when k/v has batch 1 and is read by every row; causal=True for the
+    block's own keys."""
+
+    k: Tensor
+    v: Tensor
+    kpos_K: Tensor
+    shared: bool = False
+    causal: bool = False
+
+
+def _mask(qpos_Q: Tensor, kpos_K: Tensor, causal: bool, window: int | None, dtype) -> Tensor | None:
+    """Additive [Q, K] mask, or None when every query sees every key."""
+    keep = None
+    if causal:
+        keep = kpos_K[None, :] <= qpos_Q[:, None]
+    if window is not None:
+        w = (qpos_Q[:, None] - kpos_K[None, :]) < window
+        keep = w if keep is None else keep & w
+    if keep is None or bool(keep.all()):
+        return None
+    return torch.zeros(keep.shape, dtype=dtype, device=qpos_Q.device).masked_fill_(~keep, float("-inf"))
+
+
+def _fold(x_BHQD: Tensor, hkv: int, shared: bool) -> Tensor:
+    """[B, H, Q, D] → [B, Hkv, g·Q, D] (rows) or [1, Hkv, B·g·Q, D] (shared)."""
+    B, H, Q, D = x_BHQD.shape
+    x = x_BHQD.reshape(B, hkv, (H // hkv) * Q, D)
+    if shared:
+        x = x.transpose(0, 1).reshape(1, hkv, B * (H // hkv) * Q, D)
+    return x.contiguous()
+
+
+def _unfold(x: Tensor, B: int, H: int, Q: int, shared: bool) -> Tensor:
+    """Inverse of `_fold` for [.., D] outputs or [..] lse (trailing dim absent)."""
+    hkv = x.shape[1]
+    tail = x.shape[3:]
+    if shared:
+        x = x.reshape(hkv, B, (H // hkv) * Q, *tail).transpose(0, 1)
+    return x.reshape(B, H, Q, *tail)
+
+
+def _fold_mask(m_QK: Tensor | None, B: int, g: int, shared: bool) -> Tensor | None:
+    """Query axis of the mask in the folded layout: row r ↔ query r % Q."""
+    if m_QK is None:
+        return None
+    m = m_QK.repeat(g * (B if shared else 1), 1)
+    return m[None, None]
+
+
+class _FlashMerged(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, meta, q, *kv):
+        shared, masks, scale = meta
+        B, H, Q, D = q.shape
+        hkv = kv[0].shape[1]
+        g = H // hkv
+        outs, lses = [], []
+        for i, sh in enumerate(shared):
+            qf = _fold(q, hkv, sh)
+            mf = _fold_mask(masks[i], B, g, sh)
+            o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                qf, kv[2 * i], kv[2 * i + 1], 0.0, False, attn_mask=mf, scale=scale
+            )
+            if masks[i] is not None:
+                # the kernel reports lse = 0 for a query that sees no key of this part
+                empty = torch.isinf(masks[i]).all(-1).repeat(g * (B if sh else 1))
+                lse = lse.masked_fill(empty[None, None], float("-inf"))
+            outs.append(_unfold(o, B, H, Q, sh))
+            lses.append(_unfold(lse, B, H, Q, sh))
+        lse_all = torch.logsumexp(torch.stack(lses), dim=0)  # [B, H, Q]
+        acc = torch.promote_types(q.dtype, torch.float32)
+        out = sum(torch.exp(l - lse_all)[..., None].to(acc) * o.to(acc) for l, o in zip(lses, outs))
+        out = out.to(q.dtype)
+        ctx.meta = meta
+        ctx.save_for_backward(q, out, lse_all, *kv)
+        return out
+
+    @staticmethod
+    def backward(ctx, g_out):
+        shared, masks, scale = ctx.meta
+        q, out, lse_all, *kv = ctx.saved_tensors
+        B, H, Q, D = q.shape
+        hkv = kv[0].shape[1]
+        g = H // hkv
+        g_out = g_out.to(q.dtype)
+        dq = torch.zeros_like(q, dtype=torch.promote_types(q.dtype, torch.float32))
+        dkv = []
+        for i, sh in enumerate(shared):
+            lse_f = _fold(lse_all[..., None], hkv, sh)[..., 0]
+            dqf, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                _fold(g_out, hkv, sh), _fold(q, hkv, sh), kv[2 * i], kv[2 * i + 1],
+                _fold(out, hkv, sh), lse_f, 0.0, False,
+                attn_mask=_fold_mask(masks[i], B, g, sh), scale=scale,
+            )
+            dq += _unfold(dqf, B, H, Q, sh)
+            dkv += [dk, dv]
+        return (None, dq.to(q.dtype), *dkv)
+
+
+def merged_attention_math(q_BHQD: Tensor, parts: list[Part], qpos_Q: Tensor, scale: float,
+                          window: int | None) -> Tensor:
+    """Naive reference: materialise the scores of every part, one softmax over all keys."""
+    B, H, Q, D = q_BHQD.shape
+    scores, values = [], []
+    for p in parts:
+        g = H // p.k.shape[1]
+        k = p.k.repeat_interleave(g, dim=1)
+        v = p.v.repeat_interleave(g, dim=1)
+        s = (q_BHQD @ k.transpose(-1, -2)) * scale  # [B, H, Q, Lk] (shared part broadcast)
+        m = _mask(qpos_Q, p.kpos_K, p.causal, window, s.dtype)
+        scores.append(s if m is None else s + m)
+        values.append(v)
+    probs = torch.softmax(torch.cat(scores, dim=-1), dim=-1)
+    out, start = 0, 0
+    for s, v in zip(scores, values):
+        out = out + probs[..., start:start + s.shape[-1]] @ v
+        start += s.shape[-1]
+    return out
+
+
+def merged_attention(q_BHQD: Tensor, parts: list[Part], qpos_Q: Tensor, scale: float,
+                     window: int | None, kernel: str = "auto") -> Tensor:
+    """Attention of q over the union of `parts`; returns [B, H, Q, D]. kernel: auto | flash | math."""
+    parts = [p for p in parts if p.k.shape[2] > 0]
+    if kernel == "auto":
+        kernel = "flash" if q_BHQD.device.type == "cpu" else "math"
+    if kernel == "math":
+        return merged_attention_math(q_BHQD, parts, qpos_Q, scale, window)
+    masks = [_mask(qpos_Q, p.kpos_K, p.causal, window, q_BHQD.dtype) for p in parts]
+    kv = [t.contiguous() for p in parts for t in (p.k, p.v)]
+    meta = ([p.shared for p in parts], masks, scale)
+    return _FlashMerged.apply(meta, q_BHQD.contiguous(), *kv)

@@ -1,0 +1,561 @@
+"""The exact streamed backward over a shared-prefix token tree (DESIGN §2; MetroRLHF §3; the
+schedule-level shared-prefix reuse paper).
+
+    stream_backward(model, sequences, weights)  ⇒  p.grad += ∂/∂p Σ_i Σ_t w_i,t · log πθ(x_i,t | x_i,<t)
+
+without ever holding the activations of more than one block batch, and forwarding/backpropagating a
+prefix shared by several sequences once.
+
+1. Tree: the sequences' input prefixes (up to their last active target) are merged into a radix
+   trie; each node is cut into chunks of at most `block_size` tokens. Sibling chunks at the same
+   offset (the G responses of a prompt) form one *batch*: they share the parent path as history.
+2. Prefill (no grad), batches in forward order: the K/V of every tree token at every layer, and
+   the log-probs of the active targets (which `Objective.setup` may use). Skipped when the caller
+   passes the K/V (`kv=`), e.g. from the rollout at the same weights.
+3. Backward, batches in reverse order. A batch's forward reads the stored K/V of its history as
+   leaf tensors; `torch.autograd.backward` then starts from the batch's objective term and from its
+   own K/V at every layer, seeded with the gradient that later batches left for those positions;
+   the gradient reaching the history leaves is added to those positions' accumulators (fp32).
+   By the time a batch runs, every batch that reads its K/V has run, so its seeds are complete and
+   the chain rule is exact.
+A batch with no target and no pending K/V gradient does nothing (the "zero-reward shortcut"); with
+a sliding window, history outside every query's window is not read at all.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+from transformers import AttentionInterface, PretrainedConfig
+from transformers.cache_utils import Cache
+
+from backstream.attention import Part, merged_attention
+from backstream.objective import BlockView, Objective, TokenWeights, flat_offsets
+from backstream.tree import TokenTree
+
+ATTN_NAME = "backstream"
+
+
+@dataclass
+class StreamStats:
+    sequences: int = 0
+    active_sequences: int = 0
+    input_tokens: int = 0  # Σ of the inputs the sequences need: what a per-sequence pass forwards
+    tree_tokens: int = 0  # distinct tokens after prefix sharing
+    prefill_tokens: int = 0
+    backward_tokens: int = 0  # tokens forwarded+backpropagated in the backward (padding excluded)
+    skipped_tokens: int = 0  # tree tokens whose block did no work in the backward
+    blocks_run: int = 0
+    blocks_skipped: int = 0
+    batches_run: int = 0
+    block_size: int = 0
+    batch_tokens: int = 0
+    peak_bytes_predicted: int = 0
+
+
+@dataclass
+class StreamResult:
+    logprobs: list[Tensor]  # per sequence [len_i]: log π(x_i,t | x_i,<t) at the current weights; NaN where not active
+    stats: StreamStats = field(default_factory=StreamStats)
+
+
+# ---------------------------------------------------------------------------------------------
+# The block batch: what the registered attention function and the cache see during one forward.
+
+
+@dataclass
+class _Row:
+    node: int
+    lo: int  # node-local chunk [lo, hi)
+    hi: int
+
+
+class _BlockCache(Cache):
+    """Records each layer's new K/V (the roots of the backward) and returns them unchanged: the
+    history is handed to the attention function separately, so it is never concatenated."""
+
+    def __init__(self, past_len: int):
+        super().__init__(layers=[])
+        self.past_len = past_len
+        self.new: dict[int, tuple[Tensor, Tensor]] = {}
+        self.last_layer = -1
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        self.new[layer_idx] = (key_states, value_states)
+        self.last_layer = layer_idx
+        return key_states, value_states
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.past_len
+
+
+_ACTIVE: list = []  # the running _Batch (a stack, so that nothing leaks if a forward raises)
+
+
+def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+               sliding_window=None, **kwargs):
+    if not _ACTIVE:
+        raise RuntimeError("the backstream attention function runs only inside stream_backward")
+    if dropout and dropout > 0:
+        raise ValueError("model: attention dropout breaks exactness; call model.eval() or set attention_dropout=0")
+    batch = _ACTIVE[-1]
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    parts = batch.history_parts(batch.cache.last_layer, key, value, sliding_window)
+    parts.append(Part(key, value, batch.qpos, causal=True))
+    batch.attn_calls += 1
+    out = merged_attention(query, parts, batch.qpos, scale, sliding_window, batch.engine.kernel)
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(ATTN_NAME, _attention)
+
+
+class _Batch:
+    """One batch of sibling chunks: rows share the parent path (shared history, one copy) and each
+    reads its own node's earlier tokens (private history)."""
+
+    def __init__(self, engine: "_Engine", parent: int, rows: list[_Row]):
+        self.engine, self.parent, self.rows = engine, parent, rows
+        tree = engine.tree
+        self.base = tree.nodes[rows[0].node].start  # same for all siblings
+        lo = rows[0].lo
+        self.Q = max(r.hi - r.lo for r in rows)
+        self.p0 = self.base + lo
+        self.qpos = torch.arange(self.p0, self.p0 + self.Q, device=engine.device)
+        self.shared_nodes = (tree.ancestors(rows[0].node)) if parent >= 0 else []
+        self.cache = _BlockCache(self.p0)
+        self.attn_calls = 0
+
+    def history_parts(self, layer: int, key: Tensor, value: Tensor, window: int | None) -> list[Part]:
+        eng, tree = self.engine, self.engine.tree
+        first = 0 if window is None else max(0, self.p0 - window + 1)  # earliest visible position
+        parts = []
+        # shared: the parent path, one copy with batch 1
+        segs = []
+        for n in self.shared_nodes:
+            node = tree.nodes[n]
+            a, b = max(node.start, first), node.end
+            if a < b:
+                segs.append((n, a - node.start, b - node.start))
+        if segs:
+            kv = [torch.cat([eng.kv[n][layer][j][:, a:b] for n, a, b in segs], dim=1)[None] for j in (0, 1)]
+            kpos = torch.arange(segs[0][1] + tree.nodes[segs[0][0]].start, self.base, device=eng.device)
+            kv = [self._leaf(t, src.requires_grad, layer, j, segs, None) for j, (t, src) in enumerate(zip(kv, (key, value)))]
+            parts.append(Part(kv[0], kv[1], kpos, shared=True))
+        # private: each row's own node before the chunk
+        a = max(self.base, first) - self.base
+        b = self.rows[0].lo
+        if a < b:
+            kv = [torch.stack([eng.kv[r.node][layer][j][:, a:b] for r in self.rows]) for j in (0, 1)]
+            kpos = torch.arange(self.base + a, self.base + b, device=eng.device)
+            kv = [self._leaf(t, src.requires_grad, layer, j, None, (a, b)) for j, (t, src) in enumerate(zip(kv, (key, value)))]
+            parts.append(Part(kv[0], kv[1], kpos))
+        return parts
+
+    def _leaf(self, t: Tensor, needs_grad: bool, layer: int, j: int, segs, private) -> Tensor:
+        """History K or V as a leaf whose gradient goes to its positions' accumulators. A layer
+        whose own K/V need no gradient (frozen weights below it) gets no leaf."""
+        if not (needs_grad and torch.is_grad_enabled()):
+            return t
+        leaf = t.detach().requires_grad_(True)
+        eng = self.engine
+
+        def scatter(x: Tensor) -> None:
+            g = x.grad
+            if segs is not None:
+                off = 0
+                for n, a, b in segs:
+                    eng.add_grad(n, layer, j, a, b, g[0, :, off:off + b - a])
+                    off += b - a
+            else:
+                for r, row in enumerate(self.rows):
+                    eng.add_grad(row.node, layer, j, private[0], private[1], g[r])
+            x.grad = None  # free it now, layer by layer
+
+        leaf.register_post_accumulate_grad_hook(scatter)
+        return leaf
+
+    def forward(self, with_logits: bool):
+        """Run the model on the batch; returns (outputs, keep mask [B, Q] of predicting positions)."""
+        eng = self.engine
+        B = len(self.rows)
+        ids = torch.full((B, self.Q), eng.pad_id, dtype=torch.long)
+        keep = torch.zeros((B, self.Q), dtype=torch.bool)
+        for r, row in enumerate(self.rows):
+            toks = eng.tree.nodes[row.node].tokens[row.lo:row.hi]
+            ids[r, : len(toks)] = torch.tensor(toks)
+            tg = eng.tree.targets.get(row.node)
+            if tg is not None and with_logits:
+                for off in tg.offset:
+                    if row.lo <= off < row.hi:
+                        keep[r, off - row.lo] = True
+        ids, keep = ids.to(eng.device), keep.to(eng.device)
+        kwargs = dict(input_ids=ids, position_ids=self.qpos[None], past_key_values=self.cache, use_cache=True)
+        if eng.has_logits_to_keep:
+            kwargs["logits_to_keep"] = keep
+        _ACTIVE.append(self)
+        try:
+            out = eng.model(**kwargs)
+        finally:
+            _ACTIVE.pop()
+        logits = out.logits if eng.has_logits_to_keep else out.logits[keep]
+        if self.attn_calls == 0 or len(self.cache.new) == 0:
+            raise TypeError(
+                f"model: {type(eng.model).__name__} did not route attention through transformers' "
+                "AttentionInterface and the Cache passed as past_key_values; stream_backward needs both"
+            )
+        return logits, keep
+
+    def view(self, logits_PV: Tensor, keep: Tensor) -> BlockView | None:
+        """Targets of this batch, mapped to rows of logits_PV (row-major order of `keep`)."""
+        eng = self.engine
+        index = torch.cumsum(keep.flatten().to(torch.long), 0) - 1
+        Q = self.Q
+        pos, target, seq, tok = [], [], [], []
+        for r, row in enumerate(self.rows):
+            tg = eng.tree.targets.get(row.node)
+            if tg is None:
+                continue
+            for off, tk, s, t in zip(tg.offset, tg.token, tg.seq, tg.tok):
+                if row.lo <= off < row.hi:
+                    pos.append(r * Q + off - row.lo)
+                    target.append(tk)
+                    seq.append(s)
+                    tok.append(t)
+        if not pos:
+            return None
+        dev = logits_PV.device
+        as_t = lambda x: torch.tensor(x, dtype=torch.long, device=dev)  # noqa: E731
+        seq_t, tok_t = as_t(seq), as_t(tok)
+        return BlockView(
+            logits_PV=logits_PV, row_pos_N=index[as_t(pos)], target_N=as_t(target), seq_N=seq_t,
+            tok_N=tok_t, flat_N=eng.offsets_t.to(dev)[seq_t] + tok_t,
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def _base_model(model: nn.Module) -> nn.Module:
+    get = getattr(model, "get_base_model", None)  # PEFT
+    return get() if callable(get) else model
+
+
+def _configs(model: nn.Module) -> list[PretrainedConfig]:
+    seen, out, stack = set(), [], [m.config for m in model.modules() if isinstance(getattr(m, "config", None), PretrainedConfig)]
+    while stack:
+        c = stack.pop()
+        if id(c) in seen:
+            continue
+        seen.add(id(c))
+        out.append(c)
+        for key in getattr(c, "sub_configs", {}) or {}:
+            sub = getattr(c, key, None)
+            if isinstance(sub, PretrainedConfig):
+                stack.append(sub)
+    return out
+
+
+class _use_backstream_attention:
+    """Route the model's attention through `_attention` for the duration of a call."""
+
+    def __init__(self, model):
+        self.configs = _configs(model)
+
+    def __enter__(self):
+        self.saved = [c._attn_implementation_internal for c in self.configs]
+        for c in self.configs:
+            c._attn_implementation_internal = ATTN_NAME
+
+    def __exit__(self, *exc):
+        for c, v in zip(self.configs, self.saved):
+            c._attn_implementation_internal = v
+
+
+def check_model(model) -> nn.Module:
+    """The model must be a transformers causal LM that accepts a Cache and a registered attention
+    function; returns the underlying PreTrainedModel."""
+    base = _base_model(model)
+    if not isinstance(model, nn.Module) or not hasattr(base, "config"):
+        raise TypeError(f"model: expected a transformers causal LM (or a PEFT model around one), got {type(model).__name__}")
+    params = inspect.signature(base.forward).parameters
+    if not getattr(base, "_supports_attention_backend", False) or "past_key_values" not in params:
+        raise TypeError(
+            f"model: {type(base).__name__} does not support transformers' Cache and AttentionInterface "
+            "(needs `_supports_attention_backend` and a `past_key_values` argument); stream_backward cannot drive it"
+        )
+    return base
+
+
+def validate_sequences(model, sequences, name: str = "sequences") -> int:
+    """Checks shared by stream_backward and reference_backward; returns the vocabulary size."""
+    base = check_model(model)
+    if not isinstance(sequences, (list, tuple)) or len(sequences) == 0:
+        raise ValueError(f"{name}: expected a non-empty list of 1-D integer tensors, got {type(sequences).__name__} of length {len(sequences) if isinstance(sequences, (list, tuple)) else 'n/a'}")
+    vocab = base.get_input_embeddings().num_embeddings
+    for i, s in enumerate(sequences):
+        if not isinstance(s, Tensor):
+            raise TypeError(f"{name}[{i}]: expected a torch.Tensor of token ids, got {type(s).__name__}")
+        if s.dim() != 1 or s.numel() == 0:
+            raise ValueError(f"{name}[{i}]: expected a non-empty 1-D tensor, got shape {tuple(s.shape)}")
+        if s.dtype.is_floating_point or s.dtype.is_complex or s.dtype == torch.bool:
+            raise TypeError(f"{name}[{i}]: token ids must be an integer tensor, got {s.dtype}")
+        lo, hi = int(s.min()), int(s.max())
+        if lo < 0 or hi >= vocab:
+            raise ValueError(f"{name}[{i}]: token id {lo if lo < 0 else hi} is outside the vocabulary [0, {vocab})")
+    return vocab
+
+
+def validate_weights(sequences, weights) -> None:
+    if not isinstance(weights, (list, tuple)) or len(weights) != len(sequences):
+        raise ValueError(f"weights: expected a list of {len(sequences)} tensors (one per sequence), got {type(weights).__name__} of length {len(weights) if isinstance(weights, (list, tuple)) else 'n/a'}")
+    for i, (s, w) in enumerate(zip(sequences, weights)):
+        if not isinstance(w, Tensor) or not w.dtype.is_floating_point:
+            raise TypeError(f"weights[{i}]: expected a floating-point tensor, got {getattr(w, 'dtype', type(w).__name__)}")
+        if w.shape != s.shape:
+            raise ValueError(f"weights[{i}]: shape {tuple(w.shape)} does not match sequences[{i}] shape {tuple(s.shape)}")
+        if w[0] != 0:
+            raise ValueError(f"weights[{i}][0] = {float(w[0])}: the first token has no prediction; its weight must be 0")
+        if not torch.isfinite(w).all():
+            raise ValueError(f"weights[{i}]: contains NaN or inf")
+
+
+def _objective_from(weights, objective) -> Objective:
+    if (weights is None) == (objective is None):
+        raise ValueError("weights / objective: pass exactly one of them")
+    if objective is not None and not isinstance(objective, Objective):
+        raise TypeError(f"objective: expected a backstream.Objective, got {type(objective).__name__}")
+    return objective if objective is not None else TokenWeights(list(weights))
+
+
+class _Engine:
+    def __init__(self, model, sequences, objective, block_size, batch_tokens, kernel, pad_id):
+        self.model = model
+        self.base = _base_model(model)
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.kernel = kernel
+        self.pad_id = pad_id
+        self.block_size, self.batch_tokens = block_size, batch_tokens
+        self.sequences = sequences
+        self.has_logits_to_keep = "logits_to_keep" in inspect.signature(self.base.forward).parameters
+        self.offsets_t = torch.tensor(flat_offsets([len(s) for s in sequences]), dtype=torch.long)
+        self.kv: dict[int, list[list[Tensor]]] = {}  # node → layer → [K, V] of shape [Hkv, len, D]
+        self.g: dict[int, dict[int, list[Tensor | None]]] = {}  # node → layer → [gK, gV] fp32
+        self.touched: dict[int, Tensor] = {}  # node → bool [len]: positions with a pending K/V gradient
+        self.tree: TokenTree | None = None
+
+    # -- schedule ---------------------------------------------------------------------------
+    def batches(self) -> list[tuple[int, list[_Row]]]:
+        """Forward order: parents before children; siblings at the same chunk offset together."""
+        T, cap = self.block_size, max(1, self.batch_tokens // self.block_size)
+        out, queue = [], [-1]
+        while queue:
+            p = queue.pop(0)
+            kids = self.tree.roots if p < 0 else self.tree.nodes[p].children
+            if not kids:
+                continue
+            longest = max(len(self.tree.nodes[c].tokens) for c in kids)
+            for lo in range(0, longest, T):
+                rows = [_Row(c, lo, min(lo + T, len(self.tree.nodes[c].tokens)))
+                        for c in kids if len(self.tree.nodes[c].tokens) > lo]
+                for k in range(0, len(rows), cap):
+                    out.append((p, rows[k:k + cap]))
+            queue.extend(kids)
+        return out
+
+    # -- gradient accumulators ---------------------------------------------------------------
+    def add_grad(self, node: int, layer: int, j: int, a: int, b: int, g: Tensor) -> None:
+        per_layer = self.g.setdefault(node, {}).setdefault(layer, [None, None])
+        if per_layer[j] is None:
+            ref = self.kv[node][layer][j]
+            # fp32 whatever the model dtype (bf16 sums of many readers drift); float64 stays float64
+            per_layer[j] = torch.zeros(ref.shape, dtype=torch.promote_types(ref.dtype, torch.float32), device=ref.device)
+        per_layer[j][:, a:b] += g.to(per_layer[j].dtype)
+        t = self.touched.setdefault(node, torch.zeros(len(self.tree.nodes[node].tokens), dtype=torch.bool))
+        t[a:b] = True
+
+    def needs_work(self, row: _Row) -> bool:
+        tg = self.tree.targets.get(row.node)
+        if tg is not None and any(row.lo <= o < row.hi for o in tg.offset):
+            return True
+        t = self.touched.get(row.node)
+        return t is not None and bool(t[row.lo:row.hi].any())
+
+    # -- passes -------------------------------------------------------------------------------
+    def store_kv(self, batch: _Batch) -> None:
+        for layer, (k, v) in batch.cache.new.items():
+            for r, row in enumerate(batch.rows):
+                n = row.hi - row.lo
+                store = self.kv.setdefault(row.node, {})
+                if layer not in store:
+                    L = len(self.tree.nodes[row.node].tokens)
+                    store[layer] = [k.new_empty((k.shape[1], L, k.shape[3])), v.new_empty((v.shape[1], L, v.shape[3]))]
+                store[layer][0][:, row.lo:row.hi] = k[r, :, :n]
+                store[layer][1][:, row.lo:row.hi] = v[r, :, :n]
+
+    def prefill(self, logprobs: list[Tensor], stats: StreamStats) -> None:
+        with torch.no_grad():
+            for parent, rows in self.batches():
+                batch = _Batch(self, parent, rows)
+                logits, keep = batch.forward(with_logits=True)
+                self.store_kv(batch)
+                view = batch.view(logits, keep)
+                if view is not None:
+                    self.record(view, logprobs)
+                stats.prefill_tokens += sum(r.hi - r.lo for r in rows)
+
+    @staticmethod
+    def record(view: BlockView, logprobs: list[Tensor]) -> None:
+        lp = view.logprobs().detach()
+        for s, t, x in zip(view.seq_N.tolist(), view.tok_N.tolist(), lp.tolist()):
+            logprobs[s][t] = x
+
+    def backward(self, objective: Objective, logprobs: list[Tensor], stats: StreamStats, record: bool) -> None:
+        for parent, rows in reversed(self.batches()):
+            work = [r for r in rows if self.needs_work(r)]
+            stats.blocks_skipped += len(rows) - len(work)
+            stats.skipped_tokens += sum(r.hi - r.lo for r in rows if r not in work)
+            if not work:
+                continue
+            batch = _Batch(self, parent, work)
+            logits, keep = batch.forward(with_logits=True)
+            roots, seeds = [], []
+            view = batch.view(logits, keep)
+            if view is not None:
+                loss = objective.block_loss(view)
+                if record:
+                    self.record(view, logprobs)
+                if loss.requires_grad:
+                    roots.append(loss)
+                    seeds.append(torch.ones_like(loss))
+            for layer, kv in batch.cache.new.items():
+                for j, x in enumerate(kv):
+                    if not x.requires_grad:
+                        continue  # frozen below this layer: no gradient can flow into history
+                    seed = None
+                    for r, row in enumerate(work):
+                        acc = self.g.get(row.node, {}).get(layer, [None, None])[j]
+                        if acc is not None:
+                            if seed is None:
+                                seed = torch.zeros(x.shape, dtype=x.dtype, device=x.device)
+                            seed[r, :, : row.hi - row.lo] = acc[:, row.lo:row.hi].to(x.dtype)
+                    if seed is not None:
+                        roots.append(x)
+                        seeds.append(seed)
+            if roots:
+                torch.autograd.backward(roots, seeds)
+            # the accumulators of these positions are spent; free what no other row needs
+            for row in work:
+                if row.lo == 0:
+                    self.g.pop(row.node, None)
+            stats.blocks_run += len(work)
+            stats.batches_run += 1
+            stats.backward_tokens += sum(r.hi - r.lo for r in work)
+
+
+def _prepare_kv(engine: _Engine, kv, sequences) -> None:
+    """Fill the node K/V store from caller-given K/V (one entry per sequence)."""
+    if not isinstance(kv, (list, tuple)) or len(kv) != len(sequences):
+        raise ValueError(f"kv: expected one entry per sequence ({len(sequences)}), got {type(kv).__name__}")
+    layers = engine.base.config.get_text_config().num_hidden_layers
+    per_seq = []
+    for i, entry in enumerate(kv):
+        if isinstance(entry, Cache):
+            entry = [(layer.keys[0], layer.values[0]) for layer in entry.layers]
+        if not isinstance(entry, (list, tuple)) or len(entry) != layers:
+            raise ValueError(f"kv[{i}]: expected a Cache or a list of {layers} (K, V) pairs, got {type(entry).__name__}")
+        per_seq.append(entry)
+    for i, path in enumerate(engine.tree.paths):
+        for n in path:
+            if n in engine.kv:
+                continue
+            node = engine.tree.nodes[n]
+            store = {}
+            for layer, (k, v) in enumerate(per_seq[i]):
+                if k.dim() != 3 or k.shape != v.shape:
+                    raise ValueError(f"kv[{i}][{layer}]: expected K and V of shape [kv_heads, length, head_dim], got {tuple(k.shape)} and {tuple(v.shape)}")
+                if k.shape[1] < node.end:
+                    raise ValueError(
+                        f"kv[{i}][{layer}]: covers {k.shape[1]} positions but sequence {i} needs the K/V of its first "
+                        f"{node.end} tokens (a sliding-window cache that dropped history cannot be reused)"
+                    )
+                store[layer] = [x[:, node.start:node.end].to(engine.device, engine.dtype) for x in (k, v)]
+            engine.kv[n] = store
+
+
+def stream_backward(
+    model: nn.Module,
+    sequences: list[Tensor],
+    weights: list[Tensor] | None = None,
+    *,
+    objective: Objective | None = None,
+    block_size: int | None = None,
+    batch_tokens: int | None = None,
+    memory_budget: int | None = None,
+    kv: list | None = None,
+    kernel: str = "auto",
+) -> StreamResult:
+    """Accumulate into `.grad` the gradient of Σ_i Σ_t weights[i][t]·log πθ(x_i[t] | x_i[:t]) — or of
+    the sum of `objective`'s block terms — block by block, shared prefixes once.
+
+    sequences: 1-D integer tensors of token ids; weights: float tensors of the same lengths
+      (weights[i][0] must be 0). Pass `objective=` instead of weights for RL losses (DESIGN §3).
+    block_size: tokens per block (default 512, or the planner's choice under `memory_budget`).
+    batch_tokens: cap on rows × block_size of one sibling batch (default 8 × block_size).
+    memory_budget: bytes; the planner picks block_size and batch_tokens to fit (see `plan`).
+    kv: the K/V the caller already has (per sequence, a Cache or a list over layers of (K, V) of
+      shape [kv_heads, length, head_dim]) computed at the current weights: no prefill runs.
+    kernel: attention kernel, "auto" (fused flash on CPU), "flash" or "math" (naive reference).
+    Returns the log-probs at the current weights (NaN where no target was active) and stats.
+    """
+    from backstream.planner import plan  # noqa: PLC0415  (planner imports engine stats)
+
+    vocab = validate_sequences(model, sequences)
+    obj = _objective_from(weights, objective)
+    if weights is not None:
+        validate_weights(sequences, weights)
+    for name, val in (("block_size", block_size), ("batch_tokens", batch_tokens), ("memory_budget", memory_budget)):
+        if val is not None and (not isinstance(val, int) or isinstance(val, bool) or val < 1):
+            raise ValueError(f"{name}: expected a positive integer, got {val!r}")
+    if kernel not in ("auto", "flash", "math"):
+        raise ValueError(f"kernel: expected 'auto', 'flash' or 'math', got {kernel!r}")
+    active = obj.active(sequences)
+    if len(active) != len(sequences) or any(a.shape != s.shape for a, s in zip(active, sequences)):
+        raise ValueError("objective.active: must return one bool tensor per sequence, of the sequence's shape")
+    if any(bool(a[0]) for a in active):
+        raise ValueError("objective.active: index 0 has no prediction and cannot be active")
+
+    seqs_cpu = [s.detach().to("cpu", torch.long) for s in sequences]
+    active = [a.detach().to("cpu", torch.bool) for a in active]
+    inputs = []
+    for s, a in zip(seqs_cpu, active):
+        nz = torch.nonzero(a)
+        inputs.append(s[: int(nz[-1])].tolist() if len(nz) else [])
+    tree = TokenTree(inputs)
+    tree.add_targets(seqs_cpu, active)
+
+    stats = StreamStats(sequences=len(sequences), active_sequences=sum(1 for x in inputs if x),
+                        input_tokens=sum(len(x) for x in inputs), tree_tokens=tree.num_tokens())
+    p = plan(model, tree, block_size=block_size, batch_tokens=batch_tokens, memory_budget=memory_budget)
+    stats.block_size, stats.batch_tokens, stats.peak_bytes_predicted = p.block_size, p.batch_tokens, p.peak_bytes
+
+    eng = _Engine(model, seqs_cpu, obj, p.block_size, p.batch_tokens, kernel, pad_id=0)
+    eng.tree = tree
+    lp_dtype = torch.promote_types(eng.dtype, torch.float32)
+    logprobs = [torch.full((len(s),), math.nan, dtype=lp_dtype) for s in seqs_cpu]
+    if kv is not None:
+        _prepare_kv(eng, kv, sequences)
+    assert vocab > 0
+    with _use_backstream_attention(model):
+        if kv is None:
+            eng.prefill(logprobs, stats)
+            obj.setup([x.clone() for x in logprobs])
+        else:
+            obj.setup(None)
+        eng.backward(obj, logprobs, stats, record=kv is not None)
+    return StreamResult(logprobs=logprobs, stats=stats)

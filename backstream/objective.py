@@ -1,0 +1,117 @@
+"""The objective contract between an RL loss and the streamed backward (DESIGN §3).
+
+The engine never sees a whole sequence's logits. It hands an objective one *block view* at a
+time: the logits of the positions in one block batch that predict a token the objective reads,
+and for each (sequence, token) target the row that predicts it. The objective returns a scalar
+whose gradient is that block's share of the total. This is exact for every objective that is a
+sum over target tokens of a function of that token's logits and of *detached* statistics
+(token counts, group sizes, sequence-level ratios, reference log-probs): those statistics are
+computed once, before any block runs, from the prefill's log-probs (`Objective.setup`).
+
+Sign convention: `stream_backward` adds to `p.grad` the gradient of the sum of the block terms.
+An RL loss to *minimise* is therefore returned as is; `TokenWeights` returns Σ w·log π, so that
+`p.grad += ∂/∂p Σ w·log π` as the engine's simplest contract states.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class BlockView:
+    """The targets whose predicting position lies in one block batch.
+
+    logits_PV:  [P, V] float32 logits of the P distinct predicting positions (with grad in a
+                backward block, without in the prefill).
+    row_pos_N:  [N] long, the row of `logits_PV` that predicts target n.
+    target_N:   [N] long, the token id of target n.
+    seq_N:      [N] long, the sequence index i of target n.
+    tok_N:      [N] long, the token index t of target n in sequence i (t ≥ 1).
+    flat_N:     [N] long, offsets[i] + t: index into the concatenation of all sequences, the
+                layout in which objectives keep per-token statistics (see `flat_offsets`).
+    A position shared by several sequences (a shared prompt, a multi-turn prefix) appears once in
+    `logits_PV` and once per sequence in the N targets.
+    """
+
+    logits_PV: Tensor
+    row_pos_N: Tensor
+    target_N: Tensor
+    seq_N: Tensor
+    tok_N: Tensor
+    flat_N: Tensor
+    _logp_P: Tensor | None = field(default=None, repr=False)
+
+    def log_softmax(self) -> Tensor:
+        """[P, V] log-probabilities, computed once per view."""
+        if self._logp_P is None:
+            # float32 at least (bf16 log-softmax is too coarse for ratios), float64 kept as is
+            dtype = torch.promote_types(self.logits_PV.dtype, torch.float32)
+            self._logp_P = torch.log_softmax(self.logits_PV.to(dtype), dim=-1)
+        return self._logp_P
+
+    def logprobs(self) -> Tensor:
+        """[N] log π(target_n | history), in float32 or wider."""
+        return self.log_softmax()[self.row_pos_N, self.target_N]
+
+    def entropy(self) -> Tensor:
+        """[N] entropy of the predicting distribution of each target (per row, gathered)."""
+        logp = self.log_softmax()
+        ent_P = -(logp.exp() * logp).sum(-1)
+        return ent_P[self.row_pos_N]
+
+
+def flat_offsets(lengths: list[int]) -> list[int]:
+    """Start of each sequence in the flat per-token layout used by `BlockView.flat_N`."""
+    out, acc = [], 0
+    for n in lengths:
+        out.append(acc)
+        acc += n
+    return out
+
+
+class Objective:
+    """Base class of the per-block objective hook.
+
+    Subclasses implement `active` and `block_loss`; `setup` is optional. The total the engine
+    differentiates is Σ over blocks of `block_loss(view)`, so `block_loss` must be additive over
+    any partition of the targets: a sum (or a sum of per-target terms weighted by constants fixed
+    in `setup`), never a mean over the view or any statistic that depends on which targets share
+    the view.
+    """
+
+    def active(self, sequences: list[Tensor]) -> list[Tensor]:
+        """Per sequence, a bool tensor of its length: True where the loss reads token t (t ≥ 1).
+
+        Targets that are not active are never computed; a sequence with no active target costs
+        nothing, and the blocks after the last active target of a path are never run.
+        """
+        raise NotImplementedError
+
+    def setup(self, logprobs: list[Tensor] | None) -> None:
+        """Called once before any block, with the log-probs at the current weights from the
+        prefill (detached, float32 or wider, NaN where not active); None when the caller supplied the K/V
+        and no prefill ran."""
+
+    def block_loss(self, view: BlockView) -> Tensor:
+        """Scalar term of this view; its gradient is accumulated into `.grad`."""
+        raise NotImplementedError
+
+
+class TokenWeights(Objective):
+    """The engine's simplest contract: Σ_i Σ_t weights[i][t] · log π(x_i[t] | x_i[:t])."""
+
+    def __init__(self, weights: list[Tensor]):
+        self.weights = weights
+        self._flat = torch.cat([w.reshape(-1) for w in weights]).to(torch.float64) if weights else None
+
+    def active(self, sequences: list[Tensor]) -> list[Tensor]:
+        return [w != 0 for w in self.weights]
+
+    def block_loss(self, view: BlockView) -> Tensor:
+        logp_N = view.logprobs()
+        w_N = self._flat.to(logp_N.device)[view.flat_N].to(logp_N.dtype)
+        return (logp_N * w_N).sum()

@@ -1,0 +1,68 @@
+"""The naive reference: what every RL trainer does today.
+
+One full-sequence forward per sequence, logits of the whole sequence, one backward. It implements
+the same contract as `stream_backward` (token weights, or an `Objective`'s block terms with the
+whole sequence as one view) and is the baseline of the tests and the benchmarks.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from backstream.engine import StreamResult, StreamStats, _objective_from, validate_sequences, validate_weights
+from backstream.objective import BlockView, Objective, flat_offsets
+
+
+def _sequence_view(logits_LV: Tensor, seq: Tensor, act: Tensor, i: int, offset: int) -> BlockView | None:
+    ts = torch.nonzero(act).flatten().to(logits_LV.device)
+    if len(ts) == 0:
+        return None
+    return BlockView(
+        logits_PV=logits_LV[ts - 1], row_pos_N=torch.arange(len(ts), device=ts.device),
+        target_N=seq.to(ts.device)[ts], seq_N=torch.full_like(ts, i), tok_N=ts, flat_N=ts + offset,
+    )
+
+
+def reference_backward(model: nn.Module, sequences: list[Tensor], weights: list[Tensor] | None = None, *,
+                       objective=None) -> StreamResult:
+    """p.grad += ∂/∂p Σ_i Σ_t weights[i][t] · log πθ(x_i[t] | x_i[:t]), computed the obvious way.
+
+    With `objective`, its `setup` gets the log-probs of a no-grad pass first (as the streamed
+    engine's prefill provides), then each sequence is one view.
+    """
+    validate_sequences(model, sequences)
+    obj = _objective_from(weights, objective)
+    if weights is not None:
+        validate_weights(sequences, weights)
+    device = next(model.parameters()).device
+    dtype = torch.promote_types(next(model.parameters()).dtype, torch.float32)
+    active = [a.to("cpu", torch.bool) for a in obj.active(sequences)]
+    offsets = flat_offsets([len(s) for s in sequences])
+    logprobs = [torch.full((len(s),), math.nan, dtype=dtype) for s in sequences]
+
+    def views(grad: bool):
+        for i, (seq, act) in enumerate(zip(sequences, active)):
+            if not act.any():
+                continue
+            with torch.set_grad_enabled(grad):
+                logits = model(input_ids=seq.to(device)[None]).logits[0]
+            yield i, _sequence_view(logits, seq, act, i, offsets[i])
+
+    # an objective with batch statistics needs the log-probs of every sequence before any
+    # backward: one more no-grad pass, as the streamed engine's prefill provides
+    if type(obj).setup is not Objective.setup:
+        for i, view in views(grad=False):
+            logprobs[i][view.tok_N.cpu()] = view.logprobs().detach().cpu().to(dtype)
+        obj.setup([x.clone() for x in logprobs])
+    tokens = 0
+    for i, view in views(grad=True):
+        loss = obj.block_loss(view)
+        logprobs[i][view.tok_N.cpu()] = view.logprobs().detach().cpu().to(dtype)
+        if loss.requires_grad:
+            loss.backward()
+        tokens += len(sequences[i])
+    stats = StreamStats(sequences=len(sequences), input_tokens=tokens, backward_tokens=tokens)
+    return StreamResult(logprobs=logprobs, stats=stats)
