@@ -346,7 +346,7 @@ class _Engine:
         self.offsets_t = torch.tensor(flat_offsets([len(s) for s in sequences]), dtype=torch.long)
         self.kv: dict[int, list[list[Tensor]]] = {}  # node → layer → [K, V] of shape [Hkv, len, D]
         self.g: dict[int, dict[int, list[Tensor | None]]] = {}  # node → layer → [gK, gV] fp32
-        self.touched: dict[int, Tensor] = {}  # node → bool [len]: positions with a pending K/V gradient
+        self.touched: dict[int, dict[int, Tensor]] = {}  # node → layer → bool [len]: pending K/V gradient
         self.tree: TokenTree | None = None
 
     # -- schedule ---------------------------------------------------------------------------
@@ -376,15 +376,20 @@ class _Engine:
             # fp32 whatever the model dtype (bf16 sums of many readers drift); float64 stays float64
             per_layer[j] = torch.zeros(ref.shape, dtype=torch.promote_types(ref.dtype, torch.float32), device=ref.device)
         per_layer[j][:, a:b] += g.to(per_layer[j].dtype)
-        t = self.touched.setdefault(node, torch.zeros(len(self.tree.nodes[node].tokens), dtype=torch.bool))
+        t = self.touched.setdefault(node, {}).setdefault(layer, torch.zeros(len(self.tree.nodes[node].tokens), dtype=torch.bool))
         t[a:b] = True
+
+    def pending(self, row: _Row, layer: int | None = None) -> bool:
+        """Has any reader left a gradient for the K/V of this chunk (at `layer`, or any layer)?"""
+        per_node = self.touched.get(row.node, {})
+        masks = per_node.values() if layer is None else [per_node[layer]] if layer in per_node else []
+        return any(bool(t[row.lo:row.hi].any()) for t in masks)
 
     def needs_work(self, row: _Row) -> bool:
         tg = self.tree.targets.get(row.node)
         if tg is not None and any(row.lo <= o < row.hi for o in tg.offset):
             return True
-        t = self.touched.get(row.node)
-        return t is not None and bool(t[row.lo:row.hi].any())
+        return self.pending(row)
 
     # -- passes -------------------------------------------------------------------------------
     def store_kv(self, batch: _Batch) -> None:
@@ -440,7 +445,8 @@ class _Engine:
                     seed = None
                     for r, row in enumerate(work):
                         acc = self.g.get(row.node, {}).get(layer, [None, None])[j]
-                        if acc is not None:
+                        # a zero seed would cost a backward and mark the history as pending
+                        if acc is not None and self.pending(row, layer):
                             if seed is None:
                                 seed = torch.zeros(x.shape, dtype=x.dtype, device=x.device)
                             seed[r, :, : row.hi - row.lo] = acc[:, row.lo:row.hi].to(x.dtype)
@@ -453,6 +459,7 @@ class _Engine:
             for row in work:
                 if row.lo == 0:
                     self.g.pop(row.node, None)
+                    self.touched.pop(row.node, None)
             stats.blocks_run += len(work)
             stats.batches_run += 1
             stats.backward_tokens += sum(r.hi - r.lo for r in work)
