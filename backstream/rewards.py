@@ -1,0 +1,449 @@
+"""Reward functions: the step between the rollout and the advantages (DESIGN §1).
+
+A reward function has TRL's signature, so functions written for TRL work unchanged:
+
+    f(completions: list[str], **kwargs) -> list[float]
+
+where kwargs hold `prompts` and every dataset column (e.g. `answer`), one entry per sample.
+`Rewards` calls each function once per step on the whole batch and returns the weighted sum.
+A reward that raises, returns the wrong number of values, a non-number or a NaN stops the step:
+a silent 0 or NaN would turn into advantages, and then into an update, before anyone noticed.
+
+Built-ins: `exact_match`, `math` (Math-Verify), `format_reward(pattern)`, `RewardModel`.
+`load_reward(spec)` turns the strings of a run file into functions.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import math as _math
+import numbers
+import re
+import sys
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+RewardFn = Callable[..., Sequence[float]]
+
+SPEC_FORMS = (
+    "'exact_match', 'math', 'format:<regex>', 'package.module:function', "
+    "'path/to/file.py:function', 'reward_model:<local folder>'"
+)
+
+
+class RewardError(ValueError):
+    """A reward function failed or returned something unusable; the step cannot go on."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Built-in rewards
+
+
+def _last_boxed(text: str) -> str | None:
+    """Content of the last `\\boxed{...}`, braces matched (answers like `\\frac{1}{2}` nest)."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, begin = 0, start + len("\\boxed{")
+    for i in range(begin - 1, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if depth == 0:
+            return text[begin:i]
+    return None  # unclosed: the completion was cut off before the answer ended
+
+
+def final_answer(text: str) -> str:
+    """The text after the last '####' (GSM8K), else the last \\boxed{} content, else all of it."""
+    if "####" in text:
+        return text.rsplit("####", 1)[1].strip()
+    boxed = _last_boxed(text)
+    return (boxed if boxed is not None else text).strip()
+
+
+# no inf/nan/1_000, which float() would accept; commas are thousands separators ("1,000")
+_NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+
+
+def _as_number(text: str) -> float | None:
+    text = text.replace(",", "").strip()
+    return float(text) if _NUMBER.fullmatch(text) else None
+
+
+def _answers_equal(pred: str, gold: str) -> bool:
+    pred, gold = final_answer(pred), final_answer(gold)
+    a, b = _as_number(pred), _as_number(gold)
+    if a is not None and b is not None:
+        return _math.isclose(a, b, rel_tol=1e-9)
+    return pred == gold
+
+
+def exact_match(completions: list[str], answer: list[str], **kwargs: Any) -> list[float]:
+    """1.0 where the completion's final answer equals the `answer` column, else 0.0.
+
+    Both sides go through `final_answer`, so a GSM8K answer column ("... #### 72") works as is;
+    numbers compare numerically ("72.0" == "72", "1,000" == "1000").
+    """
+    return [float(_answers_equal(c, str(a))) for c, a in zip(completions, answer, strict=True)]
+
+
+def _import_math_verify():
+    try:
+        import math_verify
+    except ImportError as e:
+        raise ImportError(
+            "the 'math' reward needs Math-Verify: pip install 'backstream[math]'"
+        ) from e
+    return math_verify
+
+
+def math(completions: list[str], answer: list[str], **kwargs: Any) -> list[float]:
+    """1.0 where Math-Verify finds the completion's answer (boxed, LaTeX, plain) equivalent to
+    the `answer` column, else 0.0. A bare gold answer ("x^2+1") is retried inside $...$; one
+    that still does not parse falls back to `exact_match` instead of scoring 0 forever."""
+    mv = _import_math_verify()
+    # Math-Verify's timeout uses signal.alarm, which only works in the main thread; in a worker
+    # thread (Rewards' timeout_s) the caller's timeout takes over.
+    timeout = 5 if threading.current_thread() is threading.main_thread() else None
+    rewards = []
+    for completion, gold_text in zip(completions, answer, strict=True):
+        gold_text = str(gold_text).rsplit("####", 1)[-1].strip()
+        gold = mv.parse(gold_text, parsing_timeout=timeout) or mv.parse(
+            f"${gold_text}$", parsing_timeout=timeout
+        )
+        if not gold:
+            rewards.append(float(_answers_equal(completion, gold_text)))
+            continue
+        pred = mv.parse(completion, parsing_timeout=timeout)
+        rewards.append(float(bool(pred) and mv.verify(gold, pred, timeout_seconds=timeout)))
+    return rewards
+
+
+def format_reward(pattern: str, flags: int = re.DOTALL) -> RewardFn:
+    """A reward giving 1.0 to completions that match `pattern` in full (re.fullmatch), else 0.0."""
+    regex = re.compile(pattern, flags)
+
+    def reward(completions: list[str], **kwargs: Any) -> list[float]:
+        return [float(regex.fullmatch(c) is not None) for c in completions]
+
+    reward.__name__ = f"format:{pattern}"
+    return reward
+
+
+class RewardModel:
+    """Scores `prompt + completion` with a sequence-classification model: the logit of label 0.
+
+    The text is the plain concatenation; apply the reward model's chat template to the prompts
+    beforehand if it was trained on one. Sequences are right-padded, whatever the tokenizer's
+    setting: positions then stay those of the unpadded text (left padding shifts them, which
+    RoPE forgives but absolute position embeddings do not), so a batch scores like one sample
+    at a time.
+    """
+
+    def __init__(self, model: torch.nn.Module, tokenizer: Any, *, batch_size: int = 8):
+        if batch_size < 1:
+            raise ValueError(f"RewardModel batch_size={batch_size}: must be at least 1")
+        if tokenizer.pad_token is None:
+            if tokenizer.eos_token is None:
+                raise ValueError("RewardModel: the tokenizer has neither a pad nor an eos token")
+            tokenizer.pad_token = tokenizer.eos_token
+        config = model.config.get_text_config()
+        # HF pools the rightmost token that is not the model's pad id: padding must use that id
+        if config.pad_token_id is None:
+            config.pad_token_id = tokenizer.pad_token_id
+        self.pad_id = config.pad_token_id
+        self.model, self.tokenizer, self.batch_size = model.eval(), tokenizer, batch_size
+        source = getattr(model.config, "_name_or_path", "") or type(model).__name__
+        self.__name__ = f"reward_model:{source}"
+
+    @classmethod
+    def from_pretrained(cls, folder: str | Path, *, batch_size: int = 8) -> RewardModel:
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        model = AutoModelForSequenceClassification.from_pretrained(folder)
+        return cls(model, AutoTokenizer.from_pretrained(folder), batch_size=batch_size)
+
+    @torch.no_grad()
+    def __call__(
+        self, completions: list[str], prompts: list[str] | None = None, **kwargs: Any
+    ) -> list[float]:
+        prompts = prompts if prompts is not None else [""] * len(completions)
+        texts = [p + c for p, c in zip(prompts, completions, strict=True)]
+        device = next(self.model.parameters()).device
+        # similar lengths in one batch waste less compute on padding
+        order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
+        scores = [0.0] * len(texts)
+        for start in range(0, len(order), self.batch_size):
+            idx = order[start : start + self.batch_size]
+            batch = self.tokenizer(
+                [texts[i] for i in idx], padding=True, padding_side="right", return_tensors="pt"
+            )
+            batch["input_ids"][batch["attention_mask"] == 0] = self.pad_id
+            logits = self.model(**batch.to(device)).logits  # [B, num_labels]
+            for i, score in zip(idx, logits[:, 0].float().tolist()):
+                scores[i] = score
+        return scores
+
+
+# ---------------------------------------------------------------------------------------------
+# Specs: the strings of a run file
+
+
+def _spec_kind(spec: str) -> str:
+    """Which of the accepted forms `spec` is, without importing or loading anything."""
+    if spec in ("exact_match", "math"):
+        return spec
+    for prefix in ("format:", "reward_model:"):
+        if spec.startswith(prefix) and len(spec) > len(prefix):
+            return prefix[:-1]
+    target, sep, name = spec.rpartition(":")
+    if sep and target and name.isidentifier():
+        return "file" if target.endswith(".py") else "module"
+    raise ValueError(f"unknown reward spec {spec!r}; accepted forms: {SPEC_FORMS}")
+
+
+def load_reward(spec: str) -> RewardFn:
+    """Resolve a spec string (one of `SPEC_FORMS`) to a reward function."""
+    kind = _spec_kind(spec)
+    if kind == "exact_match":
+        return exact_match
+    if kind == "math":
+        _import_math_verify()  # fail when the run starts, not at the first reward
+        return math
+    if kind == "format":
+        return format_reward(spec[len("format:") :])
+    if kind == "reward_model":
+        return RewardModel.from_pretrained(spec[len("reward_model:") :])
+    target, _, name = spec.rpartition(":")
+    if kind == "file":
+        path = Path(target)
+        if not path.is_file():
+            raise ValueError(f"reward spec {spec!r}: no file {str(path)!r}")
+        module_name = f"backstream_user_reward_{path.stem}"
+        module_spec = importlib.util.spec_from_file_location(module_name, path)
+        assert module_spec is not None and module_spec.loader is not None
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[module_name] = module  # dataclasses and pickling look the module up here
+        module_spec.loader.exec_module(module)
+    else:
+        try:
+            module = importlib.import_module(target)
+        except ModuleNotFoundError as e:
+            raise ValueError(f"reward spec {spec!r}: cannot import {target!r} ({e})") from e
+    fn = getattr(module, name, None)
+    if fn is None:
+        raise ValueError(f"reward spec {spec!r}: {target!r} has no attribute {name!r}")
+    if not callable(fn):
+        raise TypeError(f"reward spec {spec!r}: {name!r} is a {type(fn).__name__}, not callable")
+    return fn
+
+
+@dataclass(kw_only=True)
+class RewardConfig:
+    """Which reward functions a run uses and how they combine; `build()` gives `Rewards`."""
+
+    functions: list[str] = field(default_factory=lambda: ["exact_match"])
+    """Reward specs, each one of: 'exact_match', 'math', 'format:<regex>',
+    'package.module:function', 'path/to/file.py:function', 'reward_model:<local folder>'."""
+    weights: list[float] | None = None
+    """Weight of each function in the total reward, in the order of `functions`; None = all 1.0."""
+    timeout_s: float | None = None
+    """Seconds one call of one reward function may take before the step stops; None = no limit."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.functions, (list, tuple)) or not self.functions:
+            raise ValueError(
+                f"reward functions={self.functions!r}: give a non-empty list of specs, "
+                f"e.g. functions=['exact_match']"
+            )
+        for spec in self.functions:
+            if not isinstance(spec, str):
+                raise ValueError(f"reward functions entry {spec!r}: must be a string spec")
+            try:
+                _spec_kind(spec)
+            except ValueError as e:
+                raise ValueError(f"reward functions entry {spec!r}: {e}") from None
+        self.functions = list(self.functions)
+        if self.weights is not None:
+            if not isinstance(self.weights, (list, tuple)):
+                raise ValueError(
+                    f"reward weights={self.weights!r}: give a list with one weight per function"
+                )
+            if len(self.weights) != len(self.functions):
+                raise ValueError(
+                    f"reward weights={self.weights!r}: {len(self.weights)} weights for "
+                    f"{len(self.functions)} functions; give one weight per function, or omit "
+                    f"weights for all 1.0"
+                )
+            for w in self.weights:
+                if isinstance(w, bool) or not isinstance(w, numbers.Real) or not _math.isfinite(w):
+                    raise ValueError(
+                        f"reward weights={self.weights!r}: {w!r} is not a finite number"
+                    )
+            self.weights = [float(w) for w in self.weights]
+        t = self.timeout_s
+        if t is not None and (isinstance(t, bool) or not isinstance(t, numbers.Real) or t <= 0):
+            raise ValueError(
+                f"reward timeout_s={self.timeout_s!r}: must be a positive number of seconds, "
+                f"or None for no limit"
+            )
+
+    def build(self) -> Rewards:
+        return Rewards(self)
+
+
+# ---------------------------------------------------------------------------------------------
+# Combining rewards
+
+
+def _name_of(fn: Any) -> str:
+    return getattr(fn, "__name__", None) or type(fn).__name__
+
+
+class Rewards:
+    """A weighted sum of reward functions, validated sample by sample.
+
+    Rewards(RewardConfig(...)) or Rewards([(fn_or_spec, weight), ...], timeout_s=None).
+    """
+
+    def __init__(
+        self,
+        functions: RewardConfig | Sequence[tuple[RewardFn | str, float]],
+        *,
+        timeout_s: float | None = None,
+    ):
+        if isinstance(functions, RewardConfig):
+            cfg = functions
+            weights = cfg.weights or [1.0] * len(cfg.functions)
+            functions, timeout_s = list(zip(cfg.functions, weights)), cfg.timeout_s
+        if timeout_s is not None and timeout_s <= 0:
+            raise ValueError(f"Rewards timeout_s={timeout_s!r}: must be positive, or None")
+        self.functions: dict[str, RewardFn] = {}
+        self.weights: dict[str, float] = {}
+        for fn, weight in functions:
+            name = fn if isinstance(fn, str) else _name_of(fn)
+            fn = load_reward(fn) if isinstance(fn, str) else fn
+            if not callable(fn):
+                raise TypeError(f"reward function {name!r} is a {type(fn).__name__}, not callable")
+            if name in self.functions:  # two format rewards, say: keep both, keep names apart
+                name = f"{name}#{len(self.functions)}"
+            self.functions[name], self.weights[name] = fn, float(weight)
+        if not self.functions:
+            raise ValueError("Rewards: give at least one reward function")
+        self.timeout_s = timeout_s
+
+    def __call__(
+        self, completions: list[str], prompts: list[str], columns: dict[str, list]
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(total [N] float32 = Σ weight·reward, {name: unweighted reward [N] float32})."""
+        n = len(completions)
+        if len(prompts) != n:
+            raise ValueError(f"Rewards: {len(prompts)} prompts for {n} completions")
+        for key, values in columns.items():
+            if key in ("completions", "prompts"):
+                raise ValueError(f"Rewards: column {key!r} clashes with a reward argument")
+            if len(values) != n:
+                raise ValueError(f"Rewards: column {key!r} has {len(values)} rows for {n} samples")
+        total = torch.zeros(n, dtype=torch.float64)
+        per_function = {}
+        for name, fn in self.functions.items():
+            # fresh lists per function: one that mutates its inputs cannot affect the next
+            kwargs = {"completions": list(completions), "prompts": list(prompts)}
+            kwargs |= {k: list(v) for k, v in columns.items()}
+            values = self._run(name, fn, kwargs, prompts)
+            total += self.weights[name] * values
+            per_function[name] = values.float()
+        return total.float(), per_function
+
+    def _invoke(self, name: str, fn: RewardFn, kwargs: dict) -> Any:
+        if self.timeout_s is None:
+            return fn(**kwargs)
+        # a daemon thread: Python cannot kill a hung thread, but it must not block the exit either
+        box: dict[str, Any] = {}
+
+        def target() -> None:
+            try:
+                box["value"] = fn(**kwargs)
+            except BaseException as e:  # re-raised in the caller's thread
+                box["error"] = e
+
+        thread = threading.Thread(target=target, name=f"reward:{name}", daemon=True)
+        thread.start()
+        thread.join(self.timeout_s)
+        if thread.is_alive():
+            raise RewardError(
+                f"reward function {name!r} did not return within timeout_s={self.timeout_s} "
+                f"for {len(kwargs['completions'])} samples"
+            )
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
+
+    def _run(self, name: str, fn: RewardFn, kwargs: dict, prompts: list[str]) -> torch.Tensor:
+        n = len(prompts)
+
+        def where(i: int) -> str:
+            return f"sample {i} (prompt {prompts[i][:80]!r})"
+
+        try:
+            params = inspect.signature(fn).parameters.values()
+        except (TypeError, ValueError):
+            params = []
+        missing = [
+            p.name
+            for p in params
+            if p.default is p.empty
+            and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+            and p.name not in kwargs
+        ]
+        if missing:
+            raise RewardError(
+                f"reward function {name!r} needs column(s) {missing}, but the dataset gives "
+                f"{sorted(set(kwargs) - {'completions', 'prompts'})}"
+            )
+        try:
+            values = self._invoke(name, fn, kwargs)
+        except RewardError:
+            raise
+        except Exception as e:
+            culprit = self._culprit(name, fn, kwargs, where)
+            raise RewardError(
+                f"reward function {name!r} raised {type(e).__name__}: {e}; {culprit}"
+            ) from e
+        if not isinstance(values, (list, tuple)):
+            raise RewardError(
+                f"reward function {name!r} returned a {type(values).__name__}; "
+                f"expected a list of {n} floats"
+            )
+        if len(values) != n:
+            first_bad = min(len(values), n)
+            raise RewardError(
+                f"reward function {name!r} returned {len(values)} values for {n} samples "
+                f"(first unmatched: sample {first_bad})"
+            )
+        for i, v in enumerate(values):
+            if not isinstance(v, numbers.Real):
+                raise RewardError(
+                    f"reward function {name!r} returned {v!r} ({type(v).__name__}) "
+                    f"for {where(i)}; expected a float"
+                )
+            if not _math.isfinite(v):
+                raise RewardError(f"reward function {name!r} returned {v} for {where(i)}")
+        return torch.tensor([float(v) for v in values], dtype=torch.float64)
+
+    def _culprit(self, name: str, fn: RewardFn, kwargs: dict, where: Callable[[int], str]) -> str:
+        """Find the sample that makes `fn` raise by calling it on one sample at a time.
+
+        Only on the failure path, which ends the step anyway; a function that only fails on the
+        whole batch (e.g. one that normalises within it) gets no index."""
+        for i in range(len(kwargs["completions"])):
+            try:
+                self._invoke(name, fn, {k: v[i : i + 1] for k, v in kwargs.items()})
+            except Exception:
+                return f"called alone, {where(i)} fails"
+        return "no single sample fails when called alone"
