@@ -1,27 +1,31 @@
 """The naive reference: what every RL trainer does today.
 
-One full-sequence forward per sequence, logits of the whole sequence, one backward. It implements
+One full-sequence forward per sequence, the logits from its first loss position on, one backward. It implements
 the same contract as `stream_backward` (token weights, or an `Objective`'s block terms with the
 whole sequence as one view) and is the baseline of the tests and the benchmarks.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import torch
 from torch import Tensor, nn
 
-from backstream.engine import StreamResult, StreamStats, _objective_from, validate_sequences, validate_weights
+from backstream.engine import (StreamResult, StreamStats, _objective_from, check_model, validate_sequences,
+                               validate_weights)
 from backstream.objective import BlockView, Objective, flat_offsets
 
 
 def _sequence_view(logits_LV: Tensor, seq: Tensor, act: Tensor, i: int, offset: int) -> BlockView | None:
+    """logits_LV holds the logits of the last L positions of the sequence."""
     ts = torch.nonzero(act).flatten().to(logits_LV.device)
     if len(ts) == 0:
         return None
+    first = len(seq) - logits_LV.shape[0]
     return BlockView(
-        logits_PV=logits_LV[ts - 1], row_pos_N=torch.arange(len(ts), device=ts.device),
+        logits_PV=logits_LV[ts - 1 - first], row_pos_N=torch.arange(len(ts), device=ts.device),
         target_N=seq.to(ts.device)[ts], seq_N=torch.full_like(ts, i), tok_N=ts, flat_N=ts + offset,
     )
 
@@ -43,12 +47,17 @@ def reference_backward(model: nn.Module, sequences: list[Tensor], weights: list[
     offsets = flat_offsets([len(s) for s in sequences])
     logprobs = [torch.full((len(s),), math.nan, dtype=dtype) for s in sequences]
 
+    keep_arg = "logits_to_keep" in inspect.signature(check_model(model).forward).parameters
+
     def views(grad: bool):
         for i, (seq, act) in enumerate(zip(sequences, active)):
             if not act.any():
                 continue
+            # logits from the first predicting position on, as TRL's `logits_to_keep` does: the
+            # prompt's [P × vocab] logits are not the cost this baseline should carry
+            kw = {"logits_to_keep": len(seq) - int(torch.nonzero(act)[0]) + 1} if keep_arg else {}
             with torch.set_grad_enabled(grad):
-                logits = model(input_ids=seq.to(device)[None]).logits[0]
+                logits = model(input_ids=seq.to(device)[None], **kw).logits[0]
             yield i, _sequence_view(logits, seq, act, i, offsets[i])
 
     # an objective with batch statistics needs the log-probs of every sequence before any

@@ -1,0 +1,233 @@
+"""The in-process rollout engine: G sampled completions per prompt, with the sampler's log-probs and,
+on request, the K/V the streamed backward can reuse (DESIGN §1, §4).
+
+Each prompt is prefilled once at batch 1; its cache is then repeated over the G rows of the group
+and one batched decode loop samples the G completions. Rows that finished are still fed (their
+outputs are ignored) so the batch keeps its shape; the loop ends when every row has finished.
+
+The log-prob of a sampled token is taken under softmax(logits / T) *before* top-k/top-p truncation:
+that is what a learner dividing its logits by the same T computes, so sampler and learner agree
+(temperature 0 samples greedily and reports log-probs at T = 1).
+
+Simplified on purpose: one prompt group per batch (prompts of equal length could share a batch),
+and finished rows are not dropped from the batch.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+
+@dataclass(kw_only=True)
+class SamplingConfig:
+    temperature: float = 1.0
+    """Softmax temperature; 0 means greedy (argmax) decoding."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of top tokens holding at least this mass; in (0, 1]."""
+    top_k: int = 0
+    """Keep only the k most likely tokens before sampling; 0 turns it off."""
+    max_new_tokens: int = 64
+    """Most tokens sampled per completion (a completion cut here has finish_reason "length")."""
+    stop: list[str] = field(default_factory=list)
+    """Stop strings: a completion ends right after the token that completes one (needs a tokenizer)."""
+    group_size: int = 1
+    """G: completions sampled per prompt, sharing one prefill of the prompt."""
+
+    def __post_init__(self):
+        def bad(name, allowed):
+            raise ValueError(f"SamplingConfig.{name}: got {getattr(self, name)!r}, expected {allowed}")
+
+        def is_int(x):
+            return isinstance(x, int) and not isinstance(x, bool)
+
+        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) or self.temperature < 0:
+            bad("temperature", "a finite number >= 0 (0 = greedy)")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            bad("top_p", "a number in (0, 1]")
+        if not is_int(self.top_k) or self.top_k < 0:
+            bad("top_k", "an integer >= 0 (0 = off)")
+        if not is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+            bad("max_new_tokens", "an integer >= 1")
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
+            bad("stop", "a list of non-empty strings")
+        if not is_int(self.group_size) or self.group_size < 1:
+            bad("group_size", "an integer >= 1")
+
+
+@dataclass
+class Rollout:
+    """One entry per sample; the G samples of prompt j are rows j*G .. j*G+G-1."""
+
+    prompt_index: list[int]
+    prompt_ids: list[Tensor]  # 1-D long
+    completion_ids: list[Tensor]  # 1-D long; ends with the EOS token or the token completing a stop string, if any
+    # per completion token, under softmax(logits / T) before truncation; float32 (float64 for a float64 model)
+    logprobs: list[Tensor]
+    finish_reason: list[str]  # "eos" | "stop" | "length"
+    kv: list | None = None  # per sample, a list over layers of (K, V) [kv_heads, len(prompt)+len(completion)-1, head_dim]
+    group_size: int = 1
+
+    def __len__(self) -> int:
+        return len(self.completion_ids)
+
+    def sequences(self) -> list[Tensor]:
+        """Prompt + completion, one 1-D tensor per sample."""
+        return [torch.cat([p, c]) for p, c in zip(self.prompt_ids, self.completion_ids)]
+
+    def completion_mask(self) -> list[Tensor]:
+        """Per sample, a bool tensor over `sequences()[i]`: True at the completion tokens."""
+        return [torch.arange(len(p) + len(c)) >= len(p) for p, c in zip(self.prompt_ids, self.completion_ids)]
+
+    def aligned_logprobs(self) -> list[Tensor]:
+        """The sampler's log-probs placed over `sequences()[i]`, NaN at the prompt tokens (the same
+        layout as `StreamResult.logprobs`, so sampler/learner mismatch is one subtraction)."""
+        return [torch.cat([torch.full((len(p),), math.nan, dtype=lp.dtype), lp])
+                for p, lp in zip(self.prompt_ids, self.logprobs)]
+
+    def texts(self, tokenizer, skip_special_tokens: bool = True) -> list[str]:
+        return [tokenizer.decode(c.tolist(), skip_special_tokens=skip_special_tokens) for c in self.completion_ids]
+
+
+def _filter(scaled_BV: Tensor, top_k: int, top_p: float) -> Tensor:
+    """Top-k then top-p: the dropped tokens' logits become -inf."""
+    if 0 < top_k < scaled_BV.shape[-1]:
+        kth_B1 = scaled_BV.topk(top_k, dim=-1).values[:, -1:]
+        scaled_BV = scaled_BV.masked_fill(scaled_BV < kth_B1, -math.inf)
+    if top_p < 1:
+        sorted_BV, order_BV = scaled_BV.sort(dim=-1, descending=True)
+        probs_BV = sorted_BV.softmax(-1)
+        # drop a token once the tokens ranked above it already hold top_p; the first always stays
+        drop_BV = probs_BV.cumsum(-1) - probs_BV >= top_p
+        scaled_BV = scaled_BV.scatter(-1, order_BV, sorted_BV.masked_fill(drop_BV, -math.inf))
+    return scaled_BV
+
+
+def _sample(logits_BV: Tensor, config: SamplingConfig, generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
+    """Returns the sampled tokens [B] and their log-probs [B] (before truncation)."""
+    # bf16 logits: softmax in float32 at least
+    logits_BV = logits_BV.to(torch.promote_types(logits_BV.dtype, torch.float32))
+    scaled_BV = logits_BV / (config.temperature or 1.0)
+    if config.temperature == 0:
+        tok_B = logits_BV.argmax(-1)
+    else:
+        probs_BV = _filter(scaled_BV, config.top_k, config.top_p).softmax(-1)
+        if generator is not None and generator.device != probs_BV.device:
+            probs_BV = probs_BV.to(generator.device)  # a CPU generator driving a GPU model
+        tok_B = torch.multinomial(probs_BV, 1, generator=generator).squeeze(-1).to(logits_BV.device)
+    logp_B = scaled_BV.log_softmax(-1).gather(-1, tok_B[:, None]).squeeze(-1)
+    return tok_B, logp_B
+
+
+def _forward(model, ids_BL: Tensor, start: int, cache: DynamicCache, keep_last: bool) -> Tensor:
+    """Logits [B, V] of the last position of `ids_BL`, which sit at absolute positions start.."""
+    pos_1L = torch.arange(start, start + ids_BL.shape[1], device=ids_BL.device)[None]  # shared by all rows
+    extra = {"logits_to_keep": 1} if keep_last else {}  # no [L, V] logits for a long prompt
+    out = model(input_ids=ids_BL, position_ids=pos_1L, past_key_values=cache, use_cache=True, **extra)
+    return out.logits[:, -1]
+
+
+def _stop_hit(tokenizer, ids: list[int], stop: list[str], window: int) -> bool:
+    # Only the newest token can complete a stop string (an earlier completion would have stopped
+    # the row already), so decoding the tail that could hold the longest one suffices.
+    text = tokenizer.decode(ids[-window:])
+    return any(s in text for s in stop)
+
+
+def _sample_group(model, prompt: Tensor, config: SamplingConfig, eos: set[int], tokenizer, generator,
+                  return_kv: bool, keep_last: bool):
+    G, P, device = config.group_size, len(prompt), next(model.parameters()).device
+    # Without a config every layer is a DynamicLayer that keeps its whole history: sliding-window
+    # layers built from the config would drop K/V that return_kv hands out (the attention mask
+    # still applies the window, so the samples are the same).
+    cache = DynamicCache()
+    logits_BV = _forward(model, prompt.to(device)[None], 0, cache, keep_last).expand(G, -1)
+    cache.batch_repeat_interleave(G)  # the prompt's K/V, computed once, copied to the G rows
+    window = 4 * max((len(s) for s in config.stop), default=0) + 1  # a character may take up to 4 byte tokens
+
+    tokens: list[list[int]] = [[] for _ in range(G)]
+    logps: list[list[Tensor]] = [[] for _ in range(G)]
+    reason: list[str | None] = [None] * G
+    for t in range(config.max_new_tokens):
+        if t > 0:
+            logits_BV = _forward(model, tok_B[:, None], P + t - 1, cache, keep_last)
+        tok_B, logp_B = _sample(logits_BV, config, generator)
+        for i, tok in enumerate(tok_B.tolist()):  # a CPU-GPU sync per step: the stop checks need the ids
+            if reason[i] is not None:
+                continue  # finished rows are fed along with the others; their outputs are ignored
+            tokens[i].append(tok)
+            logps[i].append(logp_B[i])
+            if tok in eos:
+                reason[i] = "eos"
+            elif config.stop and _stop_hit(tokenizer, tokens[i], config.stop, window):
+                reason[i] = "stop"
+            elif len(tokens[i]) == config.max_new_tokens:
+                reason[i] = "length"
+        if all(r is not None for r in reason):
+            break
+
+    kv = None
+    if return_kv:
+        for layer in cache.layers:
+            if type(layer) is not DynamicLayer:
+                raise ValueError(f"return_kv: cache layer {type(layer).__name__} does not keep the full K/V history")
+        # views of the decode cache: row i's fed tokens are the prompt and all but its last sampled token
+        kv = [[(layer.keys[i, :, :P + len(tokens[i]) - 1], layer.values[i, :, :P + len(tokens[i]) - 1])
+               for layer in cache.layers] for i in range(G)]
+    completions = [torch.tensor(ids, dtype=torch.long) for ids in tokens]
+    logprobs = [torch.stack(lp).cpu() for lp in logps]
+    return completions, logprobs, reason, kv
+
+
+@torch.no_grad()
+def generate(
+    model,
+    prompts: list[Tensor],
+    config: SamplingConfig,
+    *,
+    eos_token_id: int | list[int] | None,
+    tokenizer=None,
+    generator: torch.Generator | None = None,
+    return_kv: bool = False,
+) -> Rollout:
+    """Sample `config.group_size` completions for every prompt (1-D token-id tensors).
+
+    eos_token_id: the token(s) that end a completion (kept as its last token); None for none.
+    tokenizer: anything with `decode(ids) -> str`; needed only for `config.stop`.
+    generator: seeds the sampling, so that a seeded run is reproducible.
+    return_kv: also return each sample's K/V (as the model's cache holds them, post-RoPE) for the
+      streamed backward at the same weights (`stream_backward(..., kv=rollout.kv)`).
+    The model runs as it is: call `model.eval()` first if it has dropout.
+    """
+    if config.stop and tokenizer is None:
+        raise ValueError("tokenizer: required to detect SamplingConfig.stop strings, got None")
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise ValueError(f"prompts: expected a non-empty list of 1-D integer tensors, got {type(prompts).__name__}")
+    for j, p in enumerate(prompts):
+        if not isinstance(p, Tensor) or p.dim() != 1 or len(p) == 0 or p.is_floating_point():
+            got = tuple(p.shape) if isinstance(p, Tensor) else type(p).__name__
+            raise ValueError(f"prompts[{j}]: expected a non-empty 1-D integer tensor, got {got}")
+    eos = set() if eos_token_id is None else {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT
+    keep_last = "logits_to_keep" in inspect.signature(base.forward).parameters
+
+    out = Rollout(prompt_index=[], prompt_ids=[], completion_ids=[], logprobs=[], finish_reason=[],
+                  kv=[] if return_kv else None, group_size=config.group_size)
+    for j, prompt in enumerate(prompts):
+        prompt = prompt.detach().to("cpu", torch.long)
+        completions, logprobs, reasons, kv = _sample_group(model, prompt, config, eos, tokenizer, generator,
+                                                           return_kv, keep_last)
+        out.prompt_index += [j] * config.group_size
+        out.prompt_ids += [prompt] * config.group_size
+        out.completion_ids += completions
+        out.logprobs += logprobs
+        out.finish_reason += reasons
+        if return_kv:
+            out.kv += kv
+    return out

@@ -1,0 +1,61 @@
+"""Shared pieces of the benchmarks: a tiny model of realistic shape, timing, peak-memory probes."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+RESULTS = os.path.join(os.path.dirname(__file__), "results")
+
+
+def model(vocab=32000, hidden=256, layers=4, heads=8, kv_heads=2, head_dim=32, inter=768, dtype=torch.float32, seed=0):
+    """A Qwen3 of small width but realistic proportions (GQA 4:1, MLP 3×, a 32K vocabulary)."""
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                      max_position_embeddings=65536, tie_word_embeddings=True)
+    return Qwen3ForCausalLM(cfg).to(dtype).eval()
+
+
+def timed(fn, repeats=3):
+    """Best wall time of `repeats` calls (the first may include one-off allocations)."""
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def maxrss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def peak_in_subprocess(module: str, args: dict) -> dict:
+    """Run `python -m module` with JSON args in a fresh process; it prints one JSON line."""
+    out = subprocess.run([sys.executable, "-m", module, json.dumps(args)], capture_output=True, text=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    if out.returncode != 0:
+        raise RuntimeError(out.stderr[-2000:])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def save(name: str, payload) -> str:
+    os.makedirs(RESULTS, exist_ok=True)
+    path = os.path.join(RESULTS, f"{name}.json")
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=1)
+    return path
+
+
+def table(rows: list[dict], cols: list[str]) -> str:
+    widths = [max(len(c), *(len(str(r[c])) for r in rows)) for c in cols]
+    line = lambda vals: "| " + " | ".join(str(v).rjust(w) for v, w in zip(vals, widths)) + " |"  # noqa: E731
+    return "\n".join([line(cols), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line([r[c] for c in cols]) for r in rows])

@@ -1,0 +1,56 @@
+"""The merged (shared / private / block) attention against plain SDPA over concatenated keys."""
+
+import pytest
+import torch
+
+from backstream.attention import Part, merged_attention
+
+
+def sdpa_reference(q, parts, qpos, scale, window):
+    B, H = q.shape[:2]
+    K = torch.cat([p.k.expand(B, -1, -1, -1) for p in parts], 2)
+    V = torch.cat([p.v.expand(B, -1, -1, -1) for p in parts], 2)
+    g = H // K.shape[1]
+    kpos = torch.cat([p.kpos_K for p in parts])
+    keep = kpos[None] <= qpos[:, None]
+    if window is not None:
+        keep &= (qpos[:, None] - kpos[None]) < window
+    return torch.nn.functional.scaled_dot_product_attention(
+        q, K.repeat_interleave(g, 1), V.repeat_interleave(g, 1), attn_mask=keep, scale=scale)
+
+
+@pytest.mark.parametrize("kernel", ["flash", "math"])
+@pytest.mark.parametrize("window", [None, 9, 6, 3, 1])
+@pytest.mark.parametrize("B, H, Hkv", [(1, 4, 4), (3, 4, 2), (2, 6, 1)])
+def test_merged_matches_sdpa(kernel, window, B, H, Hkv):
+    torch.manual_seed(0)
+    D, Q, Ls, Lp = 8, 5, 7, 4
+    dt = torch.float64
+    leaf = lambda *s: torch.randn(*s, dtype=dt, requires_grad=True)  # noqa: E731
+    q = leaf(B, H, Q, D)
+    kv = [leaf(1, Hkv, Ls, D), leaf(1, Hkv, Ls, D), leaf(B, Hkv, Lp, D), leaf(B, Hkv, Lp, D),
+          leaf(B, Hkv, Q, D), leaf(B, Hkv, Q, D)]
+    qpos = torch.arange(Ls + Lp, Ls + Lp + Q)
+    parts = [Part(kv[0], kv[1], torch.arange(Ls), shared=True), Part(kv[2], kv[3], torch.arange(Ls, Ls + Lp)),
+             Part(kv[4], kv[5], qpos, causal=True)]
+    out = merged_attention(q, parts, qpos, 0.3, window, kernel=kernel)
+    ref = sdpa_reference(q, parts, qpos, 0.3, window)
+    assert (out - ref).abs().max() < 1e-13
+    probe = torch.randn_like(out)
+    g = torch.autograd.grad((out * probe).sum(), [q, *kv])
+    g_ref = torch.autograd.grad((ref * probe).sum(), [q, *kv])
+    for a, b in zip(g, g_ref):
+        assert (a - b).abs().max() < 1e-13
+
+
+def test_bf16_flash_close_to_float64():
+    torch.manual_seed(1)
+    q = torch.randn(2, 4, 16, 32, dtype=torch.float64)
+    k1, v1 = torch.randn(1, 2, 64, 32, dtype=torch.float64), torch.randn(1, 2, 64, 32, dtype=torch.float64)
+    k2, v2 = torch.randn(2, 2, 16, 32, dtype=torch.float64), torch.randn(2, 2, 16, 32, dtype=torch.float64)
+    qpos = torch.arange(64, 80)
+    mk = lambda dt: [Part(k1.to(dt), v1.to(dt), torch.arange(64), shared=True), Part(k2.to(dt), v2.to(dt), qpos, causal=True)]  # noqa: E731
+    exact = merged_attention(q, mk(torch.float64), qpos, 32**-0.5, None)
+    low = merged_attention(q.bfloat16(), mk(torch.bfloat16), qpos, 32**-0.5, None)
+    assert low.dtype == torch.bfloat16
+    assert (low.double() - exact).abs().max() < 0.05

@@ -1,0 +1,214 @@
+"""The rollout engine against HF's own generate and a teacher-forced full forward: greedy tokens,
+sampler log-probs, seeding, top-k/top-p, EOS and stop strings, one prefill per group, and the K/V
+it hands to the streamed backward."""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from backstream.rollout import Rollout, SamplingConfig, generate
+from models import VOCAB, lora, make
+
+PROMPTS = [torch.tensor([3, 14, 15, 9, 26]), torch.tensor([5, 35, 8, 9, 7, 9, 3])]
+
+
+def model32(family="qwen3"):
+    return make(family, dtype=torch.float32)
+
+
+def run(model, config, seed=0, **kw):
+    kw.setdefault("eos_token_id", None)
+    return generate(model, PROMPTS, config, generator=torch.Generator().manual_seed(seed), **kw)
+
+
+def teacher_forced(model, seq, temperature):
+    """log_softmax(logits / T) of every token of seq given the tokens before it: [len(seq) - 1]."""
+    with torch.no_grad():
+        logits_LV = model(seq[None]).logits[0, :-1].float()
+    return (logits_LV / temperature).log_softmax(-1).gather(-1, seq[1:, None]).squeeze(-1), logits_LV
+
+
+@pytest.mark.parametrize("family", ["qwen3", "mistral-window", "qwen3-mixed-window"])
+def test_greedy_equals_hf_generate(family):
+    # the windowed families decode past their window (4): HF uses sliding cache layers, we keep it all
+    model = model32(family)
+    model.generation_config.eos_token_id = None
+    r = run(model, SamplingConfig(temperature=0, max_new_tokens=12, group_size=2))
+    refs = [model.generate(p[None], do_sample=False, max_new_tokens=12, pad_token_id=0)[0] for p in PROMPTS]
+    for i, seq in enumerate(r.sequences()):
+        assert torch.equal(seq, refs[r.prompt_index[i]])
+        assert r.finish_reason[i] == "length"
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.7, 5, 0.9), (0, 0, 1.0)])
+def test_logprobs_match_teacher_forced(temperature, top_k, top_p):
+    model = model32()
+    r = run(model, SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=10, group_size=3))
+    for seq, mask, lp, aligned in zip(r.sequences(), r.completion_mask(), r.logprobs, r.aligned_logprobs()):
+        assert lp.dtype == torch.float32 and len(lp) == int(mask.sum())
+        ref, logits_LV = teacher_forced(model, seq, temperature or 1.0)
+        torch.testing.assert_close(lp, ref[mask[1:]], atol=1e-5, rtol=0)
+        assert aligned[~mask].isnan().all() and torch.equal(aligned[mask], lp)
+        if top_k:  # truncation shapes the sampling only: every sampled token is within the top k
+            rank = (logits_LV[mask[1:]] > logits_LV[mask[1:]].gather(-1, seq[mask][:, None])).sum(-1)
+            assert (rank < top_k).all()
+
+
+def test_peft_model():
+    model = lora(model32())
+    r = run(model, SamplingConfig(temperature=0.8, max_new_tokens=6, group_size=2))
+    for seq, mask, lp in zip(r.sequences(), r.completion_mask(), r.logprobs):
+        torch.testing.assert_close(lp, teacher_forced(model, seq, 0.8)[0][mask[1:]], atol=1e-5, rtol=0)
+
+
+def test_seeding():
+    model = model32()
+    cfg = SamplingConfig(max_new_tokens=16, group_size=4)
+    a, b, c = run(model, cfg, seed=1), run(model, cfg, seed=1), run(model, cfg, seed=2)
+    assert all(torch.equal(x, y) for x, y in zip(a.completion_ids, b.completion_ids))
+    assert all(torch.equal(x, y) for x, y in zip(a.logprobs, b.logprobs))
+    assert any(not torch.equal(x, y) for x, y in zip(a.completion_ids, c.completion_ids))
+    # the G rows of a group are different samples, not copies
+    assert len({tuple(x.tolist()) for x in a.completion_ids[:4]}) > 1
+
+
+@pytest.mark.parametrize("kw", [dict(top_k=1), dict(top_p=1e-6)])
+def test_extreme_truncation_is_greedy(kw):
+    model = model32()
+    greedy = run(model, SamplingConfig(temperature=0, max_new_tokens=10))
+    r = run(model, SamplingConfig(temperature=1.0, max_new_tokens=10, **kw))
+    assert all(torch.equal(x, y) for x, y in zip(greedy.completion_ids, r.completion_ids))
+    # both report log-probs at T = 1 before truncation
+    assert all(torch.allclose(x, y) for x, y in zip(greedy.logprobs, r.logprobs))
+
+
+def test_eos_ends_row_and_is_kept():
+    model = model32()
+    eos = list(range(0, VOCAB, 3))  # a third of the vocabulary: some rows end early, some not
+    r = run(model, SamplingConfig(max_new_tokens=6, group_size=8), eos_token_id=eos)
+    assert r.prompt_index == [0] * 8 + [1] * 8 and r.group_size == 8
+    assert {"eos", "length"} == set(r.finish_reason)
+    for c, reason in zip(r.completion_ids, r.finish_reason):
+        ends = [int(t) in eos for t in c]
+        if reason == "eos":
+            assert ends[-1] and not any(ends[:-1])
+        else:
+            assert len(c) == 6 and not any(ends)
+    # an int eos works too
+    r1 = run(model, SamplingConfig(max_new_tokens=6, group_size=8), eos_token_id=eos[1])
+    assert all((reason == "eos") == (int(c[-1]) == eos[1]) for c, reason in zip(r1.completion_ids, r1.finish_reason))
+
+
+class MultiCharTokenizer:
+    """Token i decodes to a fixed piece of one or two characters, so stop strings can span tokens."""
+
+    pieces = [chr(97 + i % 26) * (1 + i // 26) if i < 52 else str(i % 10) for i in range(VOCAB)]
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(self.pieces[i] for i in ids)
+
+
+def test_stop_strings_cut_after_completing_token():
+    model, tok = model32(), MultiCharTokenizer()
+    cfg = dict(max_new_tokens=30, group_size=4)
+    free = run(model, SamplingConfig(**cfg), seed=3)
+    # stop strings from the middle of two unconstrained completions of the first group; with the same
+    # seed that group samples the same tokens until a row stops (each row's draw ignores the others)
+    stop = [tok.decode(free.completion_ids[0].tolist())[8:11], tok.decode(free.completion_ids[1].tolist())[12:14]]
+    r = run(model, SamplingConfig(**cfg, stop=stop), seed=3, tokenizer=tok)
+    for i in range(4):
+        ids = free.completion_ids[i].tolist()
+        first = next((n for n in range(1, len(ids) + 1) if any(s in tok.decode(ids[:n]) for s in stop)), None)
+        if first is None:
+            assert torch.equal(r.completion_ids[i], free.completion_ids[i]) and r.finish_reason[i] == "length"
+        else:
+            assert r.completion_ids[i].tolist() == ids[:first] and r.finish_reason[i] == "stop"
+            assert r.texts(tok)[i] == tok.decode(ids[:first])
+    assert r.finish_reason[:2] == ["stop", "stop"]
+    with pytest.raises(ValueError, match="tokenizer"):
+        run(model, SamplingConfig(stop=["x"]))
+
+
+def test_one_prefill_per_group():
+    model = model32()
+    shapes = []
+    forward = model.forward
+
+    def spy(*args, **kw):
+        shapes.append(tuple(kw["input_ids"].shape))
+        return forward(*args, **kw)
+
+    model.forward = spy
+    r = run(model, SamplingConfig(max_new_tokens=5, group_size=4))
+    assert shapes[0] == (1, 5) and shapes.count((1, 5)) == 1
+    assert shapes[5] == (1, 7) and shapes.count((1, 7)) == 1
+    assert [s for s in shapes if s[0] != 1] == [(4, 1)] * 8  # 4 decode steps per group after the prefill
+    assert len(r) == 8
+
+
+@pytest.mark.parametrize("family", ["qwen3", "mistral-window"])
+def test_return_kv_matches_full_forward(family):
+    model = model32(family)
+    eos = list(range(0, VOCAB, 4))  # uneven lengths within a group
+    r = run(model, SamplingConfig(max_new_tokens=9, group_size=3), eos_token_id=eos, return_kv=True)
+    layers = model.config.num_hidden_layers
+    assert len(set(len(c) for c in r.completion_ids)) > 1
+    for seq, kv in zip(r.sequences(), r.kv):
+        with torch.no_grad():  # a cache without config, so the windowed layers keep every position
+            full = model(seq[None], past_key_values=DynamicCache(), use_cache=True).past_key_values
+        assert len(kv) == layers
+        for (k, v), layer in zip(kv, full.layers):
+            assert k.shape == (2, len(seq) - 1, 8)
+            torch.testing.assert_close(k, layer.keys[0, :, :-1], atol=1e-6, rtol=0)
+            torch.testing.assert_close(v, layer.values[0, :, :-1], atol=1e-6, rtol=0)
+
+
+def test_rollout_kv_feeds_stream_backward():
+    # DESIGN §4: at the same weights the sampler's K/V replace the engine's prefill
+    from backstream import stream_backward
+
+    model = model32()
+    r = run(model, SamplingConfig(max_new_tokens=6, group_size=3), eos_token_id=list(range(0, VOCAB, 4)), return_kv=True)
+    weights = [m.float() * (i - 2.5) for i, m in enumerate(r.completion_mask())]
+    grads, logprobs = [], []
+    for kv in (None, r.kv):
+        model.zero_grad()
+        res = stream_backward(model, r.sequences(), weights, kv=kv, block_size=4)
+        grads.append([p.grad.clone() for p in model.parameters()])
+        logprobs.append(res.logprobs)
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    for learner, sampler in zip(logprobs[0], r.aligned_logprobs()):  # sampler/learner agreement
+        torch.testing.assert_close(learner, sampler, atol=1e-5, rtol=0, equal_nan=True)
+
+
+def test_bf16_model():
+    model = make("qwen3", dtype=torch.bfloat16)
+    r = run(model, SamplingConfig(max_new_tokens=4, group_size=2))
+    assert all(lp.dtype == torch.float32 and (lp <= 0).all() for lp in r.logprobs)
+
+
+@pytest.mark.parametrize("kw, field", [
+    (dict(temperature=-0.1), "temperature"),
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-1), "top_k"),
+    (dict(top_k=2.5), "top_k"),
+    (dict(max_new_tokens=0), "max_new_tokens"),
+    (dict(stop="abc"), "stop"),
+    (dict(stop=[""]), "stop"),
+    (dict(group_size=0), "group_size"),
+    (dict(group_size=True), "group_size"),
+])
+def test_config_validation_names_field(kw, field):
+    with pytest.raises(ValueError, match=rf"SamplingConfig\.{field}: got .*expected"):
+        SamplingConfig(**kw)
+
+
+def test_rollout_helpers():
+    r = Rollout(prompt_index=[0], prompt_ids=[torch.tensor([1, 2])], completion_ids=[torch.tensor([3, 4, 5])],
+                logprobs=[torch.zeros(3)], finish_reason=["length"])
+    assert r.sequences()[0].tolist() == [1, 2, 3, 4, 5]
+    assert r.completion_mask()[0].tolist() == [False, False, True, True, True]
+    assert r.kv is None and len(r) == 1
