@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -55,6 +56,8 @@ class StreamStats:
     block_size: int = 0
     batch_tokens: int = 0
     peak_bytes_predicted: int = 0
+    prefill_s: float = 0.0
+    backward_s: float = 0.0
 
 
 @dataclass
@@ -520,12 +523,37 @@ def stream_backward(
     kernel: attention kernel, "auto" (fused flash on CPU), "flash" or "math" (naive reference).
     Returns the log-probs at the current weights (NaN where no target was active) and stats.
     """
-    from backstream.planner import plan  # noqa: PLC0415  (planner imports engine stats)
-
-    vocab = validate_sequences(model, sequences)
     obj = _objective_from(weights, objective)
+    validate_sequences(model, sequences)
     if weights is not None:
         validate_weights(sequences, weights)
+    return _run(model, sequences, obj, block_size=block_size, batch_tokens=batch_tokens,
+                memory_budget=memory_budget, kv=kv, kernel=kernel, backward=True)
+
+
+class _Mask(Objective):
+    def __init__(self, mask):
+        self.mask = mask
+
+    def active(self, sequences):
+        return self.mask
+
+
+def logprobs(model: nn.Module, sequences: list[Tensor], mask: list[Tensor] | None = None, *,
+             block_size: int | None = None, batch_tokens: int | None = None, kernel: str = "auto") -> list[Tensor]:
+    """log π(x_i[t] | x_i[:t]) at the current weights where `mask[i][t]` (default: every t ≥ 1),
+    NaN elsewhere: the prefill alone (no grad), shared prefixes once, logits block by block. This is
+    the "old log-prob" / reference-model pass of a PPO trainer."""
+    validate_sequences(model, sequences)
+    if mask is None:
+        mask = [torch.arange(len(s)) >= 1 for s in sequences]
+    return _run(model, sequences, _Mask(mask), block_size=block_size, batch_tokens=batch_tokens,
+                memory_budget=None, kv=None, kernel=kernel, backward=False).logprobs
+
+
+def _run(model, sequences, obj, *, block_size, batch_tokens, memory_budget, kv, kernel, backward) -> StreamResult:
+    from backstream.planner import plan  # noqa: PLC0415  (planner imports engine stats)
+
     for name, val in (("block_size", block_size), ("batch_tokens", batch_tokens), ("memory_budget", memory_budget)):
         if val is not None and (not isinstance(val, int) or isinstance(val, bool) or val < 1):
             raise ValueError(f"{name}: expected a positive integer, got {val!r}")
@@ -554,15 +582,18 @@ def stream_backward(
     eng = _Engine(model, seqs_cpu, obj, p.block_size, p.batch_tokens, kernel, pad_id=0)
     eng.tree = tree
     lp_dtype = torch.promote_types(eng.dtype, torch.float32)
-    logprobs = [torch.full((len(s),), math.nan, dtype=lp_dtype) for s in seqs_cpu]
+    lps = [torch.full((len(s),), math.nan, dtype=lp_dtype) for s in seqs_cpu]
     if kv is not None:
         _prepare_kv(eng, kv, sequences)
-    assert vocab > 0
     with _use_backstream_attention(model):
+        t = time.perf_counter()
         if kv is None:
-            eng.prefill(logprobs, stats)
-            obj.setup([x.clone() for x in logprobs])
-        else:
-            obj.setup(None)
-        eng.backward(obj, logprobs, stats, record=kv is not None)
-    return StreamResult(logprobs=logprobs, stats=stats)
+            eng.prefill(lps, stats)
+        stats.prefill_s = time.perf_counter() - t
+        if not backward:
+            return StreamResult(logprobs=lps, stats=stats)
+        obj.setup([x.clone() for x in lps] if kv is None else None)
+        t = time.perf_counter()
+        eng.backward(obj, lps, stats, record=kv is not None)
+        stats.backward_s = time.perf_counter() - t
+    return StreamResult(logprobs=lps, stats=stats)

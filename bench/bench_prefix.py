@@ -7,7 +7,7 @@ G(P+S) / (P+GS). Three streamed timings:
   stream+kv    — the K/V handed in (from the rollout at the same weights): no prefill;
   trainer step — both sides with the no-grad log-prob pass a PPO/GRPO trainer runs anyway
                  (reference: one no-grad forward per sequence; streamed: its prefill is that pass).
-Peak memory: growth of the process's peak RSS during one call, each in a fresh process.
+Peak memory: growth of the resident set during one call (sampled every ms), each in a fresh process.
 
     python -m bench.bench_prefix [--quick]
 """
@@ -45,9 +45,9 @@ def one_call(args):
     model = common.model()
     seqs, weights, _, _ = batch(args["G"], args["L"], args["share"], model.config.vocab_size)
     fn = stream_backward if args["method"] == "stream" else reference_backward
-    before = common.maxrss_bytes()
-    fn(model, seqs, weights)
-    print(json.dumps({"peak_growth": common.maxrss_bytes() - before}))
+    with common.PeakRSS() as peak:
+        fn(model, seqs, weights)
+    print(json.dumps({"peak_growth": peak.growth}))
 
 
 def main(quick=False):

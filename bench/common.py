@@ -38,6 +38,46 @@ def maxrss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class PeakRSS:
+    """Peak growth of the resident set during a `with` block, sampled every millisecond.
+
+    The process's lifetime high-water mark (ru_maxrss) would hide a call whose peak stays below
+    what model creation reached; large tensors are mmap-ed and unmapped when freed, so the
+    resident set follows the live tensors closely.
+    """
+
+    def __enter__(self):
+        import ctypes
+        import threading
+
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)  # give freed heap back, so the baseline is the live set
+        except OSError:
+            pass
+        self.base = self.peak = rss_bytes()
+        self._stop = threading.Event()
+
+        def sample():
+            while not self._stop.is_set():
+                self.peak = max(self.peak, rss_bytes())
+                self._stop.wait(0.001)
+
+        self._t = threading.Thread(target=sample, daemon=True)
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join()
+        self.peak = max(self.peak, rss_bytes())
+        self.growth = self.peak - self.base
+
+
 def peak_in_subprocess(module: str, args: dict) -> dict:
     """Run `python -m module` with JSON args in a fresh process; it prints one JSON line."""
     out = subprocess.run([sys.executable, "-m", module, json.dumps(args)], capture_output=True, text=True,

@@ -361,3 +361,20 @@ def test_token_weights_is_the_default_contract():
     stream_backward(model, seqs, objective=TokenWeights(weights), block_size=4)
     for n, p in model.named_parameters():
         assert torch.equal(p.grad, g1[n])
+
+
+def test_logprobs_pass_matches_the_reference_and_touches_no_grad():
+    from backstream import logprobs
+
+    model = make("mistral-window")
+    seqs, weights = group_batch(torch.Generator().manual_seed(13))
+    mask = [w != 0 for w in weights]
+    lps = logprobs(model, seqs, mask, block_size=3)
+    ref = reference_backward(model, seqs, weights).logprobs
+    model.zero_grad(set_to_none=True)
+    for a, b, m in zip(lps, ref, mask):
+        assert torch.isnan(a[~m]).all()
+        assert torch.allclose(a[m], b[m], atol=1e-12, rtol=0)
+    lps = logprobs(model, seqs)  # default: every position t >= 1
+    assert all(not torch.isnan(x[1:]).any() and torch.isnan(x[0]) for x in lps)
+    assert all(p.grad is None for p in model.parameters())
