@@ -354,8 +354,9 @@ class _Engine:
 
     # -- schedule ---------------------------------------------------------------------------
     def batches(self) -> list[tuple[int, list[_Row]]]:
-        """Forward order: parents before children; siblings at the same chunk offset together."""
-        T, cap = self.block_size, max(1, self.batch_tokens // self.block_size)
+        """Forward order: parents before children; siblings at the same chunk offset together,
+        as many rows as fit in `batch_tokens` (counting the longest row's chunk)."""
+        T = self.block_size
         out, queue = [], [-1]
         while queue:
             p = queue.pop(0)
@@ -366,8 +367,12 @@ class _Engine:
             for lo in range(0, longest, T):
                 rows = [_Row(c, lo, min(lo + T, len(self.tree.nodes[c].tokens)))
                         for c in kids if len(self.tree.nodes[c].tokens) > lo]
-                for k in range(0, len(rows), cap):
+                rows.sort(key=lambda r: r.lo - r.hi)  # longest first: rows of a batch pad less
+                k = 0
+                while k < len(rows):
+                    cap = max(1, self.batch_tokens // (rows[k].hi - rows[k].lo))
                     out.append((p, rows[k:k + cap]))
+                    k += cap
             queue.extend(kids)
         return out
 

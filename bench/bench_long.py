@@ -1,8 +1,8 @@
 """One long trajectory: peak memory and time of stream_backward vs reference_backward, and a sweep
 of block sizes (the shape of MetroRLHF's memory/time table).
 
-An 8K-token trajectory (1K prompt without loss, 7K response with loss) on a Qwen3 of small width
-and a 32K vocabulary. Every measurement runs in a fresh process: peak = growth of the resident set
+An 8K-token trajectory (1K prompt without loss, 7K response with loss) on the bench's Qwen3 with
+a 32K vocabulary. Every measurement runs in a fresh process: peak = growth of the resident set
 during the first call (sampled every ms); time = the best of that call and a second one.
 
     python -m bench.bench_long [--length 8192] [--blocks 128,256,512,1024,2048,8192]
@@ -31,7 +31,7 @@ def data(length, vocab, prompt=1024, seed=0):
 
 def child(args):
     torch.set_num_threads(args["threads"])
-    model = common.model()
+    model = common.model(vocab=32000)
     seq, w = data(args["length"], model.config.vocab_size)
     kw = {}
     if args["method"] == "stream":
@@ -61,7 +61,7 @@ def main():
     a = ap.parse_args()
     base = {"length": a.length, "threads": a.threads}
     ref = common.peak_in_subprocess("bench.bench_long", {**base, "method": "reference"})
-    model = common.model()
+    model = common.model(vocab=32000)
     weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     rows = [{"method": "reference", "block": "-", "time_s": round(ref["time"], 2), "time_x": 1.0,
              "peak_MiB": round(ref["peak_growth"] / 2**20), "peak_x": 1.0, "predicted_MiB": "-"}]

@@ -1,7 +1,8 @@
 """Prefix sharing: stream_backward vs reference_backward on GRPO-shaped batches, side by side.
 
 G responses share a prompt of P tokens; each response has S tokens; L = P + S, share = P / L.
-Loss on the response tokens only. The bound on the speed-up of the linear layers is
+Loss on the response tokens only. A streamed batch holds at most L tokens (`batch_tokens=L`), as
+many as one reference forward. The bound on the speed-up of the linear layers is
 G(P+S) / (P+GS). Three streamed timings:
   stream       — stream_backward as called, prefill included (it also yields the log-probs);
   stream+kv    — the K/V handed in (from the rollout at the same weights): no prefill;
@@ -45,8 +46,9 @@ def one_call(args):
     model = common.model()
     seqs, weights, _, _ = batch(args["G"], args["L"], args["share"], model.config.vocab_size)
     fn = stream_backward if args["method"] == "stream" else reference_backward
+    kw = {"batch_tokens": args["L"]} if args["method"] == "stream" else {}
     with common.PeakRSS() as peak:
-        fn(model, seqs, weights)
+        fn(model, seqs, weights, **kw)
     print(json.dumps({"peak_growth": peak.growth}))
 
 
@@ -68,10 +70,11 @@ def main(quick=False):
                     fn(model, seqs, weights, **kw)
                 return go
 
-            t_ref = common.timed(run(reference_backward))
-            t_st = common.timed(run(stream_backward))
-            t_kv = common.timed(run(stream_backward, kv=caches))
-            t_lp = common.timed(lambda: logprob_pass(model, seqs))
+            # the streamed batches hold as many tokens as one reference sequence (L)
+            t_ref = common.timed(run(reference_backward), 2)
+            t_st = common.timed(run(stream_backward, batch_tokens=L), 2)
+            t_kv = common.timed(run(stream_backward, batch_tokens=L, kv=caches), 2)
+            t_lp = common.timed(lambda: logprob_pass(model, seqs), 2)
             bound = G * (P + S) / (P + G * S)
             mem = {m: common.peak_in_subprocess("bench.bench_prefix", {"G": G, "L": L, "share": share, "method": m, "threads": 2})
                    for m in ("reference", "stream")}
