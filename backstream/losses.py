@@ -1,0 +1,338 @@
+"""RL objectives and advantage estimators, written as per-block terms (DESIGN §3).
+
+Advantages (samples of a group contiguous, G per group):
+  GRPO      A_i = (r_i − mean_g r) / (std_g r + ε)   (unbiased std, as TRL)
+  Dr.GRPO   A_i =  r_i − mean_g r                      (Liu et al. 2025: no std)
+  RLOO      A_i =  r_i − mean_{j≠i} r_j                (leave-one-out baseline)
+
+Token-level PPO-clip (covers GRPO, DAPO, Dr.GRPO through the aggregation):
+  ρ_t = exp(log π_t − log π_old,t)
+  ℓ_t = −min(ρ_t A, clip(ρ_t, 1−ε_low, 1+ε_high) A)        (DAPO clip-higher: ε_high > ε_low)
+  dual clip (Ye et al. 2020), A < 0:  ℓ_t = min(ℓ_t, −c·A)
+  + kl_coef · KL_t (k1: log π − log π_ref; k3: e^{ref−log π} − (ref − log π) − 1) − entropy_coef · H_t
+Aggregation (normalisers over the whole minibatch, fixed before any block runs):
+  token-mean               Σ_{i,t} ℓ / Σ_i |y_i|
+  seq-mean-token-mean      (1/N) Σ_i (1/|y_i|) Σ_t ℓ
+  seq-mean-token-sum-norm  (1/N) Σ_i Σ_t ℓ / L_max          (Dr.GRPO; L_max = max_len_norm)
+GSPO (Zheng et al. 2025): s_i = exp(mean_t(log π_t − log π_old,t)),
+  ℓ_i = −min(s_i A_i, clip(s_i, 1−ε_low, 1+ε_high) A_i), loss = (1/N) Σ_i ℓ_i. With s_i taken from
+  the prefill (exact: the prefill runs at the current weights), the block term is
+  Σ_t c_{i,t} log π_t with c_{i,t} = (1/N) ∂ℓ_i/∂s_i · s_i / |y_i|.
+Zero-advantage sequences are inactive (cost nothing) unless a KL or entropy term reads them; they
+still count in the normalisers, as in the per-sample computation.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from backstream.objective import BlockView, Objective, flat_offsets
+
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+def _groups(rewards: Tensor, group_size: int) -> Tensor:
+    if group_size < 1 or rewards.numel() % group_size:
+        raise ValueError(f"group_size: {group_size} does not divide the {rewards.numel()} rewards")
+    return rewards.double().view(-1, group_size)
+
+
+def grpo_advantages(rewards: Tensor, group_size: int, eps: float = 1e-6, scale: bool = True) -> Tensor:
+    r = _groups(rewards, group_size)
+    a = r - r.mean(1, keepdim=True)
+    if scale:
+        a = a / (r.std(1, keepdim=True) + eps)  # unbiased std, as TRL
+    return a.flatten().float()
+
+
+def drgrpo_advantages(rewards: Tensor, group_size: int) -> Tensor:
+    return grpo_advantages(rewards, group_size, scale=False)
+
+
+def rloo_advantages(rewards: Tensor, group_size: int) -> Tensor:
+    if group_size < 2:
+        raise ValueError(f"group_size: RLOO needs at least 2 samples per group, got {group_size}")
+    r = _groups(rewards, group_size)
+    baseline = (r.sum(1, keepdim=True) - r) / (group_size - 1)
+    return (r - baseline).flatten().float()
+
+
+@dataclass(kw_only=True)
+class _Common:
+    kl_coef: float = 0.0
+    """Weight of the KL penalty to the reference policy (needs algorithm.kl_reference)."""
+    kl_estimator: str = "k3"
+    """k1 (log-ratio) or k3 (Schulman's unbiased, non-negative estimator)."""
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus (subtracted from the loss)."""
+    temperature: float = 1.0
+    """Logits are divided by this before the softmax; must equal the sampling temperature."""
+
+    def _check(self, name: str) -> None:
+        if self.kl_estimator not in ("k1", "k3"):
+            raise ValueError(f"loss.kl_estimator: got {self.kl_estimator!r}, expected 'k1' or 'k3'")
+        if self.kl_coef < 0 or self.entropy_coef < 0:
+            raise ValueError("loss.kl_coef / loss.entropy_coef: expected numbers >= 0")
+        if not self.temperature > 0:
+            raise ValueError(f"loss.temperature: got {self.temperature}, expected > 0")
+        if not (self.eps_low >= 0 and self.eps_high >= 0):
+            raise ValueError(f"loss.eps_low / loss.eps_high: expected >= 0, got {self.eps_low}, {self.eps_high}")
+
+
+@dataclass(kw_only=True)
+class PPOClipConfig(_Common):
+    type: str = "ppo_clip"
+    """Token-level PPO clip: GRPO, DAPO (eps_high > eps_low), Dr.GRPO (seq-mean-token-sum-norm)."""
+    eps_low: float = 0.2
+    """Lower clip range: ρ ≥ 1 − eps_low."""
+    eps_high: float = 0.2
+    """Upper clip range: ρ ≤ 1 + eps_high (DAPO clip-higher uses 0.28)."""
+    dual_clip: float | None = None
+    """Dual-clip constant c > 1 bounding the loss of negative-advantage tokens; None = off."""
+    aggregation: str = "token-mean"
+    """token-mean, seq-mean-token-mean, or seq-mean-token-sum-norm (Dr.GRPO)."""
+    max_len_norm: int | None = None
+    """L_max of seq-mean-token-sum-norm; None = the longest completion of the minibatch."""
+
+    def __post_init__(self):
+        if self.type != "ppo_clip":
+            raise ValueError(f"loss.type: got {self.type!r} for PPOClipConfig")
+        if self.aggregation not in AGGREGATIONS:
+            raise ValueError(f"loss.aggregation: got {self.aggregation!r}, expected one of {list(AGGREGATIONS)}")
+        if self.dual_clip is not None and not self.dual_clip > 1:
+            raise ValueError(f"loss.dual_clip: got {self.dual_clip}, expected a number > 1 (or none)")
+        if self.max_len_norm is not None and self.max_len_norm < 1:
+            raise ValueError(f"loss.max_len_norm: got {self.max_len_norm}, expected an integer >= 1")
+        self._check("ppo_clip")
+
+
+@dataclass(kw_only=True)
+class GSPOConfig(_Common):
+    type: str = "gspo"
+    """Sequence-level ratio and clipping (GSPO)."""
+    eps_low: float = 3e-4
+    """Lower clip range of the sequence ratio."""
+    eps_high: float = 4e-4
+    """Upper clip range of the sequence ratio."""
+
+    def __post_init__(self):
+        if self.type != "gspo":
+            raise ValueError(f"loss.type: got {self.type!r} for GSPOConfig")
+        self._check("gspo")
+
+
+def _logp_entropy(view: BlockView, temperature: float, need_entropy: bool):
+    if temperature == 1.0:
+        return view.logprobs(), (view.entropy() if need_entropy else None)
+    dtype = torch.promote_types(view.logits_PV.dtype, torch.float32)
+    logp_PV = torch.log_softmax(view.logits_PV.to(dtype) / temperature, dim=-1)
+    logp = logp_PV[view.row_pos_N, view.target_N]
+    ent = -(logp_PV.exp() * logp_PV).sum(-1)[view.row_pos_N] if need_entropy else None
+    return logp, ent
+
+
+def _kl(logp: Tensor, ref: Tensor, estimator: str) -> Tensor:
+    if estimator == "k1":
+        return logp - ref
+    d = ref - logp
+    return torch.exp(d) - d - 1
+
+
+class PolicyObjective(Objective):
+    """Shared bookkeeping: per-token statistics in the flat layout, normalisers, metrics."""
+
+    def __init__(self, config, *, sequences, completion_mask, advantages, old_logprobs=None, ref_logprobs=None):
+        n = len(sequences)
+        if len(completion_mask) != n or len(advantages) != n:
+            raise ValueError(f"completion_mask / advantages: expected {n} entries (one per sequence)")
+        for name, x in (("old_logprobs", old_logprobs), ("ref_logprobs", ref_logprobs)):
+            if x is not None and len(x) != n:
+                raise ValueError(f"{name}: expected {n} entries (one per sequence)")
+        if config.kl_coef > 0 and ref_logprobs is None:
+            raise ValueError("ref_logprobs: required when loss.kl_coef > 0")
+        self.cfg = config
+        self.lengths = [len(s) for s in sequences]
+        self.offsets = flat_offsets(self.lengths)
+        self.mask = [m.to("cpu", torch.bool) for m in completion_mask]
+        self.adv = torch.as_tensor(advantages, dtype=torch.float64).flatten().cpu()
+        self.n_seq = n
+        self.n_tok = [int(m.sum()) for m in self.mask]
+        self.adv_flat = torch.cat([torch.full((L,), float(a), dtype=torch.float64) for L, a in zip(self.lengths, self.adv)])
+        cat = lambda xs: torch.cat([x.detach().double().cpu().reshape(-1) for x in xs])  # noqa: E731
+        self.old_flat = None if old_logprobs is None else cat(old_logprobs)
+        self.ref_flat = None if ref_logprobs is None else cat(ref_logprobs)
+        self.coef_flat = self.token_coefficients()
+        self._sums: dict[str, float] = {}
+
+    def token_coefficients(self) -> Tensor:
+        raise NotImplementedError
+
+    def active(self, sequences):
+        reads_all = self.cfg.kl_coef > 0 or self.cfg.entropy_coef > 0
+        return [m & (bool(a != 0) or reads_all) for m, a in zip(self.mask, self.adv)]
+
+    def setup(self, logprobs):
+        # on-policy (no old log-probs given): π_old is the current policy, detached
+        if self.old_flat is None:
+            if logprobs is None:
+                raise ValueError("old_logprobs: required when the engine runs no prefill (kv= given)")
+            self.old_flat = torch.cat([x.double().reshape(-1) for x in logprobs])
+
+    def _extras(self, view, logp, ent, c) -> Tensor:
+        """KL and entropy terms with the same per-token coefficients."""
+        out = logp.new_zeros(())
+        if self.cfg.kl_coef > 0:
+            kl = _kl(logp, self.ref_flat.to(logp.device, logp.dtype)[view.flat_N], self.cfg.kl_estimator)
+            out = out + self.cfg.kl_coef * (c * kl).sum()
+            self._add("kl", (kl.detach() * self._tokw(view)).sum())
+        if self.cfg.entropy_coef > 0:
+            out = out - self.cfg.entropy_coef * (c * ent).sum()
+        if ent is not None:
+            self._add("entropy", (ent.detach() * self._tokw(view)).sum())
+        return out
+
+    def _tokw(self, view) -> Tensor:
+        """Metric weights: 1 / (total completion tokens), so sums over blocks are token means."""
+        return torch.full_like(view.flat_N, 1.0, dtype=torch.float64) / max(1, sum(self.n_tok))
+
+    def _add(self, key: str, value) -> None:
+        self._sums[key] = self._sums.get(key, 0.0) + float(value)
+
+    def metrics(self) -> dict[str, float]:
+        return dict(self._sums)
+
+
+class PPOClipObjective(PolicyObjective):
+    def token_coefficients(self) -> Tensor:
+        agg = self.cfg.aggregation
+        out = torch.zeros(len(self.adv_flat), dtype=torch.float64)
+        lmax = self.cfg.max_len_norm or max(max(self.n_tok), 1)
+        for i, (o, L) in enumerate(zip(self.offsets, self.lengths)):
+            if agg == "token-mean":
+                c = 1.0 / max(1, sum(self.n_tok))
+            elif agg == "seq-mean-token-mean":
+                c = 1.0 / (self.n_seq * max(1, self.n_tok[i]))
+            else:
+                c = 1.0 / (self.n_seq * lmax)
+            out[o:o + L] = c
+        return out
+
+    def block_loss(self, view: BlockView) -> Tensor:
+        cfg = self.cfg
+        logp, ent = _logp_entropy(view, cfg.temperature, cfg.entropy_coef > 0)
+        dev, dt = logp.device, logp.dtype
+        A = self.adv_flat.to(dev, dt)[view.flat_N]
+        old = self.old_flat.to(dev, dt)[view.flat_N]
+        c = self.coef_flat.to(dev, dt)[view.flat_N]
+        ratio = torch.exp(logp - old)
+        clipped = torch.clamp(ratio, 1 - cfg.eps_low, 1 + cfg.eps_high)
+        loss_t = -torch.min(ratio * A, clipped * A)
+        if cfg.dual_clip is not None:
+            loss_t = torch.where(A < 0, torch.min(loss_t, -cfg.dual_clip * A), loss_t)
+        w = self._tokw(view).to(dev)
+        r = ratio.detach()
+        self._add("clip_frac_low", (((r < 1 - cfg.eps_low) & (A < 0)).double() * w).sum())
+        self._add("clip_frac_high", (((r > 1 + cfg.eps_high) & (A > 0)).double() * w).sum())
+        self._add("ratio_mean", (r.double() * w).sum())
+        self._add("policy", (loss_t.detach().double() * c.double()).sum())
+        return (c * loss_t).sum() + self._extras(view, logp, ent, c)
+
+
+class GSPOObjective(PolicyObjective):
+    def token_coefficients(self) -> Tensor:
+        # KL / entropy per token: sequence mean of token means
+        out = torch.zeros(len(self.adv_flat), dtype=torch.float64)
+        for i, (o, L) in enumerate(zip(self.offsets, self.lengths)):
+            out[o:o + L] = 1.0 / (self.n_seq * max(1, self.n_tok[i]))
+        return out
+
+    def setup(self, logprobs):
+        old_given = self.old_flat is not None
+        super().setup(logprobs)
+        if logprobs is None:
+            raise ValueError("GSPO: needs the prefill's log-probs for its sequence ratios (do not pass kv=)")
+        cur = torch.cat([x.double().reshape(-1) for x in logprobs])
+        cfg = self.cfg
+        self.pg_flat = torch.zeros_like(cur)
+        for i, (o, L) in enumerate(zip(self.offsets, self.lengths)):
+            m = self.mask[i]
+            if self.n_tok[i] == 0:
+                continue
+            d = (cur[o:o + L] - self.old_flat[o:o + L])[m]
+            s = math.exp(float(d.mean())) if old_given else 1.0
+            A = float(self.adv[i])
+            # ∂ℓ/∂s: −A on the unclipped branch of min(sA, clip(s)A), 0 on the clipped one
+            lo, hi = 1 - cfg.eps_low, 1 + cfg.eps_high
+            unclipped = s * A <= min(max(s, lo), hi) * A
+            g = -A if unclipped else 0.0
+            self.pg_flat[o:o + L][m] = g * s / (self.n_seq * self.n_tok[i])
+            self._add("ratio_mean", s / self.n_seq)
+            self._add("clip_frac_low", float(not unclipped and s < lo) / self.n_seq)
+            self._add("clip_frac_high", float(not unclipped and s > hi) / self.n_seq)
+            self._add("policy", -min(s * A, min(max(s, lo), hi) * A) / self.n_seq)
+
+    def block_loss(self, view: BlockView) -> Tensor:
+        logp, ent = _logp_entropy(view, self.cfg.temperature, self.cfg.entropy_coef > 0)
+        dev, dt = logp.device, logp.dtype
+        pg = self.pg_flat.to(dev, dt)[view.flat_N]
+        c = self.coef_flat.to(dev, dt)[view.flat_N]
+        return (pg * logp).sum() + self._extras(view, logp, ent, c)
+
+
+def build_objective(config, *, sequences, completion_mask, advantages, old_logprobs=None,
+                    ref_logprobs=None) -> PolicyObjective:
+    """The objective of `config` (PPOClipConfig or GSPOConfig) over one minibatch. Without
+    `old_logprobs` the policy before the update is the current one (from the engine's prefill)."""
+    cls = {PPOClipConfig: PPOClipObjective, GSPOConfig: GSPOObjective}.get(type(config))
+    if cls is None:
+        raise TypeError(f"config: expected PPOClipConfig or GSPOConfig, got {type(config).__name__}")
+    return cls(config, sequences=sequences, completion_mask=completion_mask, advantages=advantages,
+               old_logprobs=old_logprobs, ref_logprobs=ref_logprobs)
+
+
+def reference_loss(config, logits_list, sequences, completion_mask, advantages, old_logprobs=None,
+                   ref_logprobs=None) -> Tensor:
+    """The same losses the textbook way, from full per-sequence logits [len_i, V] (position t−1
+    predicts token t). The naive reference of the tests."""
+    N = len(sequences)
+    total_tok = sum(int(m.sum()) for m in completion_mask)
+    lmax = getattr(config, "max_len_norm", None) or max(int(m.sum()) for m in completion_mask)
+    loss = 0.0
+    for i in range(N):
+        m = completion_mask[i].clone()
+        m[0] = False
+        if not m.any():
+            continue
+        t = torch.nonzero(m).flatten()
+        lp_all = torch.log_softmax(logits_list[i][t - 1] / config.temperature, -1)
+        logp = lp_all.gather(-1, sequences[i][t, None])[:, 0]
+        old = logp.detach() if old_logprobs is None else old_logprobs[i][t].to(logp.dtype)
+        A = float(advantages[i])
+        n = len(t)
+        if isinstance(config, GSPOConfig):
+            s = torch.exp((logp - old).mean())
+            term = -torch.min(s * A, torch.clamp(s, 1 - config.eps_low, 1 + config.eps_high) * A) / N
+            w = torch.full((n,), 1.0 / (N * n), dtype=logp.dtype)
+        else:
+            ratio = torch.exp(logp - old)
+            lt = -torch.min(ratio * A, torch.clamp(ratio, 1 - config.eps_low, 1 + config.eps_high) * A)
+            if config.dual_clip is not None and A < 0:
+                lt = torch.min(lt, torch.full_like(lt, -config.dual_clip * A))
+            w = {"token-mean": 1.0 / total_tok, "seq-mean-token-mean": 1.0 / (N * n),
+                 "seq-mean-token-sum-norm": 1.0 / (N * lmax)}[config.aggregation]
+            w = torch.full((n,), w, dtype=logp.dtype)
+            term = (w * lt).sum()
+        if config.kl_coef > 0:
+            ref = ref_logprobs[i][t].to(logp.dtype)
+            d = ref - logp
+            kl = (logp - ref) if config.kl_estimator == "k1" else torch.exp(d) - d - 1
+            term = term + config.kl_coef * (w * kl).sum()
+        if config.entropy_coef > 0:
+            ent = -(lp_all.exp() * lp_all).sum(-1)
+            term = term - config.entropy_coef * (w * ent).sum()
+        loss = loss + term
+    return loss
