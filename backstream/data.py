@@ -1,0 +1,95 @@
+"""Prompt data: JSONL files, `datasets` folders, or a built-in generated task.
+
+Every example is a dict with a `prompt` column (plain text, or chat messages — a list of
+{"role", "content"} — rendered with the tokenizer's chat template) and any other columns, which
+reward functions receive as keyword arguments, as in TRL.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+
+def load_examples(path: str) -> list[dict]:
+    """Read a JSONL file or a folder saved by `datasets` (`save_to_disk`)."""
+    if os.path.isdir(path):
+        try:
+            import datasets  # noqa: PLC0415
+        except ImportError:
+            raise ValueError(f"data.path: {path} is a folder; reading a `datasets` folder needs `pip install datasets`") from None
+        ds = datasets.load_from_disk(path)
+        if isinstance(ds, datasets.DatasetDict):
+            ds = ds["train"] if "train" in ds else next(iter(ds.values()))
+        return [dict(x) for x in ds]
+    if not os.path.exists(path):
+        raise ValueError(f"data.path: {path} does not exist")
+    examples = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    examples.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"data.path: {path} line {n} is not valid JSON ({e.msg})") from None
+    return examples
+
+
+def check_examples(examples: list[dict], source: str) -> None:
+    if not examples:
+        raise ValueError(f"data: {source} holds no examples")
+    for i, ex in enumerate(examples):
+        if not isinstance(ex, dict) or "prompt" not in ex:
+            cols = sorted(ex) if isinstance(ex, dict) else type(ex).__name__
+            raise ValueError(f"data: example {i} of {source} has no `prompt` column (columns: {cols})")
+
+
+def render_prompt(prompt, tokenizer) -> str:
+    """Text as is; chat messages through the tokenizer's chat template."""
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and all(isinstance(m, dict) and "content" in m for m in prompt):
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise ValueError("data: the prompt is a list of chat messages but the tokenizer has no chat_template")
+        return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    raise ValueError(f"data: a prompt must be text or a list of chat messages, got {type(prompt).__name__}")
+
+
+def encode_prompts(examples: list[dict], tokenizer, max_tokens: int) -> list[torch.Tensor]:
+    """Token ids of every prompt; a prompt longer than `max_tokens` is an error, never truncated."""
+    out = []
+    for i, ex in enumerate(examples):
+        ids = tokenizer(render_prompt(ex["prompt"], tokenizer), add_special_tokens=True)["input_ids"]
+        if len(ids) > max_tokens:
+            raise ValueError(
+                f"data: prompt {i} has {len(ids)} tokens, more than data.max_prompt_tokens={max_tokens} "
+                "(raise it, or shorten the prompt; prompts are never truncated)"
+            )
+        if not ids:
+            raise ValueError(f"data: prompt {i} is empty after tokenization")
+        out.append(torch.tensor(ids, dtype=torch.long))
+    return out
+
+
+class PromptStream:
+    """Shuffled epochs over the examples, seeded; `position` is saved in checkpoints."""
+
+    def __init__(self, n: int, seed: int):
+        self.n, self.seed, self.position = n, seed, 0
+        self._cached: tuple[int, list[int]] = (-1, [])
+
+    def _order(self, epoch: int) -> list[int]:
+        if self._cached[0] != epoch:
+            g = torch.Generator().manual_seed(self.seed * 100003 + epoch)
+            self._cached = (epoch, torch.randperm(self.n, generator=g).tolist())
+        return self._cached[1]
+
+    def take(self, k: int) -> list[int]:
+        out = []
+        for _ in range(k):
+            epoch, i = divmod(self.position, self.n)
+            out.append(self._order(epoch)[i])
+            self.position += 1
+        return out

@@ -1,0 +1,102 @@
+"""Observability: one line per step, `metrics.jsonl`, optional TensorBoard / W&B, PNG curves.
+
+The loop calls one `Logger` whatever is enabled; optional backends are imported lazily and only
+when asked for, so the loop never branches on them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+class Logger:
+    def __init__(self, run_dir: str, *, progress=True, tensorboard=False, wandb=False, config: dict | None = None,
+                 total_steps: int | None = None, append: bool = False):
+        self.path = os.path.join(run_dir, "metrics.jsonl")
+        self.file = open(self.path, "a" if append else "w")
+        self.progress, self.total = progress, total_steps
+        self.tb = self.wb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415
+            except ImportError:
+                raise ValueError("train.log_tensorboard: needs `pip install tensorboard`") from None
+            self.tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+        if wandb:
+            try:
+                import wandb as wb  # noqa: PLC0415
+            except ImportError:
+                raise ValueError("train.log_wandb: needs `pip install wandb`") from None
+            self.wb = wb.init(project="backstream", config=config, dir=run_dir)
+
+    def log(self, metrics: dict) -> None:
+        self.file.write(json.dumps(metrics) + "\n")
+        self.file.flush()
+        step = metrics["step"]
+        if self.tb is not None:
+            for k, v in metrics.items():
+                if isinstance(v, (int, float)) and k != "step":
+                    self.tb.add_scalar(k, v, step)
+        if self.wb is not None:
+            self.wb.log(metrics, step=step)
+        if self.progress:
+            print(self.line(metrics), file=sys.stderr, flush=True)
+
+    def line(self, m: dict) -> str:
+        total = f"/{self.total}" if self.total else ""
+        t = m.get("time/step", 0.0)
+        split = " ".join(f"{k.split('/')[1]} {m[k]:.1f}s" for k in ("time/rollout", "time/reward", "time/prefill", "time/backward") if k in m)
+        return (f"step {m['step']}{total} | reward {m['reward/mean']:.3f} | len {m['response_length/mean']:.1f} | "
+                f"{m.get('throughput/tokens_per_s', 0):.0f} tok/s | {t:.1f}s ({split}) | peak {m.get('memory/peak_mib', 0):.0f} MiB")
+
+    def close(self) -> None:
+        self.file.close()
+        if self.tb is not None:
+            self.tb.close()
+        if self.wb is not None:
+            self.wb.finish()
+
+
+def read(run_dir: str) -> list[dict]:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(x) for x in f if x.strip()]
+
+
+PLOTS = {
+    "reward": ["reward/mean"], "length": ["response_length/mean"], "kl": ["loss/kl"],
+    "entropy": ["loss/entropy"], "clip_fraction": ["loss/clip_frac_low", "loss/clip_frac_high"],
+}
+
+
+def plot(run_dir: str) -> list[str]:
+    """PNG curves of the run's metrics; returns the files written."""
+    try:
+        import matplotlib  # noqa: PLC0415
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # noqa: PLC0415
+    except ImportError:
+        raise ValueError("backstream plot: needs `pip install 'backstream[plot]'` (matplotlib)") from None
+    rows = read(run_dir)
+    out = []
+    for name, keys in PLOTS.items():
+        series = [(k, [(r["step"], r[k]) for r in rows if k in r]) for k in keys]
+        series = [(k, s) for k, s in series if s]
+        if not series:
+            continue
+        fig, ax = plt.subplots(figsize=(5, 3.2), dpi=100)
+        for k, s in series:
+            ax.plot([x for x, _ in s], [y for _, y in s], label=k)
+        ax.set_xlabel("step")
+        ax.set_title(name)
+        ax.grid(alpha=0.3)
+        if len(series) > 1:
+            ax.legend()
+        fig.tight_layout()
+        path = os.path.join(run_dir, f"{name}.png")
+        fig.savefig(path)
+        plt.close(fig)
+        out.append(path)
+    return out
