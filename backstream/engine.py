@@ -132,6 +132,7 @@ class _Batch:
         self.shared_nodes = (tree.ancestors(rows[0].node)) if parent >= 0 else []
         self.cache = _BlockCache(self.p0)
         self.attn_calls = 0
+        self.hooks = []
 
     def history_parts(self, layer: int, key: Tensor, value: Tensor, window: int | None) -> list[Part]:
         eng, tree = self.engine, self.engine.tree
@@ -179,8 +180,16 @@ class _Batch:
                     eng.add_grad(row.node, layer, j, private[0], private[1], g[r])
             x.grad = None  # free it now, layer by layer
 
-        leaf.register_post_accumulate_grad_hook(scatter)
+        self.hooks.append(leaf.register_post_accumulate_grad_hook(scatter))
         return leaf
+
+    def release(self) -> None:
+        """Break the leaf → hook → batch → cache → graph → leaf cycle, so that this batch's
+        tensors are freed now rather than at the next garbage collection."""
+        for h in self.hooks:
+            h.remove()
+        self.hooks.clear()
+        self.cache.new.clear()
 
     def forward(self, with_logits: bool):
         """Run the model on the batch; returns (outputs, keep mask [B, Q] of predicting positions)."""
@@ -420,6 +429,7 @@ class _Engine:
                 view = batch.view(logits, keep)
                 if view is not None:
                     self.record(view, logprobs)
+                batch.release()
                 stats.prefill_tokens += sum(r.hi - r.lo for r in rows)
 
     @staticmethod
@@ -463,6 +473,8 @@ class _Engine:
                         seeds.append(seed)
             if roots:
                 torch.autograd.backward(roots, seeds)
+            batch.release()
+            del roots, seeds, view, logits
             # the accumulators of these positions are spent; free what no other row needs
             for row in work:
                 if row.lo == 0:

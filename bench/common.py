@@ -82,8 +82,12 @@ class PeakRSS:
 
 def peak_in_subprocess(module: str, args: dict) -> dict:
     """Run `python -m module` with JSON args in a fresh process; it prints one JSON line."""
+    # glibc raises its mmap threshold after large frees, and the heap it then grows is not given
+    # back: the resident set would keep the high-water mark of freed tensors. A fixed threshold
+    # makes every tensor over 64 KiB its own mapping, so the resident set follows the live tensors.
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
     out = subprocess.run([sys.executable, "-m", module, json.dumps(args)], capture_output=True, text=True,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), env=env)
     if out.returncode != 0:
         raise RuntimeError(out.stderr[-2000:])
     return json.loads(out.stdout.strip().splitlines()[-1])
