@@ -5,7 +5,15 @@ from backstream.objective import BlockView, Objective, TokenWeights, flat_offset
 from backstream.planner import Plan, estimate
 from backstream.reference import reference_backward
 
+
+def train(config=None, overrides=(), resume=None, model=None, tokenizer=None) -> str:
+    """Run an RL job (see `backstream.trainer.train`); imported lazily, the engine needs none of it."""
+    from backstream.trainer import train as _train  # noqa: PLC0415
+
+    return _train(config, overrides, resume=resume, model=model, tokenizer=tokenizer)
+
+
 __all__ = [
     "BlockView", "Objective", "Plan", "StreamResult", "StreamStats", "TokenWeights", "estimate",
-    "flat_offsets", "logprobs", "reference_backward", "stream_backward",
+    "flat_offsets", "logprobs", "reference_backward", "stream_backward", "train",
 ]
