@@ -149,3 +149,14 @@ def test_demo_end_to_end(tmp_path, capsys):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     assert AutoModelForCausalLM.from_pretrained(ckpt) is not None and AutoTokenizer.from_pretrained(ckpt) is not None
+
+
+def test_streamed_and_reference_runs_agree_float32_20_steps(tmp_path):
+    results = {}
+    for backward in ("stream", "reference"):
+        model, tok = tiny(torch.float32)
+        trainer.train(run_cfg(tmp_path, backward, 'model.dtype="float32"', f'engine.backward="{backward}"',
+                              "engine.block_size=4", "train.steps=20", "optim.lr=3e-3"), model=model, tokenizer=tok)
+        results[backward] = weights(model)
+    assert rel(results["stream"], tiny(torch.float32)[0].state_dict()) > 1e-3
+    assert rel(results["stream"], results["reference"]) <= 1e-4
