@@ -58,11 +58,13 @@ def _has_matplotlib() -> bool:
     return True
 
 
-# The demo's settings (the rest are the config defaults): found by scripts/check_learnable.py.
+# The demo's settings (the rest are the config defaults): GRPO, 16 prompts x 8 samples per step,
+# AdamW 3e-4, as scripts/check_learnable.py found for the shipped model.
 DEMO = {
     "model": {"name": "default"},
     "data": {"task": "arith"},
-    "train": {"prompts_per_step": 8},
+    "train": {"prompts_per_step": 16},
+    "optim": {"lr": 3e-4},
 }
 
 
@@ -86,7 +88,7 @@ def main(argv=None) -> int:
     t.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its latest checkpoint")
     t.set_defaults(fn=cmd_train)
     d = sub.add_parser("demo", help="train the built-in tiny model on the arith task (no download)")
-    d.add_argument("--steps", type=int, default=40)
+    d.add_argument("--steps", type=int, default=60)
     d.add_argument("--output", default="runs/demo")
     d.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE")
     d.set_defaults(fn=cmd_demo)

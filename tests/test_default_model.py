@@ -1,0 +1,102 @@
+"""The shipped default model and tokenizer: they load like any HF model, match their documented
+definition, fit the size budget, and answer arith prompts in the expected format."""
+
+import functools
+
+import pytest
+import torch
+
+from backstream.default_model import (
+    CHARS, DEFAULT_MODEL_DIR, SPECIAL_TOKENS, build_tokenizer, default_config, load_default,
+)
+from backstream.tasks import make_dataset
+
+
+@functools.cache
+def shipped():
+    return load_default()
+
+
+def test_assets_fit_the_size_budget():
+    files = [f for f in DEFAULT_MODEL_DIR.rglob("*") if f.is_file()]
+    names = {f.name for f in files}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= names
+    assert sum(f.stat().st_size for f in files) <= 5_000_000
+
+
+def test_tokenizer_loads_with_auto_tokenizer_and_matches_its_definition():
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR, local_files_only=True)
+    assert tok.get_vocab() == build_tokenizer().get_vocab()
+    assert len(tok) == len(SPECIAL_TOKENS) + len(CHARS) == 100
+    assert (tok.pad_token, tok.bos_token, tok.eos_token, tok.unk_token) == SPECIAL_TOKENS
+    assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id, tok.unk_token_id) == (0, 1, 2, 3)
+
+
+@pytest.mark.parametrize("task", ["arith", "kvlookup"])
+def test_tokenizer_round_trip(task):
+    _, tok = shipped()
+    texts = [r["prompt"] + r["answer"] for r in make_dataset(task, 3)]
+    texts += [CHARS, "  two spaces, a\nnewline and {braces} ~!"]
+    for text in texts:
+        ids = tok(text)["input_ids"]
+        assert len(ids) == len(text)  # one token per character, no BOS/EOS added
+        assert tok.decode(ids) == text
+
+
+def test_tokenizer_special_tokens_and_unknown_characters():
+    _, tok = shipped()
+    ids = tok("12")["input_ids"] + [tok.eos_token_id, tok.pad_token_id]
+    assert tok.decode(ids) == "12<eos><pad>"
+    assert tok.decode(ids, skip_special_tokens=True) == "12"
+    assert tok("<eos>")["input_ids"] == [tok.eos_token_id]  # special tokens are matched whole
+    assert tok("a\tb")["input_ids"][1] == tok.unk_token_id
+    batch = tok(["1+1=", "10+10="], padding=True, padding_side="left", return_tensors="pt")
+    assert batch["input_ids"][0, :2].tolist() == [tok.pad_token_id] * 2
+    assert batch["attention_mask"][0].tolist() == [0, 0, 1, 1, 1, 1]
+
+
+def test_model_config_is_as_documented():
+    model, tok = shipped()
+    cfg = model.config
+    assert type(model).__name__ == "Qwen3ForCausalLM"
+    expected = default_config().to_dict()
+    for key in (
+        "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "head_dim", "intermediate_size", "max_position_embeddings",
+        "tie_word_embeddings", "pad_token_id", "bos_token_id", "eos_token_id",
+    ):
+        assert getattr(cfg, key) == expected[key], key
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads) == (128, 4, 4)
+    assert (cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size) == (2, 32, 384)
+    assert cfg.max_position_embeddings >= 4096 and cfg.tie_word_embeddings
+    assert cfg.vocab_size == len(tok)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert 0.7e6 < sum(p.numel() for p in model.parameters()) < 0.9e6
+    assert next(model.parameters()).dtype == torch.float32
+    assert model.generation_config.eos_token_id == tok.eos_token_id
+    assert model.generation_config.pad_token_id == tok.pad_token_id
+
+
+def test_load_default_dtype():
+    model, _ = load_default(torch.bfloat16)
+    assert next(model.parameters()).dtype == torch.bfloat16
+
+
+@torch.no_grad()
+def test_greedy_arith_answers_are_digits_then_eos():
+    model, tok = shipped()
+    rows = make_dataset("arith", 16, seed=5)
+    ids = torch.tensor([tok(r["prompt"])["input_ids"] for r in rows])  # all 6 characters long
+    out = model.generate(
+        input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=6
+    )
+    right = 0
+    for row, completion in zip(rows, out[:, ids.shape[1] :].tolist()):
+        assert tok.eos_token_id in completion, tok.decode(completion)
+        body = tok.decode(completion[: completion.index(tok.eos_token_id)])
+        assert body.isdigit() and 1 <= len(body) <= 3, body
+        right += body == row["answer"]
+    # greedy decoding knows most answers (temperature-1 sampling far fewer: room for RL)
+    assert right >= len(rows) // 2

@@ -1,0 +1,90 @@
+"""The built-in tasks: deterministic data, the documented columns and formats, the exact-match rule."""
+
+import re
+
+import pytest
+
+from backstream.tasks import KV_PAIRS, TASKS, Task, get_task, make_dataset, score
+
+
+@pytest.mark.parametrize("name", sorted(TASKS))
+def test_dataset_is_deterministic_and_has_the_columns(name):
+    a = make_dataset(name, 20, seed=3)
+    assert a == make_dataset(name, 20, seed=3)
+    assert a != make_dataset(name, 20, seed=4)
+    assert make_dataset(name, 5, seed=3) == a[:5]  # a longer dataset extends a shorter one
+    for row in a:
+        assert isinstance(row["prompt"], str) and row["prompt"]
+        assert isinstance(row["answer"], str) and row["answer"].isdigit()
+        assert row["task"] == name
+
+
+def test_registry():
+    for name, task in TASKS.items():
+        assert isinstance(task, Task) and task.name == name
+        assert task.reward == "exact_match"
+        assert task.max_new_tokens >= 4  # 3 answer digits + <eos>
+    assert get_task(TASKS["arith"]) is TASKS["arith"]
+    with pytest.raises(ValueError, match="unknown task"):
+        make_dataset("nope", 1)
+    with pytest.raises(ValueError, match="n=-1"):
+        make_dataset("arith", -1)
+    assert make_dataset("arith", 0) == []
+
+
+def test_arith_rows_are_right():
+    for row in make_dataset("arith", 200, seed=0):
+        m = re.fullmatch(r"(\d\d)\+(\d\d)=", row["prompt"])
+        assert m, row["prompt"]
+        assert int(row["answer"]) == int(m[1]) + int(m[2])
+
+
+def test_kvlookup_rows_are_right_and_long():
+    from transformers import AutoTokenizer
+
+    from backstream.default_model import DEFAULT_MODEL_DIR
+
+    tok = AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR, local_files_only=True)
+    for row in make_dataset("kvlookup", 10, seed=1):
+        prompt = row["prompt"]
+        pairs = re.findall(r"^([a-z]{4})=(\d{3})$", prompt, flags=re.M)
+        assert len(pairs) == KV_PAIRS
+        assert len({k for k, _ in pairs}) == KV_PAIRS  # keys distinct: the answer is unique
+        key = re.search(r"What is ([a-z]{4})\?\n\1=$", prompt)[1]
+        assert dict(pairs)[key] == row["answer"]
+        assert len(tok(prompt)["input_ids"]) >= 1024
+
+
+@pytest.mark.parametrize(
+    "completion, answer, expected",
+    [
+        ("82", "82", 1.0),
+        (" 82\n", "82", 1.0),  # stripped
+        ("082", "82", 1.0),  # numbers compare numerically
+        ("82.0", "82", 1.0),
+        ("1,000", "1000", 1.0),
+        ("81", "82", 0.0),
+        ("8", "82", 0.0),
+        ("", "82", 0.0),
+        ("82 83", "82", 0.0),  # the whole completion is the answer, not a substring of it
+        ("I think 37+45 is 82", "82", 0.0),
+        ("37+45 = 82 #### 82", "82", 1.0),  # after the last ####
+        ("#### 81 #### 82", "82", 1.0),
+        ("#### 82 #### 81", "82", 0.0),
+        ("abc", "abc", 1.0),  # non-numbers compare as strings
+        ("abc", "abd", 0.0),
+    ],
+)
+def test_score(completion, answer, expected):
+    assert score(completion, answer) == expected
+
+
+def test_score_agrees_with_the_exact_match_reward():
+    from backstream.rewards import exact_match, load_reward
+
+    cases = [("82", "82"), (" 082 ", "82"), ("81", "82"), ("x #### 7", "7"), ("", "1"), ("ab", "ab")]
+    for name in TASKS:
+        cases += [(r["answer"], r["answer"]) for r in make_dataset(name, 3)]
+    completions, answers = zip(*cases)
+    assert exact_match(list(completions), answer=list(answers)) == [score(c, a) for c, a in cases]
+    assert load_reward(TASKS["arith"].reward)  # the spec string is one the trainer accepts
