@@ -27,8 +27,11 @@ def assert_same(model, seqs, weights, **kw):
     g_ref, r_ref = grads(model, reference_backward, seqs, weights)
     g, r = grads(model, stream_backward, seqs, weights, **kw)
     assert g.keys() == g_ref.keys() and g
+    # a parameter whose true gradient is 0 (q_proj when every query sees one key) holds rounding
+    # noise only: judge it against a thousandth of the largest gradient instead of its own norm
+    floor = 1e-3 * max(float(x.norm()) for x in g_ref.values())
     for n in g_ref:
-        err = (g[n] - g_ref[n]).norm() / max(g_ref[n].norm(), 1e-30)
+        err = (g[n] - g_ref[n]).norm() / max(float(g_ref[n].norm()), floor, 1e-300)
         assert err <= TOL, f"{n}: relative error {err:.3g}"
     for i, (a, b) in enumerate(zip(r.logprobs, r_ref.logprobs)):
         active = weights[i] != 0
