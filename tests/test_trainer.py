@@ -160,3 +160,76 @@ def test_streamed_and_reference_runs_agree_float32_20_steps(tmp_path):
         results[backward] = weights(model)
     assert rel(results["stream"], tiny(torch.float32)[0].state_dict()) > 1e-3
     assert rel(results["stream"], results["reference"]) <= 1e-4
+
+
+def test_dapo_dynamic_sampling_and_overlong(tmp_path):
+    """Groups without signal are dropped and refilled; overlong filtering zeroes the truncated ones."""
+    model, tok = tiny(torch.float32)
+    run = trainer.train(run_cfg(tmp_path, "dapo", 'model.dtype="float32"', "algorithm.dynamic_sampling=true",
+                                'algorithm.overlong="filter"', "rollout.max_new_tokens=3", "loss.eps_high=0.28",
+                                "train.steps=2"), model=model, tokenizer=tok)
+    rows = [json.loads(x) for x in open(os.path.join(run, "metrics.jsonl"))]
+    assert all(r["batch/groups"] == 2 for r in rows)  # refilled to prompts_per_step
+    # every completion of a random model runs to max_new_tokens: all filtered, no gradient
+    assert all(r["batch/zero_adv_frac"] == 1.0 for r in rows)
+
+
+def test_overlong_penalty_values():
+    from backstream.rollout import Rollout
+
+    r = Rollout(prompt_index=[0, 0, 0], prompt_ids=[torch.tensor([1])] * 3,
+                completion_ids=[torch.zeros(n, dtype=torch.long) for n in (4, 7, 8)],
+                logprobs=[torch.zeros(n) for n in (4, 7, 8)], finish_reason=["eos", "eos", "length"], group_size=3)
+    ac = config.AlgorithmConfig(overlong="penalty", overlong_buffer=4)
+    # max_new 8, buffer 4: no penalty up to 4 tokens, then −(len − 4)/4
+    shaped, keep = trainer.overlong_shaping(r, torch.ones(3), ac, 8)
+    assert torch.allclose(shaped, torch.tensor([1.0, 0.25, 0.0])) and keep.all()
+
+
+def test_lora_run_resumes_bitwise(tmp_path):
+    common = ['model.dtype="float32"', "model.lora_r=4", "train.save_every=1", "optim.lr=1e-2"]
+    model, tok = tiny(torch.float32)
+    trainer.train(run_cfg(tmp_path, "straight", "train.steps=2", *common), model=model, tokenizer=tok)
+    straight = weights(model)
+    model, tok = tiny(torch.float32)
+    trainer.train(run_cfg(tmp_path, "split", "train.steps=1", *common), model=model, tokenizer=tok)
+    model, tok = tiny(torch.float32)
+    trainer.train(resume=str(tmp_path / "split"), overrides=["train.steps=2"], model=model, tokenizer=tok)
+    resumed = weights(model)
+    assert any("lora_" in k for k in resumed)
+    for k, v in resumed.items():
+        assert torch.equal(v, straight[k]), k
+    assert os.path.exists(tmp_path / "split" / "checkpoints" / "step-2" / "adapter_model.safetensors")
+
+
+def test_sigterm_checkpoints_at_the_next_step_boundary(tmp_path):
+    killer = tmp_path / "killer.py"
+    killer.write_text(
+        "import os, signal\nn = [0]\n"
+        "def reward(completions, **kw):\n"
+        "    n[0] += 1\n"
+        "    if n[0] == 2:\n"
+        "        os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    return [c.count('1') / max(1, len(c)) for c in completions]\n")
+    model, tok = tiny(torch.float32)
+    run = trainer.train(run_cfg(tmp_path, "sig", 'model.dtype="float32"', "train.steps=10",
+                                f"reward.functions=['{killer}:reward']"), model=model, tokenizer=tok)
+    rows = [json.loads(x) for x in open(os.path.join(run, "metrics.jsonl"))]
+    assert len(rows) == 2  # the step in flight finished, then the run stopped
+    assert checkpoint.load_state(checkpoint.latest(run))["step"] == 2
+
+
+@pytest.mark.parametrize("name", ["rmsprop", "muon"])
+def test_other_optimizers(tmp_path, name):
+    if name == "muon" and not hasattr(torch.optim, "Muon"):
+        pytest.skip("this torch has no torch.optim.Muon")
+    model, tok = tiny(torch.float32)
+    extra = ["model.lora_r=4"] if name == "muon" else []  # Muon takes 2-D weights only
+    before = weights(model)
+    trainer.train(run_cfg(tmp_path, name, 'model.dtype="float32"', f'optim.name="{name}"', "train.steps=2",
+                          "reward.functions=['rewards_for_tests:count_digits']", *extra), model=model, tokenizer=tok)
+    after = weights(model)
+    if name == "muon":  # LoRA B starts at zero: any update shows
+        assert any(float(v.abs().sum()) > 0 for k, v in after.items() if "lora_B" in k)
+    else:
+        assert rel(after, before) > 0
