@@ -41,8 +41,7 @@ class ModelConfig:
     def __post_init__(self):
         _choice("model.dtype", self.dtype, ["float32", "bfloat16", "float64"])
         _choice("model.device", self.device, ["auto", "cpu", "cuda"])
-        if self.lora_r < 0:
-            raise ValueError(f"model.lora_r: got {self.lora_r}, expected an integer >= 0 (0 = full fine-tuning)")
+        _at_least("model.lora_r", self.lora_r, 0)
 
 
 @dataclass(kw_only=True)
@@ -57,8 +56,8 @@ class DataConfig:
     """Prompts longer than this are an error (no silent truncation)."""
 
     def __post_init__(self):
-        if self.num_examples < 1:
-            raise ValueError(f"data.num_examples: got {self.num_examples}, expected an integer >= 1")
+        _at_least("data.num_examples", self.num_examples, 1)
+        _at_least("data.max_prompt_tokens", self.max_prompt_tokens, 1)
 
 
 @dataclass(kw_only=True)
@@ -83,9 +82,10 @@ class AlgorithmConfig:
     def __post_init__(self):
         _choice("algorithm.advantage", self.advantage, ["grpo", "drgrpo", "rloo"])
         _choice("algorithm.overlong", self.overlong, ["none", "filter", "penalty"])
-        for k in ("epochs", "minibatches"):
-            if getattr(self, k) < 1:
-                raise ValueError(f"algorithm.{k}: got {getattr(self, k)}, expected an integer >= 1")
+        _at_least("algorithm.epochs", self.epochs, 1)
+        _at_least("algorithm.minibatches", self.minibatches, 1)
+        _at_least("algorithm.max_refills", self.max_refills, 0)
+        _at_least("algorithm.overlong_buffer", self.overlong_buffer, 1)
 
 
 @dataclass(kw_only=True)
@@ -122,6 +122,8 @@ class EngineConfig:
 
     def __post_init__(self):
         _choice("engine.backward", self.backward, ["stream", "reference"])
+        _at_least("engine.block_size", self.block_size, 0)
+        _at_least("engine.memory_budget_mb", self.memory_budget_mb, 0)
 
 
 @dataclass(kw_only=True)
@@ -146,9 +148,10 @@ class TrainConfig:
     """One progress line per step on stderr."""
 
     def __post_init__(self):
-        for k in ("steps", "prompts_per_step"):
-            if getattr(self, k) < 1:
-                raise ValueError(f"train.{k}: got {getattr(self, k)}, expected an integer >= 1")
+        _at_least("train.steps", self.steps, 1)
+        _at_least("train.prompts_per_step", self.prompts_per_step, 1)
+        _at_least("train.save_every", self.save_every, 0)
+        _at_least("train.keep_checkpoints", self.keep_checkpoints, 1)
 
 
 LOSSES = {"ppo_clip": PPOClipConfig, "gspo": GSPOConfig}
@@ -179,6 +182,11 @@ class RunConfig:
 def _choice(key: str, value, allowed: list) -> None:
     if value not in allowed:
         raise ValueError(f"{key}: got {value!r}, expected one of {allowed}")
+
+
+def _at_least(key: str, value, lo: int) -> None:
+    if value < lo:
+        raise ValueError(f"{key}: got {value}, expected an integer >= {lo}")
 
 
 def _coerce(key: str, value, annotation):

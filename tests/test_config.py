@@ -55,3 +55,20 @@ def test_resolved_config_round_trips(tmp_path):
     p.write_text(to_toml(cfg.to_dict()))
     again = config.load(str(p))
     assert again.to_dict() == cfg.to_dict()
+
+
+def test_cli_train_help_lists_the_keys(capsys):
+    from backstream.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "--set SECTION.KEY=VALUE" in out and "[engine]" in out and "memory_budget_mb" in out
+
+
+def test_cli_reports_config_errors_without_a_traceback(capsys):
+    from backstream.cli import main
+
+    assert main(["train", "--set", "optim.lr=fast"]) == 2
+    assert "optim.lr: got 'fast'" in capsys.readouterr().err
