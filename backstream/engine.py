@@ -420,9 +420,21 @@ class _Engine:
                 store[layer][0][:, row.lo:row.hi] = k[r, :, :n]
                 store[layer][1][:, row.lo:row.hi] = v[r, :, :n]
 
-    def prefill(self, logprobs: list[Tensor], stats: StreamStats) -> None:
+    def read_later(self, row: _Row) -> bool:
+        """Does any later block read this chunk's K/V (a later chunk of its node, or a child)?"""
+        node = self.tree.nodes[row.node]
+        return row.hi < len(node.tokens) or bool(node.children)
+
+    def prefill(self, logprobs: list[Tensor], stats: StreamStats, all_logprobs: bool) -> None:
+        """K/V of every chunk a later block reads, and the log-probs of the targets. A chunk nobody
+        reads (the tail of a response) is left to the backward unless the objective asked for
+        every log-prob before the backward (`all_logprobs`)."""
         with torch.no_grad():
             for parent, rows in self.batches():
+                if not all_logprobs:
+                    rows = [r for r in rows if self.read_later(r)]
+                    if not rows:
+                        continue
                 batch = _Batch(self, parent, rows)
                 logits, keep = batch.forward(with_logits=True)
                 self.store_kv(batch)
@@ -602,15 +614,17 @@ def _run(model, sequences, obj, *, block_size, batch_tokens, memory_budget, kv, 
     lps = [torch.full((len(s),), math.nan, dtype=lp_dtype) for s in seqs_cpu]
     if kv is not None:
         _prepare_kv(eng, kv, sequences)
+    # the objective may read every log-prob in `setup` (sequence-level statistics, ...)
+    all_lp = not backward or obj.needs_prefill_logprobs
     with _use_backstream_attention(model):
         t = time.perf_counter()
         if kv is None:
-            eng.prefill(lps, stats)
+            eng.prefill(lps, stats, all_logprobs=all_lp)
         stats.prefill_s = time.perf_counter() - t
         if not backward:
             return StreamResult(logprobs=lps, stats=stats)
         obj.setup([x.clone() for x in lps] if kv is None else None)
         t = time.perf_counter()
-        eng.backward(obj, lps, stats, record=kv is not None)
+        eng.backward(obj, lps, stats, record=kv is not None or not all_lp)
         stats.backward_s = time.perf_counter() - t
     return StreamResult(logprobs=lps, stats=stats)

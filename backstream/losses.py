@@ -175,13 +175,6 @@ class PolicyObjective(Objective):
         reads_all = self.cfg.kl_coef > 0 or self.cfg.entropy_coef > 0
         return [m & (bool(a != 0) or reads_all) for m, a in zip(self.mask, self.adv)]
 
-    def setup(self, logprobs):
-        # on-policy (no old log-probs given): π_old is the current policy, detached
-        if self.old_flat is None:
-            if logprobs is None:
-                raise ValueError("old_logprobs: required when the engine runs no prefill (kv= given)")
-            self.old_flat = torch.cat([x.double().reshape(-1) for x in logprobs])
-
     def _extras(self, view, logp, ent, c) -> Tensor:
         """KL and entropy terms with the same per-token coefficients."""
         out = logp.new_zeros(())
@@ -207,6 +200,10 @@ class PolicyObjective(Objective):
 
 
 class PPOClipObjective(PolicyObjective):
+    # on-policy (no old log-probs given), π_old is the current policy: the block's own log-probs,
+    # detached, which equal the prefill's bitwise; so the prefill may skip the response tails
+    needs_prefill_logprobs = False
+
     def token_coefficients(self) -> Tensor:
         agg = self.cfg.aggregation
         out = torch.zeros(len(self.adv_flat), dtype=torch.float64)
@@ -226,7 +223,7 @@ class PPOClipObjective(PolicyObjective):
         logp, ent = _logp_entropy(view, cfg.temperature, cfg.entropy_coef > 0)
         dev, dt = logp.device, logp.dtype
         A = self.adv_flat.to(dev, dt)[view.flat_N]
-        old = self.old_flat.to(dev, dt)[view.flat_N]
+        old = logp.detach() if self.old_flat is None else self.old_flat.to(dev, dt)[view.flat_N]
         c = self.coef_flat.to(dev, dt)[view.flat_N]
         ratio = torch.exp(logp - old)
         clipped = torch.clamp(ratio, 1 - cfg.eps_low, 1 + cfg.eps_high)
@@ -251,11 +248,12 @@ class GSPOObjective(PolicyObjective):
         return out
 
     def setup(self, logprobs):
-        old_given = self.old_flat is not None
-        super().setup(logprobs)
         if logprobs is None:
             raise ValueError("GSPO: needs the prefill's log-probs for its sequence ratios (do not pass kv=)")
+        old_given = self.old_flat is not None
         cur = torch.cat([x.double().reshape(-1) for x in logprobs])
+        if not old_given:
+            self.old_flat = cur
         cfg = self.cfg
         self.pg_flat = torch.zeros_like(cur)
         for i, (o, L) in enumerate(zip(self.offsets, self.lengths)):

@@ -91,6 +91,10 @@ class Objective:
         """
         raise NotImplementedError
 
+    needs_prefill_logprobs: bool = True
+    """Whether `setup` reads the log-probs of every active target. When False, the prefill skips
+    the chunks whose K/V no later block reads (a response's tail), and `setup` sees NaN there."""
+
     def setup(self, logprobs: list[Tensor] | None) -> None:
         """Called once before any block, with the log-probs at the current weights from the
         prefill (detached, float32 or wider, NaN where not active); None when the caller supplied the K/V
@@ -103,6 +107,8 @@ class Objective:
 
 class TokenWeights(Objective):
     """The engine's simplest contract: Σ_i Σ_t weights[i][t] · log π(x_i[t] | x_i[:t])."""
+
+    needs_prefill_logprobs = False
 
     def __init__(self, weights: list[Tensor]):
         self.weights = weights

@@ -167,9 +167,10 @@ def test_zero_weight_sequences_cost_nothing():
     weights[1][5:] = torch.randn(15, generator=gen, dtype=torch.float64)
     counter = CountTokens(model)
     r = stream_backward(model, seqs, weights, block_size=8)
-    # only sequence 1 is read: its 19 inputs, once in the prefill and once in the backward
-    assert counter.tokens == 2 * 19
-    assert r.stats.active_sequences == 1 and r.stats.prefill_tokens == 19
+    # only sequence 1 is read: its 19 inputs in the backward, and in the prefill all but its last
+    # chunk [16, 19), whose K/V no later block reads (token weights need no log-probs in advance)
+    assert counter.tokens == 16 + 19
+    assert r.stats.active_sequences == 1 and r.stats.prefill_tokens == 16
     assert torch.isnan(r.logprobs[0]).all() and torch.isnan(r.logprobs[2]).all()
     model.zero_grad(set_to_none=True)
     counter.tokens = 0
@@ -186,8 +187,13 @@ def test_trailing_tokens_after_last_loss_are_never_forwarded():
     w[3:10] = 1.0  # last loss token at index 9: inputs 0..8 only
     counter = CountTokens(model)
     r = stream_backward(model, [seq], [w], block_size=4)
-    assert counter.tokens == 2 * 9
+    assert counter.tokens == 8 + 9  # prefill [0, 8) (the tail [8, 9) is read by no one), backward [0, 9)
     assert r.stats.tree_tokens == 9 and r.stats.backward_tokens == 9
+    # an objective that reads every log-prob in setup gets a prefill of the whole tree
+    model.zero_grad(set_to_none=True)
+    counter.tokens = 0
+    r = stream_backward(model, [seq], objective=EntropyAndSeqRatio([seq]), block_size=4)
+    assert r.stats.prefill_tokens == 63 and counter.tokens == 2 * 63  # inputs 0..62
 
 
 def test_sliding_window_skips_history_it_cannot_see():
@@ -244,7 +250,9 @@ def test_logits_only_for_predicting_positions():
     model.lm_head.register_forward_hook(lambda m, i, o: rows.append(o.reshape(-1, o.shape[-1]).shape[0]))
     stream_backward(model, seqs, weights, block_size=8, batch_tokens=8)
     assert max(rows) <= 8  # one row × one block
-    assert sum(rows) == 2 * 2 * 20  # prefill + backward, 20 targets per sequence
+    # 20 targets per sequence in the backward; the prefill skips each sequence's last chunk [48, 49),
+    # whose K/V no block reads, and with it the one target it predicts
+    assert sum(rows) == 2 * 20 + 2 * 19
 
 
 def test_kv_from_caller_skips_the_prefill():
