@@ -71,10 +71,10 @@ def main(quick=False):
                 return go
 
             # the streamed batches hold as many tokens as one reference sequence (L)
-            t_ref = common.timed(run(reference_backward), 2)
-            t_st = common.timed(run(stream_backward, batch_tokens=L), 2)
-            t_kv = common.timed(run(stream_backward, batch_tokens=L, kv=caches), 2)
-            t_lp = common.timed(lambda: logprob_pass(model, seqs), 2)
+            t = common.timed_side_by_side({
+                "ref": run(reference_backward), "stream": run(stream_backward, batch_tokens=L),
+                "kv": run(stream_backward, batch_tokens=L, kv=caches), "lp": lambda: logprob_pass(model, seqs)})
+            t_ref, t_st, t_kv, t_lp = t["ref"], t["stream"], t["kv"], t["lp"]
             bound = G * (P + S) / (P + G * S)
             mem = {m: common.peak_in_subprocess("bench.bench_prefix", {"G": G, "L": L, "share": share, "method": m, "threads": 2})
                    for m in ("reference", "stream")}

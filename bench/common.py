@@ -36,6 +36,18 @@ def timed(fn, repeats=3):
     return best
 
 
+def timed_side_by_side(fns: dict, rounds=3) -> dict:
+    """Best wall time of each function over `rounds` round-robin rounds: a slow spell of the
+    machine hits every method, not one."""
+    best = {k: float("inf") for k in fns}
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            best[k] = min(best[k], time.perf_counter() - t)
+    return best
+
+
 def maxrss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
