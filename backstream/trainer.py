@@ -184,8 +184,11 @@ class Trainer:
         self.rewards = Rewards(cfg.reward)
         self.opt, self.sched = make_optimizer(cfg.optim, self.model.parameters())
         self.ref = None
-        if ac.kl_reference and cfg.model.lora_r == 0:
-            self.ref, _ = load_model(dataclass_replace(cfg.model, lora_r=0), self.device)
+        if ac.kl_reference and cfg.model.lora_r == 0:  # (with LoRA the base model is the reference)
+            if model is not None:
+                self.ref = copy.deepcopy(self.model)  # before any update: the initial policy
+            else:
+                self.ref, _ = load_model(dataclass_replace(cfg.model, lora_r=0), self.device)
             self.ref.requires_grad_(False)
         self.stream = datamod.PromptStream(len(self.examples), tc.seed)
         self.gen = torch.Generator().manual_seed(tc.seed)

@@ -233,3 +233,14 @@ def test_other_optimizers(tmp_path, name):
         assert any(float(v.abs().sum()) > 0 for k, v in after.items() if "lora_B" in k)
     else:
         assert rel(after, before) > 0
+
+
+@pytest.mark.parametrize("lora", [0, 4])
+def test_kl_to_the_reference_policy(tmp_path, lora):
+    model, tok = tiny(torch.float32)
+    run = trainer.train(run_cfg(tmp_path, f"kl{lora}", 'model.dtype="float32"', "algorithm.kl_reference=true",
+                                "loss.kl_coef=0.1", f"model.lora_r={lora}", "train.steps=3",
+                                "reward.functions=['rewards_for_tests:count_digits']"), model=model, tokenizer=tok)
+    rows = [json.loads(x) for x in open(os.path.join(run, "metrics.jsonl"))]
+    assert rows[0]["loss/kl"] == pytest.approx(0.0, abs=1e-6)  # the policy starts at the reference
+    assert rows[-1]["loss/kl"] > 0
