@@ -345,7 +345,7 @@ def _objective_from(weights, objective) -> Objective:
 
 
 class _Engine:
-    def __init__(self, model, sequences, objective, block_size, batch_tokens, kernel, pad_id):
+    def __init__(self, model, sequences, block_size, batch_tokens, kernel, pad_id):
         self.model = model
         self.base = _base_model(model)
         self.device = next(model.parameters()).device
@@ -353,7 +353,6 @@ class _Engine:
         self.kernel = kernel
         self.pad_id = pad_id
         self.block_size, self.batch_tokens = block_size, batch_tokens
-        self.sequences = sequences
         self.has_logits_to_keep = "logits_to_keep" in inspect.signature(self.base.forward).parameters
         self.offsets_t = torch.tensor(flat_offsets([len(s) for s in sequences]), dtype=torch.long)
         self.kv: dict[int, list[list[Tensor]]] = {}  # node → layer → [K, V] of shape [Hkv, len, D]
@@ -608,7 +607,7 @@ def _run(model, sequences, obj, *, block_size, batch_tokens, memory_budget, kv, 
     p = plan(model, tree, block_size=block_size, batch_tokens=batch_tokens, memory_budget=memory_budget)
     stats.block_size, stats.batch_tokens, stats.peak_bytes_predicted = p.block_size, p.batch_tokens, p.peak_bytes
 
-    eng = _Engine(model, seqs_cpu, obj, p.block_size, p.batch_tokens, kernel, pad_id=0)
+    eng = _Engine(model, seqs_cpu, p.block_size, p.batch_tokens, kernel, pad_id=0)
     eng.tree = tree
     lp_dtype = torch.promote_types(eng.dtype, torch.float32)
     lps = [torch.full((len(s),), math.nan, dtype=lp_dtype) for s in seqs_cpu]

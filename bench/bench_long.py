@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from backstream import estimate, reference_backward, stream_backward
+from backstream import reference_backward, stream_backward
 from bench import common
 
 
