@@ -36,6 +36,7 @@ from transformers.cache_utils import Cache
 
 from backstream.attention import Part, merged_attention
 from backstream.objective import BlockView, Objective, TokenWeights, flat_offsets
+from backstream.router import RouterBalance, moe_spec
 from backstream.tree import TokenTree
 
 ATTN_NAME = "backstream"
@@ -58,6 +59,7 @@ class StreamStats:
     peak_bytes_predicted: int = 0
     prefill_s: float = 0.0
     backward_s: float = 0.0
+    router_aux_loss: float | None = None  # the load-balancing loss at the current weights (when on)
 
 
 @dataclass
@@ -133,6 +135,7 @@ class _Batch:
         self.cache = _BlockCache(self.p0)
         self.attn_calls = 0
         self.hooks = []
+        self.router: tuple | None = None  # (router logits per layer [R, E], multiplicity [R]) of the real tokens
 
     def history_parts(self, layer: int, key: Tensor, value: Tensor, window: int | None) -> list[Part]:
         eng, tree = self.engine, self.engine.tree
@@ -190,6 +193,7 @@ class _Batch:
             h.remove()
         self.hooks.clear()
         self.cache.new.clear()
+        self.router = None
 
     def forward(self, with_logits: bool):
         """Run the model on the batch; returns (outputs, keep mask [B, Q] of predicting positions)."""
@@ -209,6 +213,8 @@ class _Batch:
         kwargs = dict(input_ids=ids, position_ids=self.qpos[None], past_key_values=self.cache, use_cache=True)
         if eng.has_logits_to_keep:
             kwargs["logits_to_keep"] = keep
+        if eng.router is not None:
+            kwargs["output_router_logits"] = True
         _ACTIVE.append(self)
         try:
             out = eng.model(**kwargs)
@@ -220,7 +226,27 @@ class _Batch:
                 f"model: {type(eng.model).__name__} did not route attention through transformers' "
                 "AttentionInterface and the Cache passed as past_key_values; stream_backward needs both"
             )
+        if eng.router is not None:
+            self.router = self._router_rows(getattr(out, "router_logits", None), B)
         return logits, keep
+
+    def _router_rows(self, router_logits, B: int) -> tuple:
+        """The router logits of the batch's real tokens and how many sequences contain each."""
+        eng = self.engine
+        if not router_logits:
+            raise TypeError(f"objective.router_aux_coef: {type(eng.model).__name__} returned no router logits "
+                            "with output_router_logits=True")
+        mult = torch.zeros((B, self.Q), dtype=torch.float64)
+        for r, row in enumerate(self.rows):
+            mult[r, : row.hi - row.lo] = eng.router_mult[row.node][row.lo:row.hi]
+        mult = mult.flatten()
+        idx = torch.nonzero(mult > 0).flatten()
+        for x in router_logits:
+            if x.dim() != 2 or x.shape[0] != B * self.Q:
+                raise TypeError(f"objective.router_aux_coef: expected router logits of shape [{B * self.Q}, experts] "
+                                f"per layer, got {tuple(x.shape)}")
+        idx_d = idx.to(eng.device)
+        return [x[idx_d] for x in router_logits], mult[idx]
 
     def view(self, logits_PV: Tensor, keep: Tensor) -> BlockView | None:
         """Targets of this batch, mapped to rows of logits_PV (row-major order of `keep`)."""
@@ -359,6 +385,8 @@ class _Engine:
         self.g: dict[int, dict[int, list[Tensor | None]]] = {}  # node → layer → [gK, gV] fp32
         self.touched: dict[int, dict[int, Tensor]] = {}  # node → layer → bool [len]: pending K/V gradient
         self.tree: TokenTree | None = None
+        self.router: RouterBalance | None = None  # the load-balancing loss, when the objective has one
+        self.router_mult: dict[int, Tensor] = {}  # node → float64 [len]: sequences containing each token
 
     # -- schedule ---------------------------------------------------------------------------
     def batches(self) -> list[tuple[int, list[_Row]]]:
@@ -402,6 +430,8 @@ class _Engine:
         return any(bool(t[row.lo:row.hi].any()) for t in masks)
 
     def needs_work(self, row: _Row) -> bool:
+        if self.router is not None:
+            return True  # every token has a router term
         tg = self.tree.targets.get(row.node)
         if tg is not None and any(row.lo <= o < row.hi for o in tg.offset):
             return True
@@ -437,6 +467,8 @@ class _Engine:
                 batch = _Batch(self, parent, rows)
                 logits, keep = batch.forward(with_logits=True)
                 self.store_kv(batch)
+                if self.router is not None:
+                    self.router.count(*batch.router)
                 view = batch.view(logits, keep)
                 if view is not None:
                     self.record(view, logprobs)
@@ -460,13 +492,17 @@ class _Engine:
             logits, keep = batch.forward(with_logits=True)
             roots, seeds = [], []
             view = batch.view(logits, keep)
+            loss = None
             if view is not None:
                 loss = objective.block_loss(view)
                 if record:
                     self.record(view, logprobs)
-                if loss.requires_grad:
-                    roots.append(loss)
-                    seeds.append(torch.ones_like(loss))
+            if self.router is not None:
+                term = self.router.block_term(*batch.router)
+                loss = term if loss is None else loss + term
+            if loss is not None and loss.requires_grad:
+                roots.append(loss)
+                seeds.append(torch.ones_like(loss))
             for layer, kv in batch.cache.new.items():
                 for j, x in enumerate(kv):
                     if not x.requires_grad:
@@ -485,7 +521,7 @@ class _Engine:
             if roots:
                 torch.autograd.backward(roots, seeds)
             batch.release()
-            del roots, seeds, view, logits
+            del roots, seeds, view, logits, loss
             # the accumulators of these positions are spent; free what no other row needs
             for row in work:
                 if row.lo == 0:
@@ -592,13 +628,17 @@ def _run(model, sequences, obj, *, block_size, batch_tokens, memory_budget, kv, 
         raise ValueError("objective.active: must return one bool tensor per sequence, of the sequence's shape")
     if any(bool(a[0]) for a in active):
         raise ValueError("objective.active: index 0 has no prediction and cannot be active")
+    router = _router_balance(model, obj, kv, backward)
 
     seqs_cpu = [s.detach().to("cpu", torch.long) for s in sequences]
     active = [a.detach().to("cpu", torch.bool) for a in active]
     inputs = []
     for s, a in zip(seqs_cpu, active):
         nz = torch.nonzero(a)
-        inputs.append(s[: int(nz[-1])].tolist() if len(nz) else [])
+        if router is not None:
+            inputs.append(s.tolist())  # the router loss reads every token of every sequence
+        else:
+            inputs.append(s[: int(nz[-1])].tolist() if len(nz) else [])
     tree = TokenTree(inputs)
     tree.add_targets(seqs_cpu, active)
 
@@ -609,12 +649,14 @@ def _run(model, sequences, obj, *, block_size, batch_tokens, memory_budget, kv, 
 
     eng = _Engine(model, seqs_cpu, p.block_size, p.batch_tokens, kernel, pad_id=0)
     eng.tree = tree
+    if router is not None:
+        eng.router, eng.router_mult = router, _multiplicities(tree, inputs)
     lp_dtype = torch.promote_types(eng.dtype, torch.float32)
     lps = [torch.full((len(s),), math.nan, dtype=lp_dtype) for s in seqs_cpu]
     if kv is not None:
         _prepare_kv(eng, kv, sequences)
     # the objective may read every log-prob in `setup` (sequence-level statistics, ...)
-    all_lp = not backward or obj.needs_prefill_logprobs
+    all_lp = not backward or obj.needs_prefill_logprobs or router is not None
     with _use_backstream_attention(model):
         t = time.perf_counter()
         if kv is None:
@@ -622,8 +664,34 @@ def _run(model, sequences, obj, *, block_size, batch_tokens, memory_budget, kv, 
         stats.prefill_s = time.perf_counter() - t
         if not backward:
             return StreamResult(logprobs=lps, stats=stats)
+        if router is not None:
+            router.finish()
+            stats.router_aux_loss = router.value
         obj.setup([x.clone() for x in lps] if kv is None else None)
         t = time.perf_counter()
         eng.backward(obj, lps, stats, record=kv is not None or not all_lp)
         stats.backward_s = time.perf_counter() - t
     return StreamResult(logprobs=lps, stats=stats)
+
+
+def _router_balance(model, obj: Objective, kv, backward: bool) -> RouterBalance | None:
+    coef = getattr(obj, "router_aux_coef", 0.0)
+    if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not math.isfinite(coef) or coef < 0:
+        raise ValueError(f"objective.router_aux_coef: expected a finite number >= 0, got {coef!r}")
+    if not backward or coef == 0:
+        return None
+    experts, top_k = moe_spec(model, "objective.router_aux_coef")
+    if kv is not None:
+        raise ValueError("kv: the router load-balancing loss needs the routing counts of every token, which "
+                         "only the prefill gives; do not pass kv= (trainer: engine.reuse_rollout_kv = false)")
+    return RouterBalance(float(coef), experts, top_k)
+
+
+def _multiplicities(tree: TokenTree, inputs: list[list[int]]) -> dict[int, Tensor]:
+    """Per node, how many sequences contain each of its tokens (a path may end inside a node)."""
+    mult = {n.id: torch.zeros(len(n.tokens), dtype=torch.float64) for n in tree.nodes}
+    for toks, path in zip(inputs, tree.paths):
+        for n in path:
+            node = tree.nodes[n]
+            mult[n][: min(len(node.tokens), len(toks) - node.start)] += 1
+    return mult

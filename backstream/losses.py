@@ -71,12 +71,17 @@ class _Common:
     """Weight of the entropy bonus (subtracted from the loss)."""
     temperature: float = 1.0
     """Logits are divided by this before the softmax; must equal the sampling temperature."""
+    router_aux_coef: float = 0.0
+    """MoE models: weight of the router load-balancing loss over every token of the minibatch
+    (transformers' aux loss; the model config's router_aux_loss_coef is the usual value). 0 = off."""
 
     def _check(self, name: str) -> None:
         if self.kl_estimator not in ("k1", "k3"):
             raise ValueError(f"loss.kl_estimator: got {self.kl_estimator!r}, expected 'k1' or 'k3'")
         if self.kl_coef < 0 or self.entropy_coef < 0:
             raise ValueError("loss.kl_coef / loss.entropy_coef: expected numbers >= 0")
+        if not (self.router_aux_coef >= 0 and math.isfinite(self.router_aux_coef)):
+            raise ValueError(f"loss.router_aux_coef: got {self.router_aux_coef}, expected a finite number >= 0")
         if not self.temperature > 0:
             raise ValueError(f"loss.temperature: got {self.temperature}, expected > 0")
         if not (self.eps_low >= 0 and self.eps_high >= 0):
@@ -155,6 +160,7 @@ class PolicyObjective(Objective):
         if config.kl_coef > 0 and ref_logprobs is None:
             raise ValueError("ref_logprobs: required when loss.kl_coef > 0")
         self.cfg = config
+        self.router_aux_coef = config.router_aux_coef
         self.lengths = [len(s) for s in sequences]
         self.offsets = flat_offsets(self.lengths)
         self.mask = [m.to("cpu", torch.bool) for m in completion_mask]

@@ -91,6 +91,12 @@ class Objective:
         """
         raise NotImplementedError
 
+    router_aux_coef: float = 0.0
+    """Coefficient of the MoE router load-balancing loss (`backstream.router`), added to the total
+    over every input token of every sequence, a shared prefix counted once per sequence that
+    contains it. 0 = off. When > 0 the model must be an MoE, every token is forwarded (the
+    routing counts need them all) and the K/V cannot come from the caller."""
+
     needs_prefill_logprobs: bool = True
     """Whether `setup` reads the log-probs of every active target. When False, the prefill skips
     the chunks whose K/V no later block reads (a response's tail), and `setup` sees NaN there."""
@@ -110,8 +116,9 @@ class TokenWeights(Objective):
 
     needs_prefill_logprobs = False
 
-    def __init__(self, weights: list[Tensor]):
+    def __init__(self, weights: list[Tensor], *, router_aux_coef: float = 0.0):
         self.weights = weights
+        self.router_aux_coef = router_aux_coef
         self._flat = torch.cat([w.reshape(-1) for w in weights]).to(torch.float64) if weights else None
 
     def active(self, sequences: list[Tensor]) -> list[Tensor]:

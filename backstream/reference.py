@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from backstream.engine import (StreamResult, StreamStats, _objective_from, check_model, validate_sequences,
                                validate_weights)
 from backstream.objective import BlockView, Objective, flat_offsets
+from backstream.router import load_balancing_loss, moe_spec
 
 
 def _sequence_view(logits_LV: Tensor, seq: Tensor, act: Tensor, i: int, offset: int) -> BlockView | None:
@@ -35,7 +36,9 @@ def reference_backward(model: nn.Module, sequences: list[Tensor], weights: list[
     """p.grad += ∂/∂p Σ_i Σ_t weights[i][t] · log πθ(x_i[t] | x_i[:t]), computed the obvious way.
 
     With `objective`, its `setup` gets the log-probs of a no-grad pass first (as the streamed
-    engine's prefill provides), then each sequence is one view.
+    engine's prefill provides), then each sequence is one view. With `objective.router_aux_coef`
+    > 0, every sequence is forwarded whole, the router logits of all of them are concatenated into
+    the textbook load-balancing loss, and one backward runs over everything.
     """
     validate_sequences(model, sequences)
     obj = _objective_from(weights, objective)
@@ -48,17 +51,27 @@ def reference_backward(model: nn.Module, sequences: list[Tensor], weights: list[
     logprobs = [torch.full((len(s),), math.nan, dtype=dtype) for s in sequences]
 
     keep_arg = "logits_to_keep" in inspect.signature(check_model(model).forward).parameters
+    coef = float(getattr(obj, "router_aux_coef", 0.0))
+    if coef < 0:
+        raise ValueError(f"objective.router_aux_coef: expected a finite number >= 0, got {coef!r}")
+    router = moe_spec(model, "objective.router_aux_coef") if coef > 0 else None
+    router_logits: list[tuple[Tensor, ...]] = []
 
     def views(grad: bool):
         for i, (seq, act) in enumerate(zip(sequences, active)):
-            if not act.any():
+            if not act.any() and not (grad and router):
                 continue
             # logits from the first predicting position on, as TRL's `logits_to_keep` does: the
             # prompt's [P × vocab] logits are not the cost this baseline should carry
-            kw = {"logits_to_keep": len(seq) - int(torch.nonzero(act)[0]) + 1} if keep_arg else {}
+            kw = {"logits_to_keep": len(seq) - int(torch.nonzero(act)[0]) + 1} if keep_arg and act.any() else {}
+            if grad and router:
+                kw["output_router_logits"] = True
             with torch.set_grad_enabled(grad):
-                logits = model(input_ids=seq.to(device)[None], **kw).logits[0]
-            yield i, _sequence_view(logits, seq, act, i, offsets[i])
+                out = model(input_ids=seq.to(device)[None], **kw)
+            if grad and router:
+                router_logits.append(tuple(out.router_logits))
+            if act.any():
+                yield i, _sequence_view(out.logits[0], seq, act, i, offsets[i])
 
     # an objective with batch statistics needs the log-probs of every sequence before any
     # backward: one more no-grad pass, as the streamed engine's prefill provides
@@ -66,12 +79,21 @@ def reference_backward(model: nn.Module, sequences: list[Tensor], weights: list[
         for i, view in views(grad=False):
             logprobs[i][view.tok_N.cpu()] = view.logprobs().detach().cpu().to(dtype)
         obj.setup([x.clone() for x in logprobs])
-    tokens = 0
+    tokens, total = 0, []
     for i, view in views(grad=True):
         loss = obj.block_loss(view)
         logprobs[i][view.tok_N.cpu()] = view.logprobs().detach().cpu().to(dtype)
-        if loss.requires_grad:
+        if router:
+            total.append(loss)  # one backward at the end: the router loss couples the sequences
+        elif loss.requires_grad:
             loss.backward()
         tokens += len(sequences[i])
     stats = StreamStats(sequences=len(sequences), input_tokens=tokens, backward_tokens=tokens)
+    if router:
+        per_layer = tuple(torch.cat(layer, dim=0) for layer in zip(*router_logits))
+        aux = load_balancing_loss(per_layer, *router)
+        stats.router_aux_loss = float(aux.detach())
+        loss = coef * aux + sum(total)
+        if loss.requires_grad:
+            loss.backward()
     return StreamResult(logprobs=logprobs, stats=stats)

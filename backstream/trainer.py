@@ -28,6 +28,7 @@ from backstream.engine import logprobs as engine_logprobs, stream_backward
 from backstream.losses import build_objective, drgrpo_advantages, grpo_advantages, rloo_advantages
 from backstream.metrics import Logger
 from backstream.reference import reference_backward
+from backstream.router import moe_spec
 from backstream.rewards import Rewards
 from backstream.rollout import Rollout, generate
 
@@ -156,6 +157,8 @@ class Trainer:
         if cfg.engine.reuse_rollout_kv and ac.epochs * ac.minibatches != 1:
             raise ValueError("engine.reuse_rollout_kv: the rollout's K/V are stale after the first optimizer step; "
                              "it needs algorithm.epochs = algorithm.minibatches = 1")
+        if cfg.loss.router_aux_coef > 0 and cfg.engine.reuse_rollout_kv:
+            raise ValueError("loss.router_aux_coef > 0 needs the prefill's routing counts; set engine.reuse_rollout_kv = false")
         if getattr(cfg.loss, "kl_coef", 0.0) > 0 and not ac.kl_reference:
             raise ValueError("loss.kl_coef > 0 needs algorithm.kl_reference = true (a frozen reference policy)")
         t_loss = getattr(cfg.loss, "temperature", 1.0)
@@ -173,6 +176,8 @@ class Trainer:
             if tokenizer is None:
                 raise ValueError("tokenizer: required when a model object is passed")
             self.model, self.tok = apply_lora(model.to(self.device, DTYPES[cfg.model.dtype]).eval(), cfg.model), tokenizer
+        if cfg.loss.router_aux_coef > 0:
+            moe_spec(self.model, "loss.router_aux_coef")
         self.examples, source = load_data(cfg.data, tc.seed)
         self.prompts = datamod.encode_prompts(self.examples, self.tok, cfg.data.max_prompt_tokens)
         self.prompt_text = [datamod.render_prompt(e["prompt"], self.tok) for e in self.examples]
@@ -345,6 +350,8 @@ class Trainer:
                 times["optim"] += time.perf_counter() - t
                 for k, v in obj.metrics().items():
                     loss_metrics.setdefault(k, []).append(v)
+                if res.stats.router_aux_loss is not None:
+                    loss_metrics.setdefault("router_aux", []).append(res.stats.router_aux_loss)
                 loss_metrics.setdefault("grad_norm", []).append(gn)
         for k, v in loss_metrics.items():
             metrics[f"loss/{k}" if k != "grad_norm" else "optim/grad_norm"] = float(sum(v) / len(v))

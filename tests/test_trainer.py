@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 from models import exact_norms
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from backstream import checkpoint, config, trainer
 from backstream.default_model import build_tokenizer
@@ -24,6 +24,17 @@ def tiny(dtype=torch.float64, seed=0):
                       tie_word_embeddings=True, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     model = Qwen3ForCausalLM(cfg).to(dtype).eval()
     return (exact_norms(model) if dtype == torch.float64 else model), tok
+
+
+def tiny_moe(seed=0):
+    tok = build_tokenizer()
+    torch.manual_seed(seed)
+    cfg = Qwen3MoeConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
+                         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, decoder_sparse_step=1,
+                         tie_word_embeddings=True, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    cfg._experts_implementation = "eager"  # grouped_mm has no float64 CPU kernel
+    return exact_norms(Qwen3MoeForCausalLM(cfg).to(torch.float64).eval()), tok
 
 
 def run_cfg(tmp_path, name, *extra):
@@ -54,6 +65,33 @@ def test_streamed_and_reference_runs_agree_float64(tmp_path, extra):
     start = weights(tiny()[0])
     assert rel(results["stream"], start) > 1e-4  # the runs did train
     assert rel(results["stream"], results["reference"]) <= 1e-10
+
+
+def test_moe_router_loss_runs_agree_float64(tmp_path):
+    """The MoE load-balancing loss in the loop: streamed and reference engines, same weights."""
+    results, logged = {}, {}
+    for backward in ("stream", "reference"):
+        model, tok = tiny_moe()
+        run = trainer.train(run_cfg(tmp_path, backward, f'engine.backward="{backward}"', "engine.block_size=3",
+                                    "loss.router_aux_coef=0.5"), model=model, tokenizer=tok)
+        results[backward] = weights(model)
+        logged[backward] = [json.loads(x)["loss/router_aux"] for x in open(os.path.join(run, "metrics.jsonl"))]
+    assert rel(results["stream"], weights(tiny_moe()[0])) > 1e-4
+    assert rel(results["stream"], results["reference"]) <= 1e-10
+    assert len(logged["stream"]) == 3 and all(v > 1.0 for v in logged["stream"])
+    assert max(abs(a - b) for a, b in zip(logged["stream"], logged["reference"])) <= 1e-10
+
+
+def test_router_loss_on_a_dense_model_is_refused(tmp_path):
+    model, tok = tiny(torch.float32)
+    cfg = run_cfg(tmp_path, "run", 'model.dtype="float32"', "loss.router_aux_coef=0.01")
+    with pytest.raises(ValueError, match="loss.router_aux_coef: Qwen3ForCausalLM is not a mixture-of-experts"):
+        trainer.train(cfg, model=model, tokenizer=tok)
+    assert _no_run_written(tmp_path / "run")
+    cfg = run_cfg(tmp_path, "run", "loss.router_aux_coef=0.01", "engine.reuse_rollout_kv=true")
+    with pytest.raises(ValueError, match="router_aux_coef.*reuse_rollout_kv = false"):
+        trainer.train(cfg, model=tiny_moe()[0], tokenizer=tok)
+    assert _no_run_written(tmp_path / "run")
 
 
 def test_rollout_kv_reuse_gives_the_same_run(tmp_path):

@@ -1,0 +1,88 @@
+"""The MoE router load-balancing loss (Switch Transformer eq. 4–6, as transformers computes it).
+
+Over all router layers l and all input tokens t of all sequences (N = Σ_i len_i rows per layer):
+
+    f_e = (1 / (L·N)) Σ_{l,t} #{e ∈ topk(p_{l,t})}      P_e = (1 / (L·N)) Σ_{l,t} p_{l,t,e}
+    aux = E · Σ_e f_e · P_e,            p_{l,t} = softmax(router logits of token t at layer l)
+
+f_e is a count: it has no gradient. So ∂aux = Σ_{l,t} Σ_e (E·f_e / (L·N)) ∂p_{l,t,e}: a per-token
+term with coefficients fixed before any block runs (DESIGN §3). The streamed engine takes f_e from
+its prefill, where a token of a shared prefix stands for every sequence that contains it
+(multiplicity m_t), exactly as the per-sequence computation counts it once per sequence.
+
+`load_balancing_loss` is the naive reference: concatenate the rows, softmax, one-hot, mean.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+
+def moe_spec(model: nn.Module, what: str = "router_aux_coef") -> tuple[int, int]:
+    """(num_experts, top_k) of a transformers MoE causal LM, or a clear error."""
+    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    cfg = base.config.get_text_config()
+    experts = next((getattr(cfg, k) for k in ("num_experts", "num_local_experts", "n_routed_experts")
+                    if isinstance(getattr(cfg, k, None), int)), None)
+    top_k = getattr(cfg, "num_experts_per_tok", None)
+    if not experts or not isinstance(top_k, int) or not hasattr(cfg, "output_router_logits"):
+        raise ValueError(
+            f"{what}: {type(base).__name__} is not a mixture-of-experts model with router logits "
+            "(config needs num_experts, num_experts_per_tok and output_router_logits); set it to 0"
+        )
+    return experts, top_k
+
+
+def load_balancing_loss(router_logits: tuple[Tensor, ...] | list[Tensor], num_experts: int, top_k: int) -> Tensor:
+    """The textbook loss over router logits of shape [rows, E] per layer (all rows count)."""
+    logits = torch.cat(list(router_logits), dim=0)
+    probs = torch.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+    chosen = torch.topk(probs, top_k, dim=-1).indices
+    mask = torch.nn.functional.one_hot(chosen, num_experts).to(probs.dtype)  # [rows, k, E]
+    tokens_per_expert = mask.mean(0)  # [k, E]
+    prob_per_expert = probs.mean(0)  # [E]
+    return num_experts * (tokens_per_expert * prob_per_expert[None]).sum()
+
+
+class RouterBalance:
+    """Streamed form: `count` every block batch in the prefill, `finish`, then `block_term` in
+    every backward block. `mult_R` weighs each row by the sequences that contain that token
+    (0 for padding)."""
+
+    def __init__(self, coef: float, num_experts: int, top_k: int):
+        self.coef, self.E, self.k = coef, num_experts, top_k
+        self.counts = torch.zeros(num_experts, dtype=torch.float64)
+        self.prob_sum = torch.zeros(num_experts, dtype=torch.float64)
+        self.rows = 0.0  # Σ over layers of Σ m_t
+        self.token_coef: Tensor | None = None
+        self.value: float | None = None
+
+    def _probs(self, logits: Tensor) -> Tensor:
+        if logits.dim() != 2 or logits.shape[-1] != self.E:
+            raise ValueError(f"router_aux_coef: expected router logits of shape [tokens, {self.E}], got {tuple(logits.shape)}")
+        return torch.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+
+    def count(self, router_logits, mult_R: Tensor) -> None:
+        for logits in router_logits:
+            p = self._probs(logits.detach())
+            m = mult_R.to(p.device, torch.float64)
+            chosen = torch.topk(p, self.k, dim=-1).indices  # [R, k]
+            self.counts += torch.zeros(self.E, dtype=torch.float64, device=p.device).scatter_add_(
+                0, chosen.reshape(-1), m.repeat_interleave(self.k)).cpu()
+            self.prob_sum += (p.double() * m[:, None]).sum(0).cpu()
+            self.rows += float(m.sum())
+
+    def finish(self) -> None:
+        f = self.counts / self.rows
+        self.value = float(self.E * (f * self.prob_sum / self.rows).sum())
+        self.token_coef = self.coef * self.E * f / self.rows
+
+    def block_term(self, router_logits, mult_R: Tensor) -> Tensor:
+        out = None
+        for logits in router_logits:
+            p = self._probs(logits)
+            w = mult_R.to(p.device, p.dtype)[:, None] * self.token_coef.to(p.device, p.dtype)[None]
+            term = (p * w).sum()
+            out = term if out is None else out + term
+        return out
