@@ -141,9 +141,12 @@ class TrainConfig:
     keep_checkpoints: int = 2
     """Checkpoints kept in the run folder (oldest deleted first)."""
     log_tensorboard: bool = False
-    """Also log to TensorBoard (needs the tensorboard package)."""
+    """Also log to TensorBoard, in RUN_DIR/tensorboard (needs the tensorboard package)."""
     log_wandb: bool = False
-    """Also log to Weights & Biases (needs wandb)."""
+    """Also log to Weights & Biases (needs wandb; WANDB_MODE=offline works without an account).
+    A resumed run continues the same W&B run."""
+    wandb_project: str = "backstream"
+    """W&B project name."""
     progress: bool = True
     """One progress line per step on stderr."""
 

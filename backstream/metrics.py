@@ -9,27 +9,44 @@ from __future__ import annotations
 import json
 import os
 import sys
+import uuid
+
+
+def check_backends(tensorboard: bool, wandb: bool) -> None:
+    """Fail before the run folder is written if an asked-for backend is not installed."""
+    import importlib.util  # noqa: PLC0415
+
+    if tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise ValueError("train.log_tensorboard: needs `pip install tensorboard` (or 'backstream[log]'); or set it to false")
+    if wandb and importlib.util.find_spec("wandb") is None:
+        raise ValueError("train.log_wandb: needs `pip install wandb` (or 'backstream[log]'); or set it to false")
 
 
 class Logger:
     def __init__(self, run_dir: str, *, progress=True, tensorboard=False, wandb=False, config: dict | None = None,
-                 total_steps: int | None = None, append: bool = False):
+                 total_steps: int | None = None, append: bool = False, wandb_project: str = "backstream"):
+        check_backends(tensorboard, wandb)
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self.file = open(self.path, "a" if append else "w")
         self.progress, self.total = progress, total_steps
         self.tb = self.wb = None
         if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415
-            except ImportError:
-                raise ValueError("train.log_tensorboard: needs `pip install tensorboard`") from None
+            from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415
+
             self.tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
         if wandb:
-            try:
-                import wandb as wb  # noqa: PLC0415
-            except ImportError:
-                raise ValueError("train.log_wandb: needs `pip install wandb`") from None
-            self.wb = wb.init(project="backstream", config=config, dir=run_dir)
+            import wandb as wb  # noqa: PLC0415
+
+            # the run id lives in the run folder, so that --resume continues the same W&B run
+            id_path = os.path.join(run_dir, "wandb_id.txt")
+            if append and os.path.exists(id_path):
+                run_id = open(id_path).read().strip()
+            else:
+                run_id = uuid.uuid4().hex[:12]
+                with open(id_path, "w") as f:
+                    f.write(run_id + "\n")
+            self.wb = wb.init(project=wandb_project, id=run_id, resume="allow", config=config, dir=run_dir,
+                              name=os.path.basename(os.path.abspath(run_dir)))
 
     def log(self, metrics: dict) -> None:
         self.file.write(json.dumps(metrics) + "\n")

@@ -26,7 +26,7 @@ import torch
 from backstream import checkpoint, config as cfgmod, data as datamod
 from backstream.engine import logprobs as engine_logprobs, stream_backward
 from backstream.losses import build_objective, drgrpo_advantages, grpo_advantages, rloo_advantages
-from backstream.metrics import Logger
+from backstream.metrics import Logger, check_backends
 from backstream.reference import reference_backward
 from backstream.router import moe_spec
 from backstream.rewards import Rewards
@@ -157,6 +157,7 @@ class Trainer:
         if cfg.engine.reuse_rollout_kv and ac.epochs * ac.minibatches != 1:
             raise ValueError("engine.reuse_rollout_kv: the rollout's K/V are stale after the first optimizer step; "
                              "it needs algorithm.epochs = algorithm.minibatches = 1")
+        check_backends(tc.log_tensorboard, tc.log_wandb)
         if cfg.loss.router_aux_coef > 0 and cfg.engine.reuse_rollout_kv:
             raise ValueError("loss.router_aux_coef > 0 needs the prefill's routing counts; set engine.reuse_rollout_kv = false")
         if getattr(cfg.loss, "kl_coef", 0.0) > 0 and not ac.kl_reference:
@@ -207,7 +208,7 @@ class Trainer:
             with open(os.path.join(self.run_dir, "config.toml"), "w") as f:
                 f.write(to_toml(cfg.to_dict()))
         self.logger = Logger(self.run_dir, progress=tc.progress, tensorboard=tc.log_tensorboard, wandb=tc.log_wandb,
-                             config=cfg.to_dict(), total_steps=tc.steps, append=resume)
+                             config=cfg.to_dict(), total_steps=tc.steps, append=resume, wandb_project=tc.wandb_project)
         self._stop = False
 
     # -- checkpoints ----------------------------------------------------------------------------

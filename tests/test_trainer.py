@@ -282,3 +282,34 @@ def test_kl_to_the_reference_policy(tmp_path, lora):
     rows = [json.loads(x) for x in open(os.path.join(run, "metrics.jsonl"))]
     assert rows[0]["loss/kl"] == pytest.approx(0.0, abs=1e-6)  # the policy starts at the reference
     assert rows[-1]["loss/kl"] > 0
+
+
+def test_hub_id_loads_through_the_hub_cache(tmp_path):
+    """`model.name = "org/name"` goes through the Hub as for any user; here the Hub is a local cache
+    with HF_HUB_OFFLINE=1 (no network in tests), in a fresh process so the Hub settings apply."""
+    import subprocess
+    import sys
+
+    model, tok = tiny(torch.float32)
+    repo = tmp_path / "hub" / "models--acme--tiny-rl"
+    snap = repo / "snapshots" / ("0" * 40)
+    model.save_pretrained(snap)
+    tok.save_pretrained(snap)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0" * 40)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HOME": str(tmp_path / "hf")}
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "backstream.cli", "train", "--set", 'model.name="acme/tiny-rl"',
+           "--set", 'model.dtype="float32"', "--set", "train.steps=1", "--set", "train.prompts_per_step=2",
+           "--set", "rollout.group_size=2", "--set", "rollout.max_new_tokens=4", "--set", "train.progress=false",
+           "--set", f'train.output_dir="{out}"']
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert 'name = "acme/tiny-rl"' in (out / "config.toml").read_text()
+    assert Qwen3ForCausalLM.from_pretrained(checkpoint.latest(str(out))) is not None
+    # a hub id that is not in the cache: a clear error naming the key, nothing written
+    cmd[5] = 'model.name="acme/missing"'
+    cmd[-1] = f'train.output_dir="{tmp_path / "run2"}"'
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode != 0 and "model.name: cannot load 'acme/missing'" in res.stderr
+    assert _no_run_written(tmp_path / "run2")

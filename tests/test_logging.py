@@ -1,0 +1,99 @@
+"""Optional logging backends: TensorBoard scalars equal metrics.jsonl; W&B (offline) gets the same
+run id across a resume; a backend that is asked for but missing stops before anything is written."""
+
+import glob
+import importlib.util
+import json
+import os
+
+import pytest
+import torch
+from test_trainer import _no_run_written, run_cfg, tiny
+
+from backstream import trainer
+
+
+def _rows(run):
+    return [json.loads(x) for x in open(os.path.join(run, "metrics.jsonl"))]
+
+
+def test_tensorboard_scalars_match_metrics_jsonl(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    model, tok = tiny(torch.float32)
+    run = trainer.train(run_cfg(tmp_path, "tb", 'model.dtype="float32"', "train.steps=2", "train.log_tensorboard=true"),
+                        model=model, tokenizer=tok)
+    acc = EventAccumulator(os.path.join(run, "tensorboard"))
+    acc.Reload()
+    rows = _rows(run)
+    keys = [k for k in rows[0] if k != "step" and isinstance(rows[0][k], (int, float))]
+    assert {"reward/mean", "response_length/mean", "time/step", "optim/grad_norm"} <= set(keys)
+    assert set(acc.Tags()["scalars"]) == set(keys)
+    for key in keys:
+        events = acc.Scalars(key)
+        assert [e.step for e in events] == [1, 2]
+        for e, r in zip(events, rows):
+            assert e.value == pytest.approx(r[key], rel=1e-6, abs=1e-7)
+
+
+def test_wandb_offline_run_continues_on_resume(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    model, tok = tiny(torch.float32)
+    cfg = run_cfg(tmp_path, "wb", 'model.dtype="float32"', "train.steps=1", "train.log_wandb=true")
+    run = trainer.train(cfg, model=model, tokenizer=tok)
+    run_id = open(os.path.join(run, "wandb_id.txt")).read().strip()
+    model, tok = tiny(torch.float32)
+    trainer.train(resume=run, overrides=["train.steps=2"], model=model, tokenizer=tok)
+    logs = sorted(glob.glob(os.path.join(run, "wandb", "offline-run-*", f"run-{run_id}.wandb")))
+    assert len(logs) == 2  # two processes' worth of the same W&B run
+    for path in logs:
+        data = open(path, "rb").read()
+        assert b"reward/mean" in data and b"response_length/mean" in data
+
+
+def test_wandb_calls(tmp_path, monkeypatch):
+    """The W&B contract without the package: init with the run id kept in the run folder (resume
+    continues it), one log per step with that step, finish at the end."""
+    import sys
+    import types
+
+    calls = []
+
+    class Run:
+        def log(self, metrics, step):
+            calls.append(("log", step, metrics["reward/mean"]))
+
+        def finish(self):
+            calls.append(("finish",))
+
+    fake = types.SimpleNamespace(init=lambda **kw: calls.append(("init", kw)) or Run())
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    real_find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "wandb" else real_find(name, *a))
+    model, tok = tiny(torch.float32)
+    run = trainer.train(run_cfg(tmp_path, "wb", 'model.dtype="float32"', "train.steps=2", "train.log_wandb=true",
+                                'train.wandb_project="proj"'), model=model, tokenizer=tok)
+    model, tok = tiny(torch.float32)
+    trainer.train(resume=run, overrides=["train.steps=3"], model=model, tokenizer=tok)
+    inits = [c[1] for c in calls if c[0] == "init"]
+    run_id = open(os.path.join(run, "wandb_id.txt")).read().strip()
+    assert [(k["id"], k["project"], k["resume"]) for k in inits] == [(run_id, "proj", "allow")] * 2
+    assert inits[0]["config"]["optim"]["lr"] == 1e-2
+    rows = _rows(run)
+    assert [c for c in calls if c[0] == "log"] == [("log", r["step"], r["reward/mean"]) for r in rows]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert sum(c[0] == "finish" for c in calls) == 2
+
+
+@pytest.mark.parametrize("backend", ["tensorboard", "wandb"])
+def test_missing_backend_stops_before_writing(tmp_path, monkeypatch, backend):
+    real_find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == backend else real_find(name, *a))
+    model, tok = tiny(torch.float32)
+    key = "log_tensorboard" if backend == "tensorboard" else "log_wandb"
+    with pytest.raises(ValueError, match=f"train.{key}: needs `pip install {backend}`"):
+        trainer.train(run_cfg(tmp_path, "run", 'model.dtype="float32"', f"train.{key}=true"), model=model, tokenizer=tok)
+    assert _no_run_written(tmp_path / "run")
