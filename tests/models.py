@@ -7,8 +7,8 @@ HF's RMSNorm (and the Qwen3-MoE router's softmax) compute in float32 even in a f
 from __future__ import annotations
 
 import torch
-from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen3Config,
-                          Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
+from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig,
+                          MixtralForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 VOCAB = 61
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
@@ -31,7 +31,7 @@ def exact_norms(model):
                 h = h.reshape(-1, mod.hidden_dim)
                 logits = torch.nn.functional.linear(h, mod.weight)
                 top, idx = torch.topk(torch.softmax(logits, dim=-1), mod.top_k, dim=-1)
-                if mod.norm_topk_prob:
+                if getattr(mod, "norm_topk_prob", True):  # Mixtral's router always normalises
                     top = top / top.sum(dim=-1, keepdim=True)
                 return logits, top, idx
 
@@ -55,6 +55,10 @@ def make(family: str, dtype=torch.float64, seed: int = 0, window: int = 4):
                              moe_intermediate_size=16, decoder_sparse_step=1)
         cfg._experts_implementation = "eager"  # grouped_mm has no float64 CPU kernel
         model = Qwen3MoeForCausalLM(cfg)
+    elif family == "mixtral":
+        cfg = MixtralConfig(**{**COMMON, "intermediate_size": 16}, num_local_experts=4, num_experts_per_tok=2)
+        cfg._experts_implementation = "eager"
+        model = MixtralForCausalLM(cfg)
     else:
         raise KeyError(family)
     model = model.to(dtype).eval()
@@ -80,4 +84,5 @@ def lora(model, r: int = 4, seed: int = 1, layers=None):
     return pm
 
 
-FAMILIES = ["llama", "qwen3", "qwen3-mixed-window", "mistral-window", "qwen3-moe"]
+FAMILIES = ["llama", "qwen3", "qwen3-mixed-window", "mistral-window", "qwen3-moe", "mixtral"]
+MOE = ["qwen3-moe", "mixtral"]

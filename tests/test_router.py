@@ -3,7 +3,7 @@ engine (shared prefixes counted once per sequence that contains them) against th
 
 import pytest
 import torch
-from models import VOCAB, lora, make
+from models import MOE, VOCAB, lora, make
 from test_engine import group_batch
 from transformers.models.qwen3_moe import modeling_qwen3_moe
 
@@ -46,12 +46,13 @@ def test_naive_loss_is_transformers_loss():
     assert float(ours) > 1.0  # E·Σ f·P ≥ top_k·… > 1 unless perfectly balanced: a real value, not 0
 
 
+@pytest.mark.parametrize("family", MOE)
 @pytest.mark.parametrize("use_lora", [False, True])
 @pytest.mark.parametrize("block_size", [1, 3, 64])
-def test_streamed_router_loss_matches_reference(use_lora, block_size):
+def test_streamed_router_loss_matches_reference(family, use_lora, block_size):
     """Groups, a duplicate, a second turn, a one-token and zero-weight sequences: every token of
     every sequence counts, shared ones once per sequence."""
-    model = make("qwen3-moe")
+    model = make(family)
     if use_lora:
         model = lora(model)
     gen = torch.Generator().manual_seed(5)
