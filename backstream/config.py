@@ -148,7 +148,7 @@ class TrainConfig:
     wandb_project: str = "backstream"
     """W&B project name."""
     progress: bool = True
-    """One progress line per step on stderr."""
+    """Progress on stderr: a redrawing bar on a terminal, one line per step otherwise."""
 
     def __post_init__(self):
         _at_least("train.steps", self.steps, 1)

@@ -24,11 +24,18 @@ def check_backends(tensorboard: bool, wandb: bool) -> None:
 
 class Logger:
     def __init__(self, run_dir: str, *, progress=True, tensorboard=False, wandb=False, config: dict | None = None,
-                 total_steps: int | None = None, append: bool = False, wandb_project: str = "backstream"):
+                 total_steps: int | None = None, append: bool = False, wandb_project: str = "backstream",
+                 start_step: int = 0):
         check_backends(tensorboard, wandb)
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self.file = open(self.path, "a" if append else "w")
         self.progress, self.total = progress, total_steps
+        self.bar = None
+        if progress and getattr(sys.stderr, "isatty", lambda: False)():
+            # a terminal gets a redrawing bar; a log file gets one line per step
+            from tqdm import tqdm  # noqa: PLC0415
+
+            self.bar = tqdm(total=total_steps, initial=start_step, file=sys.stderr, unit="step", dynamic_ncols=True)
         self.tb = self.wb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415
@@ -58,7 +65,10 @@ class Logger:
                     self.tb.add_scalar(k, v, step)
         if self.wb is not None:
             self.wb.log(metrics, step=step)
-        if self.progress:
+        if self.bar is not None:
+            self.bar.update(step - self.bar.n)
+            self.bar.set_postfix_str(self.line(metrics).split(" | ", 1)[1])
+        elif self.progress:
             print(self.line(metrics), file=sys.stderr, flush=True)
 
     def line(self, m: dict) -> str:
@@ -70,6 +80,8 @@ class Logger:
 
     def close(self) -> None:
         self.file.close()
+        if self.bar is not None:
+            self.bar.close()
         if self.tb is not None:
             self.tb.close()
         if self.wb is not None:

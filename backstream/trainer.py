@@ -208,7 +208,8 @@ class Trainer:
             with open(os.path.join(self.run_dir, "config.toml"), "w") as f:
                 f.write(to_toml(cfg.to_dict()))
         self.logger = Logger(self.run_dir, progress=tc.progress, tensorboard=tc.log_tensorboard, wandb=tc.log_wandb,
-                             config=cfg.to_dict(), total_steps=tc.steps, append=resume, wandb_project=tc.wandb_project)
+                             config=cfg.to_dict(), total_steps=tc.steps, append=resume, wandb_project=tc.wandb_project,
+                             start_step=self.step)
         self._stop = False
 
     # -- checkpoints ----------------------------------------------------------------------------

@@ -97,3 +97,35 @@ def test_missing_backend_stops_before_writing(tmp_path, monkeypatch, backend):
     with pytest.raises(ValueError, match=f"train.{key}: needs `pip install {backend}`"):
         trainer.train(run_cfg(tmp_path, "run", 'model.dtype="float32"', f"train.{key}=true"), model=model, tokenizer=tok)
     assert _no_run_written(tmp_path / "run")
+
+
+class _Terminal:
+    """A stand-in stderr that says it is a terminal and keeps what is written."""
+
+    def __init__(self):
+        self.text = []
+
+    def write(self, s):
+        self.text.append(s)
+
+    def flush(self):
+        pass
+
+    def isatty(self):
+        return True
+
+
+def test_progress_bar_on_a_terminal_and_lines_otherwise(tmp_path, monkeypatch, capsys):
+    model, tok = tiny(torch.float32)
+    run = trainer.train(run_cfg(tmp_path, "lines", 'model.dtype="float32"', "train.steps=2", "train.progress=true"),
+                        model=model, tokenizer=tok)
+    err = capsys.readouterr().err
+    assert "step 1/2 | reward" in err and "step 2/2 | reward" in err and "backward" in err
+    term = _Terminal()
+    monkeypatch.setattr("sys.stderr", term)
+    model, tok = tiny(torch.float32)
+    trainer.train(resume=run, overrides=["train.steps=3"], model=model, tokenizer=tok)
+    out = "".join(term.text)
+    assert "\r" in out and "3/3" in out and "reward" in out and "tok/s" in out
+    assert "2/3" in out  # the bar starts at the resumed step
+    assert "step 3/3 |" not in out  # no plain lines on a terminal
