@@ -276,16 +276,19 @@ def load(path: str | None = None, overrides: list[str] = (), base: dict | None =
 
 
 def field_docs(cls: type) -> dict[str, str]:
-    """Attribute docstrings of a dataclass (the string right after each field)."""
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    except (OSError, TypeError):
-        return {}
-    body = tree.body[0].body
+    """Attribute docstrings of a dataclass (the string right after each field), inherited ones too."""
     docs = {}
-    for a, b in zip(body, body[1:]):
-        if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(getattr(b, "value", None), ast.Constant):
-            docs[a.target.id] = " ".join(str(b.value.value).split())
+    for klass in reversed(cls.__mro__):
+        if klass is object:
+            continue
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError):
+            continue
+        body = tree.body[0].body
+        for a, b in zip(body, body[1:]):
+            if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(getattr(b, "value", None), ast.Constant):
+                docs[a.target.id] = " ".join(str(b.value.value).split())
     return docs
 
 

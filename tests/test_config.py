@@ -45,6 +45,15 @@ def test_help_lists_every_key_with_its_doc():
         assert f"[{section}]" in text
     assert "lr = 0.0001" in text and "Peak learning rate." in text
     assert "group_size" in text and 'type = "gspo"' in text
+    # every key has its line of documentation, inherited ones (the losses' common keys) included
+    import dataclasses
+
+    for section, cls in config.SECTIONS.items():
+        for c in (config.LOSSES.values() if section == "loss" else [cls]):
+            docs = config.field_docs(c)
+            missing = [f.name for f in dataclasses.fields(c) if not docs.get(f.name)]
+            assert not missing, f"[{section}] {c.__name__}: no doc for {missing}"
+    assert "Weight of the KL penalty" in text and "router load-balancing loss" in text
 
 
 def test_resolved_config_round_trips(tmp_path):
