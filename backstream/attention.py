@@ -82,15 +82,29 @@ def _fold_mask(m_QK: Tensor | None, B: int, g: int, shared: bool) -> Tensor | No
     return m[None, None]
 
 
+def _repeat_heads(x: Tensor, g: int) -> Tensor:
+    return x if g == 1 else x.repeat_interleave(g, dim=1)
+
+
 class _FlashMerged(torch.autograd.Function):
+    """Parts marked `causal` in meta are a block's own keys at the queries' own positions with no
+    window cutting into them: the kernel's causal flag replaces a [Q × Q] mask (which, per layer,
+    would be kept for the backward and grow quadratically with the block)."""
+
     @staticmethod
     def forward(ctx, meta, q, *kv):
-        shared, masks, scale = meta
+        shared, masks, scale, causal = meta
         B, H, Q, D = q.shape
         hkv = kv[0].shape[1]
         g = H // hkv
         outs, lses = [], []
         for i, sh in enumerate(shared):
+            if causal[i]:
+                o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                    q, _repeat_heads(kv[2 * i], g), _repeat_heads(kv[2 * i + 1], g), 0.0, True, scale=scale)
+                outs.append(o)
+                lses.append(lse)
+                continue
             qf = _fold(q, hkv, sh)
             mf = _fold_mask(masks[i], B, g, sh)
             o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
@@ -112,7 +126,7 @@ class _FlashMerged(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_out):
-        shared, masks, scale = ctx.meta
+        shared, masks, scale, causal = ctx.meta
         q, out, lse_all, *kv = ctx.saved_tensors
         B, H, Q, D = q.shape
         hkv = kv[0].shape[1]
@@ -121,6 +135,14 @@ class _FlashMerged(torch.autograd.Function):
         dq = torch.zeros_like(q, dtype=torch.promote_types(q.dtype, torch.float32))
         dkv = []
         for i, sh in enumerate(shared):
+            if causal[i]:
+                dqi, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                    g_out, q, _repeat_heads(kv[2 * i], g), _repeat_heads(kv[2 * i + 1], g), out, lse_all,
+                    0.0, True, scale=scale)
+                dq += dqi
+                Lk = dk.shape[2]
+                dkv += [x.reshape(B, hkv, g, Lk, D).sum(2) for x in (dk, dv)]
+                continue
             lse_f = _fold(lse_all[..., None], hkv, sh)[..., 0]
             dqf, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 _fold(g_out, hkv, sh), _fold(q, hkv, sh), kv[2 * i], kv[2 * i + 1],
@@ -161,7 +183,11 @@ def merged_attention(q_BHQD: Tensor, parts: list[Part], qpos_Q: Tensor, scale: f
         kernel = "flash" if q_BHQD.device.type == "cpu" else "math"
     if kernel == "math":
         return merged_attention_math(q_BHQD, parts, qpos_Q, scale, window)
-    masks = [_mask(qpos_Q, p.kpos_K, p.causal, window, q_BHQD.dtype) for p in parts]
+    Q = q_BHQD.shape[2]
+    # the block's own keys at the queries' positions, no window shorter than the block: plain causal
+    causal = [p.causal and not p.shared and (window is None or window >= Q) and p.kpos_K.shape[0] == Q
+              and bool(torch.equal(p.kpos_K, qpos_Q)) for p in parts]
+    masks = [None if c else _mask(qpos_Q, p.kpos_K, p.causal, window, q_BHQD.dtype) for p, c in zip(parts, causal)]
     kv = [t.contiguous() for p in parts for t in (p.k, p.v)]
-    meta = ([p.shared for p in parts], masks, scale)
+    meta = ([p.shared for p in parts], masks, scale, causal)
     return _FlashMerged.apply(meta, q_BHQD.contiguous(), *kv)

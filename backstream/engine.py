@@ -503,6 +503,9 @@ class _Engine:
             if loss is not None and loss.requires_grad:
                 roots.append(loss)
                 seeds.append(torch.ones_like(loss))
+            # the [positions × vocab] logits (and the view's log-softmax) are not needed past this
+            # point unless autograd saved them: free them before the backward allocates its own
+            del view, logits, loss
             for layer, kv in batch.cache.new.items():
                 for j, x in enumerate(kv):
                     if not x.requires_grad:
@@ -521,7 +524,7 @@ class _Engine:
             if roots:
                 torch.autograd.backward(roots, seeds)
             batch.release()
-            del roots, seeds, view, logits, loss
+            del roots, seeds
             # the accumulators of these positions are spent; free what no other row needs
             for row in work:
                 if row.lo == 0:

@@ -74,8 +74,9 @@ def main():
                 "method": "stream+kv" if kv else "stream", "block": T, "time_s": round(r["time"], 2),
                 "time_x": round(r["time"] / ref["time"], 2), "peak_MiB": round(r["peak_growth"] / 2**20),
                 "peak_x": round(r["peak_growth"] / ref["peak_growth"], 3),
-                # the prediction counts weights and grads, which the RSS growth does not
-                "predicted_MiB": round((r["predicted"] - 2 * weights_bytes) / 2**20),
+                # the prediction counts the weights, which exist before the call; the gradients
+                # are allocated during it (zero_grad(set_to_none=True)), so both sides count them
+                "predicted_MiB": round((r["predicted"] - weights_bytes) / 2**20),
             })
             print(rows[-1], flush=True)
     print(common.table(rows, ["method", "block", "time_s", "time_x", "peak_MiB", "peak_x", "predicted_MiB"]))

@@ -54,3 +54,23 @@ def test_bf16_flash_close_to_float64():
     low = merged_attention(q.bfloat16(), mk(torch.bfloat16), qpos, 32**-0.5, None)
     assert low.dtype == torch.bfloat16
     assert (low.double() - exact).abs().max() < 0.05
+
+
+def test_causal_block_builds_no_mask(monkeypatch):
+    """The block's own keys use the kernel's causal flag: no [Q × Q] mask per layer (it would be kept
+    for the backward and grow with the square of the block); a window shorter than the block still
+    needs one."""
+    from backstream import attention
+
+    built = []
+    real = attention._mask
+    monkeypatch.setattr(attention, "_mask", lambda qpos, kpos, causal, window, dtype: built.append(causal)
+                        or real(qpos, kpos, causal, window, dtype))
+    q = torch.randn(2, 4, 6, 8, dtype=torch.float64)
+    k, v = torch.randn(2, 2, 6, 8, dtype=torch.float64), torch.randn(2, 2, 6, 8, dtype=torch.float64)
+    qpos = torch.arange(10, 16)
+    for window, masks in ((None, []), (6, []), (4, [True])):
+        built.clear()
+        out = merged_attention(q, [Part(k, v, qpos, causal=True)], qpos, 0.3, window, kernel="flash")
+        ref = sdpa_reference(q, [Part(k, v, qpos, causal=True)], qpos, 0.3, window)
+        assert built == masks and (out - ref).abs().max() < 1e-13
