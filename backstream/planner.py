@@ -4,7 +4,7 @@
            (activations + the history it reads + its logits)
 
 The activation term is a per-token constant of the architecture (what autograd keeps per token
-per layer). The numbers are estimates; `bench/bench_blocks.py` prints them beside measured peaks.
+per layer). The numbers are estimates; `bench/bench_long.py` prints them beside measured peaks.
 """
 
 from __future__ import annotations
