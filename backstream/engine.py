@@ -588,6 +588,8 @@ def stream_backward(
     kv: the K/V the caller already has (per sequence, a Cache or a list over layers of (K, V) of
       shape [kv_heads, length, head_dim]) computed at the current weights: no prefill runs.
     kernel: attention kernel, "auto" (fused flash on CPU), "flash" or "math" (naive reference).
+    An objective with `router_aux_coef > 0` (MoE models) adds the router load-balancing loss over
+    every token (`backstream.router`); its value is in `stats.router_aux_loss`.
     Returns the log-probs at the current weights (NaN where no target was active) and stats.
     """
     obj = _objective_from(weights, objective)
