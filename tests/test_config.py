@@ -1,5 +1,7 @@
 """Run config: TOML + overrides, validation that names the key, help rendered from the docs."""
 
+import os
+
 import pytest
 
 from backstream import config
@@ -81,3 +83,26 @@ def test_cli_reports_config_errors_without_a_traceback(capsys):
 
     assert main(["train", "--set", "optim.lr=fast"]) == 2
     assert "optim.lr: got 'fast'" in capsys.readouterr().err
+
+
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+
+
+@pytest.mark.parametrize("name", sorted(f for f in os.listdir(EXAMPLES) if f.endswith(".toml")))
+def test_example_configs_are_valid(name):
+    """The shipped examples parse and validate (every key known, every value allowed)."""
+    cfg = config.load(os.path.join(EXAMPLES, name))
+    assert cfg.train.steps >= 1 and cfg.reward.functions
+
+
+def test_example_reward_function(monkeypatch):
+    from backstream.rewards import load_reward
+
+    monkeypatch.chdir(os.path.dirname(EXAMPLES))
+    fn = load_reward("examples/my_reward.py:length_penalised_match")
+    out = fn(["the answer is 42", "no idea"], prompts=["q", "q"], answer=["42", "42"])
+    assert out == pytest.approx([1.0 - 0.016, -0.007])
+    spec = config.load(os.path.join(EXAMPLES, "dapo_math_lora.toml")).reward.functions[1]
+    from backstream.rewards import format_reward
+
+    assert format_reward(spec[len("format:"):])([r"so \boxed{7}", "7"]) == [1.0, 0.0]
