@@ -9,3 +9,12 @@ def count_ones(completions, **kwargs):
 def count_digits(completions, **kwargs):
     """Fraction of digit characters: a denser signal than count_ones for short runs."""
     return [sum(ch.isdigit() for ch in c) / max(1, len(c)) for c in completions]
+
+
+SEEN: list[dict] = []
+
+
+def record_columns(completions, prompts, **columns):
+    """Records what the trainer passes (TRL's call: prompts and the dataset's columns); rewards as count_digits."""
+    SEEN.append({"prompts": list(prompts), **{k: list(v) for k, v in columns.items()}})
+    return count_digits(completions)
