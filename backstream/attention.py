@@ -20,6 +20,15 @@ the scores of all parts and lets autograd differentiate them.
 
 Positions are absolute: a query at position p sees a key at position k iff k ≤ p and, with a
 sliding window W, p − k < W (the convention of transformers' masks).
+
+Two score modifiers of real families (DESIGN §6b):
+- attention sinks (GPT-OSS `s_aux`): a learned per-head logit with a zero value, one more term of
+  the log-sum-exp merge: lse = logaddexp(lse_1, …, lse_n, sink_h); its gradient is
+  ∂/∂sink_h = −Σ_{b,q} exp(sink_h − lse) · rowsum(dO ∘ O). Both kernels support it.
+- logit soft-capping (Gemma 2): s ↦ c·tanh(s/c) before the mask. The fused kernel cannot apply it,
+  so the exact math path runs (it materialises the [Q × K] scores of the batch).
+K and V of different head sizes (multi-head latent attention) go to the fused kernel zero-padded to
+one head size (zero columns change neither the scores nor the kept output columns).
 """
 
 from __future__ import annotations
@@ -92,7 +101,7 @@ class _FlashMerged(torch.autograd.Function):
     would be kept for the backward and grow quadratically with the block)."""
 
     @staticmethod
-    def forward(ctx, meta, q, *kv):
+    def forward(ctx, meta, q, sinks, *kv):
         shared, masks, scale, causal = meta
         B, H, Q, D = q.shape
         hkv = kv[0].shape[1]
@@ -116,18 +125,20 @@ class _FlashMerged(torch.autograd.Function):
                 lse = lse.masked_fill(empty[None, None], float("-inf"))
             outs.append(_unfold(o, B, H, Q, sh))
             lses.append(_unfold(lse, B, H, Q, sh))
+        if sinks is not None:  # one more logit per head, with a zero value
+            lses.append(sinks.to(lses[0].dtype).reshape(1, H, 1).expand(B, H, Q))
         lse_all = torch.logsumexp(torch.stack(lses), dim=0)  # [B, H, Q]
         acc = torch.promote_types(q.dtype, torch.float32)
         out = sum(torch.exp(l - lse_all)[..., None].to(acc) * o.to(acc) for l, o in zip(lses, outs))
         out = out.to(q.dtype)
         ctx.meta = meta
-        ctx.save_for_backward(q, out, lse_all, *kv)
+        ctx.save_for_backward(q, out, lse_all, sinks, *kv)
         return out
 
     @staticmethod
     def backward(ctx, g_out):
         shared, masks, scale, causal = ctx.meta
-        q, out, lse_all, *kv = ctx.saved_tensors
+        q, out, lse_all, sinks, *kv = ctx.saved_tensors
         B, H, Q, D = q.shape
         hkv = kv[0].shape[1]
         g = H // hkv
@@ -151,12 +162,19 @@ class _FlashMerged(torch.autograd.Function):
             )
             dq += _unfold(dqf, B, H, Q, sh)
             dkv += [dk, dv]
-        return (None, dq.to(q.dtype), *dkv)
+        dsinks = None
+        if sinks is not None:
+            acc = lse_all.dtype
+            rowsum_BHQ = (g_out.to(acc) * out.to(acc)).sum(-1)
+            p_sink = torch.exp(sinks.to(acc).reshape(1, H, 1) - lse_all)
+            dsinks = -(p_sink * rowsum_BHQ).sum((0, 2)).to(sinks.dtype)
+        return (None, dq.to(q.dtype), dsinks, *dkv)
 
 
 def merged_attention_math(q_BHQD: Tensor, parts: list[Part], qpos_Q: Tensor, scale: float,
-                          window: int | None) -> Tensor:
-    """Naive reference: materialise the scores of every part, one softmax over all keys."""
+                          window: int | None, softcap: float | None = None, sinks_H: Tensor | None = None) -> Tensor:
+    """Naive reference: materialise the scores of every part, one softmax over all keys (and the
+    sink logit, whose value is zero)."""
     B, H, Q, D = q_BHQD.shape
     scores, values = [], []
     for p in parts:
@@ -164,9 +182,13 @@ def merged_attention_math(q_BHQD: Tensor, parts: list[Part], qpos_Q: Tensor, sca
         k = p.k.repeat_interleave(g, dim=1)
         v = p.v.repeat_interleave(g, dim=1)
         s = (q_BHQD @ k.transpose(-1, -2)) * scale  # [B, H, Q, Lk] (shared part broadcast)
+        if softcap is not None:
+            s = softcap * torch.tanh(s / softcap)
         m = _mask(qpos_Q, p.kpos_K, p.causal, window, s.dtype)
         scores.append(s if m is None else s + m)
         values.append(v)
+    if sinks_H is not None:
+        scores.append(sinks_H.to(scores[0].dtype).reshape(1, H, 1, 1).expand(B, H, Q, 1))
     probs = torch.softmax(torch.cat(scores, dim=-1), dim=-1)
     out, start = 0, 0
     for s, v in zip(scores, values):
@@ -176,13 +198,21 @@ def merged_attention_math(q_BHQD: Tensor, parts: list[Part], qpos_Q: Tensor, sca
 
 
 def merged_attention(q_BHQD: Tensor, parts: list[Part], qpos_Q: Tensor, scale: float,
-                     window: int | None, kernel: str = "auto") -> Tensor:
-    """Attention of q over the union of `parts`; returns [B, H, Q, D]. kernel: auto | flash | math."""
+                     window: int | None, kernel: str = "auto", *, softcap: float | None = None,
+                     sinks_H: Tensor | None = None) -> Tensor:
+    """Attention of q over the union of `parts`; returns [B, H, Q, Dv]. kernel: auto | flash | math.
+    softcap: logit soft-capping c (scores c·tanh(s/c)); sinks_H: per-head sink logits [H]."""
     parts = [p for p in parts if p.k.shape[2] > 0]
     if kernel == "auto":
         kernel = "flash" if q_BHQD.device.type == "cpu" else "math"
-    if kernel == "math":
-        return merged_attention_math(q_BHQD, parts, qpos_Q, scale, window)
+    if kernel == "math" or softcap is not None:  # the fused kernel cannot soft-cap its scores
+        return merged_attention_math(q_BHQD, parts, qpos_Q, scale, window, softcap, sinks_H)
+    Dk, Dv = q_BHQD.shape[-1], parts[0].v.shape[-1]
+    if Dk != Dv:  # the kernel wants one head size: zero-pad the narrower side, keep Dv columns
+        D = max(Dk, Dv)
+        pad = lambda x: torch.nn.functional.pad(x, (0, D - x.shape[-1]))  # noqa: E731
+        parts = [Part(pad(p.k), pad(p.v), p.kpos_K, p.shared, p.causal) for p in parts]
+        return merged_attention(pad(q_BHQD), parts, qpos_Q, scale, window, kernel, sinks_H=sinks_H)[..., :Dv]
     Q = q_BHQD.shape[2]
     # the block's own keys at the queries' positions, no window shorter than the block: plain causal
     causal = [p.causal and not p.shared and (window is None or window >= Q) and p.kpos_K.shape[0] == Q
@@ -190,4 +220,4 @@ def merged_attention(q_BHQD: Tensor, parts: list[Part], qpos_Q: Tensor, scale: f
     masks = [None if c else _mask(qpos_Q, p.kpos_K, p.causal, window, q_BHQD.dtype) for p, c in zip(parts, causal)]
     kv = [t.contiguous() for p in parts for t in (p.k, p.v)]
     meta = ([p.shared for p in parts], masks, scale, causal)
-    return _FlashMerged.apply(meta, q_BHQD.contiguous(), *kv)
+    return _FlashMerged.apply(meta, q_BHQD.contiguous(), sinks_H, *kv)

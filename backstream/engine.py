@@ -27,6 +27,7 @@ from __future__ import annotations
 import inspect
 import math
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -34,12 +35,13 @@ from torch import Tensor, nn
 from transformers import AttentionInterface, PretrainedConfig
 from transformers.cache_utils import Cache
 
+from backstream import family
 from backstream.attention import Part, merged_attention
 from backstream.objective import BlockView, Objective, TokenWeights, flat_offsets
 from backstream.router import RouterBalance, moe_spec
 from backstream.tree import TokenTree
 
-ATTN_NAME = "backstream"
+ATTN_NAME = family.MASK_NAME  # the attention function and the mask function share the name
 
 
 @dataclass
@@ -81,38 +83,88 @@ class _Row:
 
 class _BlockCache(Cache):
     """Records each layer's new K/V (the roots of the backward) and returns them unchanged: the
-    history is handed to the attention function separately, so it is never concatenated."""
+    history is handed to the attention function separately, so it is never concatenated.
 
-    def __init__(self, past_len: int):
+    A layer whose attention receives tensors *derived* from what the cache returned (multi-head
+    latent attention caches a latent and expands it into K/V after the update) is a *concat* layer:
+    for it `update` returns history ⊕ block, as an ordinary cache does, and the model's own code
+    turns that into the K/V its attention reads (the history leaves then hold the cached latent)."""
+
+    def __init__(self, batch: "_Batch"):
         super().__init__(layers=[])
-        self.past_len = past_len
+        self.batch = batch
+        self.past_len = batch.p0
         self.new: dict[int, tuple[Tensor, Tensor]] = {}
+        self.kpos: dict[int, Tensor] = {}  # concat layers: absolute positions of the returned keys
         self.last_layer = -1
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         self.new[layer_idx] = (key_states, value_states)
         self.last_layer = layer_idx
+        if layer_idx in self.batch.engine.concat_layers and self.past_len > 0:
+            return self.batch.concat_history(layer_idx, key_states, value_states)
         return key_states, value_states
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.past_len
 
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return self.past_len
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self.past_len + query_length, 0  # (kv_length, kv_offset): the whole history, every layer
+
+    def layer_of(self, key: Tensor, value: Tensor) -> int | None:
+        """The layer whose `update` returned exactly these tensors (DESIGN §6b (c))."""
+        for layer, (k, v) in self.new.items():
+            if k is key and v is value:
+                return layer
+        return None
+
+
+class _NeedsConcat(Exception):
+    """A layer's attention read tensors derived from the cache's output: rerun the forward with that
+    layer in concat mode (see `_BlockCache`)."""
+
+    def __init__(self, layer: int):
+        self.layer = layer
+
+
+# model → its concat layers, learnt on the first forward and kept for the next calls
+_CONCAT_LAYERS: "weakref.WeakKeyDictionary[nn.Module, set[int]]" = weakref.WeakKeyDictionary()
 
 _ACTIVE: list = []  # the running _Batch (a stack, so that nothing leaks if a forward raises)
 
 
 def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-               sliding_window=None, **kwargs):
+               sliding_window=None, softcap=None, s_aux=None, **kwargs):
+    """Every keyword that does work is implemented or refused, the mask is read, and the K/V must be
+    the ones the cache handed out (the family contract, DESIGN §6b)."""
     if not _ACTIVE:
         raise RuntimeError("the backstream attention function runs only inside stream_backward")
     if dropout and dropout > 0:
         raise ValueError("model: attention dropout breaks exactness; call model.eval() or set attention_dropout=0")
+    family.check_attention_kwargs(module, kwargs)
     batch = _ACTIVE[-1]
+    window = family.attention_window(module, attention_mask, sliding_window, batch.p0, batch.Q)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    parts = batch.history_parts(batch.cache.last_layer, key, value, sliding_window)
-    parts.append(Part(key, value, batch.qpos, causal=True))
+    layer = batch.cache.layer_of(key, value)
+    concat = batch.cache.last_layer in batch.engine.concat_layers
+    if concat:  # the keys are history ⊕ block, derived by the model from what the cache returned
+        kpos = batch.cache.kpos.get(batch.cache.last_layer, batch.qpos)
+        if key.shape[2] != len(kpos) or value.shape[2] != len(kpos):
+            raise family.kv_not_from_cache(module)
+        parts = [Part(key, value, kpos, causal=True)]
+    elif layer is None:
+        if batch.cache.last_layer < 0 or batch.cache.last_layer in batch.engine.concat_layers:
+            raise family.kv_not_from_cache(module)
+        raise _NeedsConcat(batch.cache.last_layer)  # retried with history ⊕ block from the cache
+    else:
+        parts = batch.history_parts(layer, key, value, window)
+        parts.append(Part(key, value, batch.qpos, causal=True))
     batch.attn_calls += 1
-    out = merged_attention(query, parts, batch.qpos, scale, sliding_window, batch.engine.kernel)
+    out = merged_attention(query, parts, batch.qpos, scale, window, batch.engine.kernel,
+                           softcap=softcap, sinks_H=s_aux)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -132,13 +184,15 @@ class _Batch:
         self.p0 = self.base + lo
         self.qpos = torch.arange(self.p0, self.p0 + self.Q, device=engine.device)
         self.shared_nodes = (tree.ancestors(rows[0].node)) if parent >= 0 else []
-        self.cache = _BlockCache(self.p0)
+        self.cache = _BlockCache(self)
         self.attn_calls = 0
         self.hooks = []
         self.router: tuple | None = None  # (router logits per layer [R, E], multiplicity [R]) of the real tokens
 
     def history_parts(self, layer: int, key: Tensor, value: Tensor, window: int | None) -> list[Part]:
         eng, tree = self.engine, self.engine.tree
+        if eng.kv_given:
+            eng.check_given_kv(self.shared_nodes + [r.node for r in self.rows], layer, key, value)
         first = 0 if window is None else max(0, self.p0 - window + 1)  # earliest visible position
         parts = []
         # shared: the parent path, one copy with batch 1
@@ -162,6 +216,16 @@ class _Batch:
             kv = [self._leaf(t, src.requires_grad, layer, j, None, (a, b)) for j, (t, src) in enumerate(zip(kv, (key, value)))]
             parts.append(Part(kv[0], kv[1], kpos))
         return parts
+
+    def concat_history(self, layer: int, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+        """History ⊕ block per row for a concat layer (the shared prefix expanded over the rows: the
+        memory trap of DESIGN §5 accepted for the layers that need it)."""
+        parts = self.history_parts(layer, key, value, None)
+        B = key.shape[0]
+        out = [torch.cat([(p.k if j == 0 else p.v).expand(B, -1, -1, -1) for p in parts] + [x], dim=2)
+               for j, x in enumerate((key, value))]
+        self.cache.kpos[layer] = torch.cat([p.kpos_K for p in parts] + [self.qpos])
+        return out[0], out[1]
 
     def _leaf(self, t: Tensor, needs_grad: bool, layer: int, j: int, segs, private) -> Tensor:
         """History K or V as a leaf whose gradient goes to its positions' accumulators. A layer
@@ -215,20 +279,44 @@ class _Batch:
             kwargs["logits_to_keep"] = keep
         if eng.router is not None:
             kwargs["output_router_logits"] = True
-        _ACTIVE.append(self)
-        try:
-            out = eng.model(**kwargs)
-        finally:
-            _ACTIVE.pop()
+        while True:
+            try:
+                out = self._call(kwargs)
+                break
+            except _NeedsConcat as e:  # this layer's attention reads K/V derived from the cache
+                eng.concat_layers.add(e.layer)
+                self.release()
+                self.cache = kwargs["past_key_values"] = _BlockCache(self)
+                self.attn_calls = 0
         logits = out.logits if eng.has_logits_to_keep else out.logits[keep]
         if self.attn_calls == 0 or len(self.cache.new) == 0:
             raise TypeError(
                 f"model: {type(eng.model).__name__} did not route attention through transformers' "
                 "AttentionInterface and the Cache passed as past_key_values; stream_backward needs both"
             )
+        missing = sorted(set(range(eng.num_layers)) - set(self.cache.new))
+        if missing:
+            raise family.layers_without_kv(type(eng.base).__name__, missing, getattr(eng.text_config, "layer_types", None))
         if eng.router is not None:
             self.router = self._router_rows(getattr(out, "router_logits", None), B)
         return logits, keep
+
+    def _call(self, kwargs):
+        eng = self.engine
+        _ACTIVE.append(self)
+        try:
+            return eng.model(**kwargs)
+        except _NeedsConcat:
+            raise
+        except Exception as e:
+            if family.package_frame(e):
+                raise  # our own checks (and our own bugs) surface as they are
+            raise family.Unsupported(
+                f"model: {type(eng.base).__name__} failed inside transformers when run block by block over the "
+                f"engine's Cache ({type(e).__name__}: {e}). Layers whose state is not K/V (convolution, state-space, "
+                f"linear attention) or that read the cache directly cannot be streamed; {family.ENGINE_HINT}") from e
+        finally:
+            _ACTIVE.pop()
 
     def _router_rows(self, router_logits, B: int) -> tuple:
         """The router logits of the batch's real tokens and how many sequences contain each."""
@@ -380,11 +468,16 @@ class _Engine:
         self.pad_id = pad_id
         self.block_size, self.batch_tokens = block_size, batch_tokens
         self.has_logits_to_keep = "logits_to_keep" in inspect.signature(self.base.forward).parameters
+        self.text_config = self.base.config.get_text_config()
+        self.num_layers = self.text_config.num_hidden_layers
         self.offsets_t = torch.tensor(flat_offsets([len(s) for s in sequences]), dtype=torch.long)
         self.kv: dict[int, list[list[Tensor]]] = {}  # node → layer → [K, V] of shape [Hkv, len, D]
         self.g: dict[int, dict[int, list[Tensor | None]]] = {}  # node → layer → [gK, gV] fp32
         self.touched: dict[int, dict[int, Tensor]] = {}  # node → layer → bool [len]: pending K/V gradient
         self.tree: TokenTree | None = None
+        # layers whose attention reads K/V derived from the cache's output (see `_BlockCache`)
+        self.concat_layers: set[int] = _CONCAT_LAYERS.setdefault(self.base, set())
+        self.kv_given = False  # the K/V came from the caller (`kv=`): their shapes are checked on first read
         self.router: RouterBalance | None = None  # the load-balancing loss, when the objective has one
         self.router_mult: dict[int, Tensor] = {}  # node → float64 [len]: sequences containing each token
 
@@ -411,6 +504,15 @@ class _Engine:
                     k += cap
             queue.extend(kids)
         return out
+
+    def check_given_kv(self, nodes: list[int], layer: int, key_BHQD: Tensor, value_BHQD: Tensor) -> None:
+        for n in nodes:
+            for j, (x, own) in enumerate(zip(self.kv[n][layer], (key_BHQD, value_BHQD))):
+                if x.shape[0] != own.shape[1] or x.shape[2] != own.shape[3]:
+                    raise ValueError(
+                        f"kv: layer {layer}'s {'KV'[j]} has shape [{x.shape[0]}, length, {x.shape[2]}] but the model's "
+                        f"{'KV'[j]} at that layer are [{own.shape[1]}, length, {own.shape[3]}] ([kv_heads, length, "
+                        "head_dim]): pass the K/V of this model's own cache")
 
     # -- gradient accumulators ---------------------------------------------------------------
     def add_grad(self, node: int, layer: int, j: int, a: int, b: int, g: Tensor) -> None:
@@ -539,10 +641,16 @@ def _prepare_kv(engine: _Engine, kv, sequences) -> None:
     """Fill the node K/V store from caller-given K/V (one entry per sequence)."""
     if not isinstance(kv, (list, tuple)) or len(kv) != len(sequences):
         raise ValueError(f"kv: expected one entry per sequence ({len(sequences)}), got {type(kv).__name__}")
-    layers = engine.base.config.get_text_config().num_hidden_layers
+    layers = engine.num_layers
+    engine.kv_given = True
     per_seq = []
     for i, entry in enumerate(kv):
         if isinstance(entry, Cache):
+            rows = {layer.keys.shape[0] for layer in entry.layers if getattr(layer, "keys", None) is not None}
+            if rows != {1}:
+                raise ValueError(
+                    f"kv[{i}]: a Cache of batch {sorted(rows)}; each entry is the K/V of one sequence: pass a batch-1 "
+                    "Cache per sequence, or per sequence a list over layers of (K, V) of shape [kv_heads, length, head_dim]")
             entry = [(layer.keys[0], layer.values[0]) for layer in entry.layers]
         if not isinstance(entry, (list, tuple)) or len(entry) != layers:
             raise ValueError(f"kv[{i}]: expected a Cache or a list of {layers} (K, V) pairs, got {type(entry).__name__}")
@@ -554,7 +662,7 @@ def _prepare_kv(engine: _Engine, kv, sequences) -> None:
             node = engine.tree.nodes[n]
             store = {}
             for layer, (k, v) in enumerate(per_seq[i]):
-                if k.dim() != 3 or k.shape != v.shape:
+                if k.dim() != 3 or v.dim() != 3 or k.shape[:2] != v.shape[:2]:
                     raise ValueError(f"kv[{i}][{layer}]: expected K and V of shape [kv_heads, length, head_dim], got {tuple(k.shape)} and {tuple(v.shape)}")
                 if k.shape[1] < node.end:
                     raise ValueError(
@@ -634,6 +742,8 @@ def _run(model, sequences, obj, *, block_size, batch_tokens, memory_budget, kv, 
     if any(bool(a[0]) for a in active):
         raise ValueError("objective.active: index 0 has no prediction and cannot be active")
     router = _router_balance(model, obj, kv, backward)
+    family.check_deterministic(model)
+    family.check_positions(model, max(len(s) for s in sequences))
 
     seqs_cpu = [s.detach().to("cpu", torch.long) for s in sequences]
     active = [a.detach().to("cpu", torch.bool) for a in active]

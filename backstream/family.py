@@ -17,3 +17,225 @@ from __future__ import annotations
 class Unsupported(NotImplementedError):
     """The model uses a feature the streamed backward cannot (yet) compute exactly. The message
     starts with `model:` and names the feature and what the user can do."""
+
+
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+ENGINE_HINT = 'compute this model\'s gradient with reference_backward (trainer: engine.backward = "reference")'
+
+# -- (a) attention keywords ---------------------------------------------------------------------
+
+# keywords that reach the attention function but do no work in it (bookkeeping of the forward)
+INERT_KWARGS = frozenset({
+    "position_ids", "cache_position", "use_cache", "output_attentions", "output_hidden_states",
+    "output_router_logits", "return_dict", "logits_to_keep", "past_key_values", "layer_idx",
+})
+
+
+def layer_name(module: nn.Module) -> str:
+    idx = getattr(module, "layer_idx", None)
+    return f"{type(module).__name__}" + (f" (layer {idx})" if idx is not None else "")
+
+
+def check_attention_kwargs(module: nn.Module, kwargs: dict) -> None:
+    """(a) Refuse any keyword the merged attention does not implement and that is not None."""
+    for key, val in kwargs.items():
+        if val is None or key in INERT_KWARGS:
+            continue
+        if key == "is_causal" and val is True:
+            continue
+        what = "is_causal=False (bidirectional attention)" if key == "is_causal" else f"keyword {key!r}"
+        raise Unsupported(
+            f"model: {layer_name(module)} passes the attention function the {what}, which the streamed "
+            f"backward does not implement; the gradient would silently differ. {ENGINE_HINT}")
+
+
+# -- (b) the mask ------------------------------------------------------------------------------
+
+MASK_NAME = "backstream"
+_GRID_ELEMENTS = 1 << 22  # mask entries evaluated at once (bounded memory for long histories)
+
+
+@dataclass(frozen=True)
+class MaskInfo:
+    """What transformers' mask for one forward says, checked over the whole [queries × keys] grid:
+    causal with an optional sliding window (`window`, None when no window bites within the span),
+    or `error` for anything else (chunked, bidirectional, padded or custom masks)."""
+
+    window: int | None
+    error: str | None = None
+
+
+def _classify(rows, q_offset: int, q_length: int, kv_length: int, kv_offset: int, device) -> MaskInfo:
+    """rows(lo, hi) -> bool [.., hi-lo, kv_length]: the mask of queries lo..hi-1 (any leading dims)."""
+    last = q_offset + q_length - 1
+    row = rows(q_length - 1, q_length).reshape(-1, kv_length)
+    seen = int(row[0].sum())
+    window = seen if seen < last + 1 - kv_offset and bool((row == row[0]).all()) else None
+    kpos = torch.arange(kv_length, device=device) + kv_offset
+    step = max(1, _GRID_ELEMENTS // max(1, kv_length))
+    for lo in range(0, q_length, step):
+        hi = min(q_length, lo + step)
+        qpos = torch.arange(lo, hi, device=device)[:, None] + q_offset
+        want = kpos[None] <= qpos
+        if window is not None:
+            want &= (qpos - kpos[None]) < window
+        if not bool((rows(lo, hi) == want).all()):
+            return MaskInfo(None, "its attention mask is not causal with an optional sliding window (chunked "
+                                  "attention shorter than the sequence, bidirectional or custom masks cannot be "
+                                  "seen by the merged attention)")
+    return MaskInfo(window)
+
+
+def mask_info(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
+              mask_function=None, attention_mask=None, use_vmap: bool = False, device="cpu", **_) -> MaskInfo:
+    """Registered as transformers' mask function for the engine's attention: instead of building
+    the 4-D mask it evaluates the model's own mask function (through transformers' `sdpa_mask`,
+    so every overlay the model composed is applied) and keeps only what it means."""
+
+    def rows(lo, hi):
+        return sdpa_mask(batch_size=batch_size, q_length=hi - lo, kv_length=kv_length, q_offset=q_offset + lo,
+                         kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
+                         allow_is_causal_skip=False, use_vmap=use_vmap, device=device)
+
+    return _classify(rows, int(q_offset), q_length, kv_length, kv_offset, device)
+
+
+AttentionMaskInterface.register(MASK_NAME, mask_info)
+
+
+def _tensor_mask_info(mask: Tensor, q_offset: int) -> MaskInfo:
+    """A 4-D mask the model built itself: boolean (True = keep) or additive (0 / -inf)."""
+    if mask.dtype == torch.bool:
+        keep = mask
+    else:
+        keep = mask == 0
+        if not bool((keep | (mask <= torch.finfo(mask.dtype).min / 2)).all()):
+            return MaskInfo(None, "its attention mask adds a bias to the scores (ALiBi or similar)")
+    Q, K = keep.shape[-2:]
+    return _classify(lambda lo, hi: keep[..., lo:hi, :], q_offset, Q, K, 0, keep.device)
+
+
+def attention_window(module: nn.Module, mask, sliding_window: int | None, q_offset: int, q_length: int) -> int | None:
+    """(b) The window the layer's attention applies, from its mask (the truth for transformers'
+    eager and SDPA paths) checked against its `sliding_window` keyword (the flash paths' truth).
+    A layer that builds a window mask but passes no `sliding_window` gets the mask's window."""
+    if isinstance(mask, Tensor):
+        mask = _tensor_mask_info(mask, q_offset)
+    elif mask is None:
+        raise Unsupported(f"model: {layer_name(module)} calls attention without a mask, so its masking cannot be "
+                          f"checked; {ENGINE_HINT}")
+    elif not isinstance(mask, MaskInfo):
+        raise Unsupported(f"model: {layer_name(module)} passes an attention mask of type {type(mask).__name__}, "
+                          f"which the streamed backward cannot read; {ENGINE_HINT}")
+    if mask.error is not None:
+        raise Unsupported(f"model: {layer_name(module)}: {mask.error}; {ENGINE_HINT}")
+    if sliding_window is None or sliding_window == mask.window:
+        return mask.window
+    if mask.window is None and sliding_window > q_offset + q_length - 1:
+        return None  # a window longer than every query's history: it does not bite here
+    raise Unsupported(f"model: {layer_name(module)} passes sliding_window={sliding_window} but its mask applies "
+                      f"{'no window' if mask.window is None else f'a window of {mask.window}'}: the model's own "
+                      f"attention implementations disagree; {ENGINE_HINT}")
+
+
+# -- (c) the K/V the attention reads ------------------------------------------------------------
+
+
+def kv_not_from_cache(module: nn.Module) -> Unsupported:
+    return Unsupported(
+        f"model: {layer_name(module)} attends over K/V that are not the ones `cache.update` returned for a "
+        "layer of this forward (K/V changed after the cache update, as in differential attention, or read from "
+        f"another layer's cache, as in KV-shared layers): the streamed backward cannot give them their gradient; "
+        f"{ENGINE_HINT}")
+
+
+def layers_without_kv(model_name: str, missing: list[int], layer_types) -> Unsupported:
+    types = f" (config.layer_types: {sorted(set(layer_types))})" if layer_types else ""
+    return Unsupported(
+        f"model: {model_name}: layers {missing} stored no K/V in the cache during the forward{types}. Layers "
+        "whose state is not K/V (convolution, state-space, linear attention) or that read another layer's cache "
+        f"cannot be streamed block by block; {ENGINE_HINT}")
+
+
+# -- (d) positions, (e) determinism: checked once per call ----------------------------------------
+
+_STATIC_ROPE = (set(ROPE_INIT_FUNCTIONS) | {"default"}) - {"dynamic", "longrope"}
+
+
+def _rope_limit(mod: nn.Module, rope_type: str, layer_type: str | None) -> tuple[int, bool]:
+    """(position threshold, whether reaching it exactly already switches) of a length-dependent RoPE."""
+    if rope_type == "longrope":  # long factors once max(position_ids) + 1 > original_max_position_embeddings
+        params = mod.config.rope_parameters
+        params = params[layer_type] if layer_type is not None else params
+        return int(params["original_max_position_embeddings"]), False
+    # dynamic NTK: grows past max_seq_len_cached, resets only strictly below original_max_seq_len
+    return int(mod.original_max_seq_len), True
+
+
+def check_positions(model: nn.Module, longest: int) -> None:
+    """(d) A RoPE whose frequencies depend on the longest position of the forward (`longrope`,
+    `dynamic`) gives a block forwarded alone other frequencies than the whole sequence, unless every
+    sequence stays on the same side of its threshold as every one of its blocks."""
+    for mod in model.modules():
+        types = getattr(mod, "rope_type", None)
+        if types is None:
+            continue
+        items = types.items() if isinstance(types, dict) else [(None, types)]
+        for layer_type, t in items:
+            if t in _STATIC_ROPE:
+                continue
+            if "dynamic" not in t and t != "longrope":
+                raise Unsupported(f"model: rope_type {t!r} of {type(mod).__name__} is not one the engine knows to "
+                                  f"depend on positions only; {ENGINE_HINT}")
+            try:
+                limit, strict = _rope_limit(mod, t, layer_type)
+            except (AttributeError, KeyError, TypeError) as e:
+                raise Unsupported(f"model: rope_type {t!r}: cannot read its length threshold ({e}); {ENGINE_HINT}") from e
+            if longest > limit or (strict and longest == limit):
+                raise Unsupported(
+                    f"model: rope_type {t!r} changes its frequencies with the longest position of a forward (threshold "
+                    f"{limit} positions), and a sequence here has {longest} tokens: its early blocks, forwarded alone, "
+                    f"would be rotated with other frequencies than the whole sequence. Keep sequences "
+                    f"{'under' if strict else 'at most'} {limit} tokens, or {ENGINE_HINT}")
+
+
+def check_deterministic(model: nn.Module) -> None:
+    """(e) A stochastic forward (dropout in training mode, the LoRA dropout included) cannot give the
+    prefill's and the blocks' forwards the same values; gradient checkpointing in training mode
+    turns the cache off."""
+    active = []
+    for name, mod in model.named_modules():
+        if not mod.training:
+            continue
+        if getattr(mod, "gradient_checkpointing", False) is True:
+            raise ValueError(
+                "model: gradient checkpointing is on in training mode (model.gradient_checkpointing_enable()); "
+                "transformers then runs without a cache, which the streamed backward needs. It already keeps one "
+                "block's activations at a time: call model.gradient_checkpointing_disable() or model.eval()")
+        if isinstance(mod, nn.modules.dropout._DropoutNd) and mod.p > 0:
+            active.append(f"{name or type(mod).__name__} (p={mod.p})")
+        for attr, val in vars(mod).items():
+            if ("dropout" in attr or "pdrop" in attr) and isinstance(val, float) and val > 0:
+                active.append(f"{name}.{attr}={val}")
+    if active:
+        shown = ", ".join(active[:4]) + (f" and {len(active) - 4} more" if len(active) > 4 else "")
+        raise ValueError(
+            f"model: dropout is active in training mode ({shown}): the forward is random, so the blocks and the "
+            "prefill would not see the same values. Call model.eval() (the streamed backward needs no train mode) or "
+            "set the dropout probabilities to 0 (LoRA: lora_dropout=0)")
+
+
+def package_frame(exc: BaseException) -> bool:
+    """Was `exc` raised by backstream's own code (innermost frame in this package)?"""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and os.path.dirname(os.path.abspath(tb.tb_frame.f_code.co_filename)) == os.path.dirname(
+        os.path.abspath(__file__))

@@ -30,6 +30,8 @@ def _dims(model):
     D = getattr(c, "head_dim", None) or c.hidden_size // H
     Hkv = getattr(c, "num_key_value_heads", None) or H
     inter = getattr(c, "intermediate_size", None) or 4 * c.hidden_size
+    if isinstance(inter, (list, tuple)):  # per-layer widths: plan for the widest
+        inter = max(inter)
     # MoE: the active experts' width is what a token's activations hold
     k = getattr(c, "num_experts_per_tok", None)
     if k and getattr(c, "moe_intermediate_size", None):
