@@ -126,8 +126,14 @@ class _NeedsConcat(Exception):
     """A layer's attention read tensors derived from the cache's output: rerun the forward with that
     layer in concat mode (see `_BlockCache`)."""
 
-    def __init__(self, layer: int):
-        self.layer = layer
+    def __init__(self, layer: int, module: nn.Module):
+        self.layer, self.module = layer, module
+
+    def layers(self, model: nn.Module) -> set[int]:
+        """This layer and every layer whose attention is of the same class: one retry, not one per layer."""
+        same = {m.layer_idx for m in model.modules()
+                if type(m) is type(self.module) and isinstance(getattr(m, "layer_idx", None), int)}
+        return same | {self.layer}
 
 
 # model → its concat layers, learnt on the first forward and kept for the next calls
@@ -158,7 +164,7 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     elif layer is None:
         if batch.cache.last_layer < 0 or batch.cache.last_layer in batch.engine.concat_layers:
             raise family.kv_not_from_cache(module)
-        raise _NeedsConcat(batch.cache.last_layer)  # retried with history ⊕ block from the cache
+        raise _NeedsConcat(batch.cache.last_layer, module)  # retried with history ⊕ block from the cache
     else:
         parts = batch.history_parts(layer, key, value, window)
         parts.append(Part(key, value, batch.qpos, causal=True))
@@ -284,7 +290,7 @@ class _Batch:
                 out = self._call(kwargs)
                 break
             except _NeedsConcat as e:  # this layer's attention reads K/V derived from the cache
-                eng.concat_layers.add(e.layer)
+                eng.concat_layers.update(e.layers(eng.base))
                 self.release()
                 self.cache = kwargs["past_key_values"] = _BlockCache(self)
                 self.attn_calls = 0

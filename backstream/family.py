@@ -13,12 +13,6 @@ user can fix it in one line), never a silently different gradient.
 
 from __future__ import annotations
 
-
-class Unsupported(NotImplementedError):
-    """The model uses a feature the streamed backward cannot (yet) compute exactly. The message
-    starts with `model:` and names the feature and what the user can do."""
-
-
 import os
 from dataclasses import dataclass
 
@@ -26,6 +20,12 @@ import torch
 from torch import Tensor, nn
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+
+class Unsupported(NotImplementedError):
+    """The model uses a feature the streamed backward cannot (yet) compute exactly. The message
+    starts with `model:` and names the feature and what the user can do."""
+
 
 ENGINE_HINT = 'compute this model\'s gradient with reference_backward (trainer: engine.backward = "reference")'
 
