@@ -4,6 +4,9 @@ from backstream.engine import StreamResult, StreamStats, logprobs, stream_backwa
 from backstream.objective import BlockView, Objective, TokenWeights, flat_offsets
 from backstream.planner import Plan, estimate
 from backstream.reference import reference_backward
+# the function shadows its module's name on the package (`from backstream.verify import miniature` still works);
+# the module imports nothing heavy until it is called
+from backstream.verify import VerifyReport, verify
 
 
 def train(config=None, overrides=(), resume=None, model=None, tokenizer=None) -> str:
@@ -14,6 +17,6 @@ def train(config=None, overrides=(), resume=None, model=None, tokenizer=None) ->
 
 
 __all__ = [
-    "BlockView", "Objective", "Plan", "StreamResult", "StreamStats", "TokenWeights", "estimate",
-    "flat_offsets", "logprobs", "reference_backward", "stream_backward", "train",
+    "BlockView", "Objective", "Plan", "StreamResult", "StreamStats", "TokenWeights", "VerifyReport", "estimate",
+    "flat_offsets", "logprobs", "reference_backward", "stream_backward", "train", "verify",
 ]

@@ -4,6 +4,10 @@
     backstream train CONFIG.toml [--set section.key=value ...] [--resume RUN_DIR]
     backstream train --help                          every config key, its default and meaning
     backstream plot RUN_DIR                          PNG curves of a run
+    backstream verify MODEL                          is the streamed gradient exact on MODEL's architecture?
+                                                     (default, a folder, a Hub id or a model_type such as llama;
+                                                     config.json only) exit 0 exact, 1 refused,
+                                                     2 could not build, 3 wrong or error
 """
 
 from __future__ import annotations
@@ -48,6 +52,18 @@ def cmd_plot(args) -> int:
     for p in metrics.plot(args.run_dir):
         print(p)
     return 0
+
+
+# exit codes of `backstream verify`, by verdict
+VERIFY_EXIT = {"exact": 0, "refused": 1, "could not build": 2, "wrong": 3, "error": 3}
+
+
+def cmd_verify(args) -> int:
+    from backstream.verify import verify  # noqa: PLC0415
+
+    report = verify(args.model, seed=args.seed)
+    print(report)
+    return VERIFY_EXIT[report.kind]
 
 
 def _has_matplotlib() -> bool:
@@ -95,6 +111,12 @@ def main(argv=None) -> int:
     p = sub.add_parser("plot", help="write PNG curves of a run")
     p.add_argument("run_dir")
     p.set_defaults(fn=cmd_plot)
+    v = sub.add_parser("verify", help="check on a tiny random copy of MODEL's architecture that the streamed "
+                       "gradient is exact (exit 0 exact, 1 refused, 2 could not build, 3 wrong or error)")
+    v.add_argument("model", metavar="MODEL", help="default, a local folder, a Hub id (only config.json is read) "
+                   "or a transformers model_type such as llama")
+    v.add_argument("--seed", type=int, default=0, help="seed of the random weights and token tree")
+    v.set_defaults(fn=cmd_verify)
     args = ap.parse_args(argv)
     try:
         return args.fn(args)

@@ -119,6 +119,10 @@ class EngineConfig:
     """Let the planner pick the block size and rows per batch for this many MiB; 0 = off."""
     reuse_rollout_kv: bool = False
     """Hand the rollout's K/V to the engine (no prefill); only when epochs = minibatches = 1."""
+    verify: bool = True
+    """Before training, check on a tiny random copy of the model's architecture (seconds, config only)
+    that the streamed backward gives the exact gradient (`backstream verify`); stop unless it does.
+    Only with backward = "stream"."""
 
     def __post_init__(self):
         _choice("engine.backward", self.backward, ["stream", "reference"])

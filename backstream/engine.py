@@ -24,24 +24,24 @@ a sliding window, history outside every query's window is not read at all.
 
 from __future__ import annotations
 
-import inspect
 import math
 import time
-import weakref
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
-from transformers import AttentionInterface, PretrainedConfig
-from transformers.cache_utils import Cache
 
 from backstream import family
-from backstream.attention import Part, merged_attention
+from backstream.adapter import (ATTN_NAME, BlockCache, base_model, check_model, concat_layers, run_model,
+                                takes_logits_to_keep, use_backstream_attention)
+from backstream.attention import Part
+from backstream.kvstore import KVStore
 from backstream.objective import BlockView, Objective, TokenWeights, flat_offsets
 from backstream.router import RouterBalance, moe_spec
+from backstream.schedule import Row, batches, has_targets, read_later
 from backstream.tree import TokenTree
 
-ATTN_NAME = family.MASK_NAME  # the attention function and the mask function share the name
+__all__ = ["ATTN_NAME", "StreamResult", "StreamStats", "check_model", "logprobs", "stream_backward"]
 
 
 @dataclass
@@ -71,118 +71,16 @@ class StreamResult:
 
 
 # ---------------------------------------------------------------------------------------------
-# The block batch: what the registered attention function and the cache see during one forward.
-
-
-@dataclass
-class _Row:
-    node: int
-    lo: int  # node-local chunk [lo, hi)
-    hi: int
-
-
-class _BlockCache(Cache):
-    """Records each layer's new K/V (the roots of the backward) and returns them unchanged: the
-    history is handed to the attention function separately, so it is never concatenated.
-
-    A layer whose attention receives tensors *derived* from what the cache returned (multi-head
-    latent attention caches a latent and expands it into K/V after the update) is a *concat* layer:
-    for it `update` returns history ⊕ block, as an ordinary cache does, and the model's own code
-    turns that into the K/V its attention reads (the history leaves then hold the cached latent)."""
-
-    def __init__(self, batch: "_Batch"):
-        super().__init__(layers=[])
-        self.batch = batch
-        self.past_len = batch.p0
-        self.new: dict[int, tuple[Tensor, Tensor]] = {}
-        self.kpos: dict[int, Tensor] = {}  # concat layers: absolute positions of the returned keys
-        self.last_layer = -1
-
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        self.new[layer_idx] = (key_states, value_states)
-        self.last_layer = layer_idx
-        if layer_idx in self.batch.engine.concat_layers and self.past_len > 0:
-            return self.batch.concat_history(layer_idx, key_states, value_states)
-        return key_states, value_states
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.past_len
-
-    def get_query_offset(self, layer_idx: int = 0) -> int:
-        return self.past_len
-
-    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        return self.past_len + query_length, 0  # (kv_length, kv_offset): the whole history, every layer
-
-    def layer_of(self, key: Tensor, value: Tensor) -> int | None:
-        """The layer whose `update` returned exactly these tensors (DESIGN §6b (c))."""
-        for layer, (k, v) in self.new.items():
-            if k is key and v is value:
-                return layer
-        return None
-
-
-class _NeedsConcat(Exception):
-    """A layer's attention read tensors derived from the cache's output: rerun the forward with that
-    layer in concat mode (see `_BlockCache`)."""
-
-    def __init__(self, layer: int, module: nn.Module):
-        self.layer, self.module = layer, module
-
-    def layers(self, model: nn.Module) -> set[int]:
-        """This layer and every layer whose attention is of the same class: one retry, not one per layer."""
-        same = {m.layer_idx for m in model.modules()
-                if type(m) is type(self.module) and isinstance(getattr(m, "layer_idx", None), int)}
-        return same | {self.layer}
-
-
-# model → its concat layers, learnt on the first forward and kept for the next calls
-_CONCAT_LAYERS: "weakref.WeakKeyDictionary[nn.Module, set[int]]" = weakref.WeakKeyDictionary()
-
-_ACTIVE: list = []  # the running _Batch (a stack, so that nothing leaks if a forward raises)
-
-
-def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-               sliding_window=None, softcap=None, s_aux=None, **kwargs):
-    """Every keyword that does work is implemented or refused, the mask is read, and the K/V must be
-    the ones the cache handed out (the family contract, DESIGN §6b)."""
-    if not _ACTIVE:
-        raise RuntimeError("the backstream attention function runs only inside stream_backward")
-    if dropout and dropout > 0:
-        raise ValueError("model: attention dropout breaks exactness; call model.eval() or set attention_dropout=0")
-    family.check_attention_kwargs(module, kwargs)
-    batch = _ACTIVE[-1]
-    window = family.attention_window(module, attention_mask, sliding_window, batch.p0, batch.Q)
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    layer = batch.cache.layer_of(key, value)
-    concat = batch.cache.last_layer in batch.engine.concat_layers
-    if concat:  # the keys are history ⊕ block, derived by the model from what the cache returned
-        kpos = batch.cache.kpos.get(batch.cache.last_layer, batch.qpos)
-        if key.shape[2] != len(kpos) or value.shape[2] != len(kpos):
-            raise family.kv_not_from_cache(module)
-        parts = [Part(key, value, kpos, causal=True)]
-    elif layer is None:
-        if batch.cache.last_layer < 0 or batch.cache.last_layer in batch.engine.concat_layers:
-            raise family.kv_not_from_cache(module)
-        raise _NeedsConcat(batch.cache.last_layer, module)  # retried with history ⊕ block from the cache
-    else:
-        parts = batch.history_parts(layer, key, value, window)
-        parts.append(Part(key, value, batch.qpos, causal=True))
-    batch.attn_calls += 1
-    out = merged_attention(query, parts, batch.qpos, scale, window, batch.engine.kernel,
-                           softcap=softcap, sinks_H=s_aux)
-    return out.transpose(1, 2).contiguous(), None
-
-
-AttentionInterface.register(ATTN_NAME, _attention)
+# The block batch: what the adapter's attention function and cache see during one forward.
 
 
 class _Batch:
     """One batch of sibling chunks: rows share the parent path (shared history, one copy) and each
     reads its own node's earlier tokens (private history)."""
 
-    def __init__(self, engine: "_Engine", parent: int, rows: list[_Row]):
+    def __init__(self, engine: "_Engine", parent: int, rows: list[Row]):
         self.engine, self.parent, self.rows = engine, parent, rows
+        self.model, self.kernel, self.concat_layers = engine.model, engine.kernel, engine.concat_layers
         tree = engine.tree
         self.base = tree.nodes[rows[0].node].start  # same for all siblings
         lo = rows[0].lo
@@ -190,37 +88,45 @@ class _Batch:
         self.p0 = self.base + lo
         self.qpos = torch.arange(self.p0, self.p0 + self.Q, device=engine.device)
         self.shared_nodes = (tree.ancestors(rows[0].node)) if parent >= 0 else []
-        self.cache = _BlockCache(self)
+        self.cache = BlockCache(self)
         self.attn_calls = 0
         self.hooks = []
         self.router: tuple | None = None  # (router logits per layer [R, E], multiplicity [R]) of the real tokens
 
-    def history_parts(self, layer: int, key: Tensor, value: Tensor, window: int | None) -> list[Part]:
-        eng, tree = self.engine, self.engine.tree
-        if eng.kv_given:
-            eng.check_given_kv(self.shared_nodes + [r.node for r in self.rows], layer, key, value)
+    def reset_cache(self) -> None:
+        """A fresh cache before a forward (a retry drops what the failed attempt registered)."""
+        self.release()
+        self.cache = BlockCache(self)
+        self.attn_calls = 0
+
+    def history_parts(self, layer: int, key_BHQD: Tensor, value_BHQD: Tensor, window: int | None) -> list[Part]:
+        """The history this batch reads at `layer`, as leaves whose gradients go to the store:
+        shared (the parent path, one copy, [1, Hkv, Ls, D]) and private (each row's own node before
+        the chunk, [B, Hkv, Lp, D]); positions outside every query's window are not read."""
+        store, tree, dev = self.engine.store, self.engine.tree, self.engine.device
+        store.check_given(self.shared_nodes + [r.node for r in self.rows], layer, key_BHQD, value_BHQD)
         first = 0 if window is None else max(0, self.p0 - window + 1)  # earliest visible position
         parts = []
-        # shared: the parent path, one copy with batch 1
-        segs = []
+        segs = []  # (node, node-local a, b) of the shared path, in position order
         for n in self.shared_nodes:
             node = tree.nodes[n]
             a, b = max(node.start, first), node.end
             if a < b:
                 segs.append((n, a - node.start, b - node.start))
         if segs:
-            kv = [torch.cat([eng.kv[n][layer][j][:, a:b] for n, a, b in segs], dim=1)[None] for j in (0, 1)]
-            kpos = torch.arange(segs[0][1] + tree.nodes[segs[0][0]].start, self.base, device=eng.device)
-            kv = [self._leaf(t, src.requires_grad, layer, j, segs, None) for j, (t, src) in enumerate(zip(kv, (key, value)))]
-            parts.append(Part(kv[0], kv[1], kpos, shared=True))
-        # private: each row's own node before the chunk
+            kv_1HLD = [torch.cat([store.read(n, layer, j)[:, a:b] for n, a, b in segs], dim=1)[None] for j in (0, 1)]
+            kpos = torch.arange(segs[0][1] + tree.nodes[segs[0][0]].start, self.base, device=dev)
+            kv_1HLD = [self._leaf(t, src.requires_grad, layer, j, segs, None)
+                       for j, (t, src) in enumerate(zip(kv_1HLD, (key_BHQD, value_BHQD)))]
+            parts.append(Part(kv_1HLD[0], kv_1HLD[1], kpos, shared=True))
         a = max(self.base, first) - self.base
         b = self.rows[0].lo
         if a < b:
-            kv = [torch.stack([eng.kv[r.node][layer][j][:, a:b] for r in self.rows]) for j in (0, 1)]
-            kpos = torch.arange(self.base + a, self.base + b, device=eng.device)
-            kv = [self._leaf(t, src.requires_grad, layer, j, None, (a, b)) for j, (t, src) in enumerate(zip(kv, (key, value)))]
-            parts.append(Part(kv[0], kv[1], kpos))
+            kv_BHLD = [torch.stack([store.read(r.node, layer, j)[:, a:b] for r in self.rows]) for j in (0, 1)]
+            kpos = torch.arange(self.base + a, self.base + b, device=dev)
+            kv_BHLD = [self._leaf(t, src.requires_grad, layer, j, None, (a, b))
+                       for j, (t, src) in enumerate(zip(kv_BHLD, (key_BHQD, value_BHQD)))]
+            parts.append(Part(kv_BHLD[0], kv_BHLD[1], kpos))
         return parts
 
     def concat_history(self, layer: int, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
@@ -239,18 +145,18 @@ class _Batch:
         if not (needs_grad and torch.is_grad_enabled()):
             return t
         leaf = t.detach().requires_grad_(True)
-        eng = self.engine
+        store = self.engine.store
 
         def scatter(x: Tensor) -> None:
-            g = x.grad
+            g = x.grad  # [1, Hkv, Ls, D] (shared) or [B, Hkv, Lp, D] (private)
             if segs is not None:
                 off = 0
                 for n, a, b in segs:
-                    eng.add_grad(n, layer, j, a, b, g[0, :, off:off + b - a])
+                    store.add_grad(n, layer, j, a, b, g[0, :, off:off + b - a])
                     off += b - a
             else:
                 for r, row in enumerate(self.rows):
-                    eng.add_grad(row.node, layer, j, private[0], private[1], g[r])
+                    store.add_grad(row.node, layer, j, private[0], private[1], g[r])
             x.grad = None  # free it now, layer by layer
 
         self.hooks.append(leaf.register_post_accumulate_grad_hook(scatter))
@@ -280,20 +186,12 @@ class _Batch:
                     if row.lo <= off < row.hi:
                         keep[r, off - row.lo] = True
         ids, keep = ids.to(eng.device), keep.to(eng.device)
-        kwargs = dict(input_ids=ids, position_ids=self.qpos[None], past_key_values=self.cache, use_cache=True)
+        kwargs = dict(input_ids=ids, position_ids=self.qpos[None], use_cache=True)
         if eng.has_logits_to_keep:
             kwargs["logits_to_keep"] = keep
         if eng.router is not None:
             kwargs["output_router_logits"] = True
-        while True:
-            try:
-                out = self._call(kwargs)
-                break
-            except _NeedsConcat as e:  # this layer's attention reads K/V derived from the cache
-                eng.concat_layers.update(e.layers(eng.base))
-                self.release()
-                self.cache = kwargs["past_key_values"] = _BlockCache(self)
-                self.attn_calls = 0
+        out = run_model(self, kwargs)
         logits = out.logits if eng.has_logits_to_keep else out.logits[keep]
         if self.attn_calls == 0 or len(self.cache.new) == 0:
             raise TypeError(
@@ -306,23 +204,6 @@ class _Batch:
         if eng.router is not None:
             self.router = self._router_rows(getattr(out, "router_logits", None), B)
         return logits, keep
-
-    def _call(self, kwargs):
-        eng = self.engine
-        _ACTIVE.append(self)
-        try:
-            return eng.model(**kwargs)
-        except _NeedsConcat:
-            raise
-        except Exception as e:
-            if family.package_frame(e):
-                raise  # our own checks (and our own bugs) surface as they are
-            raise family.Unsupported(
-                f"model: {type(eng.base).__name__} failed inside transformers when run block by block over the "
-                f"engine's Cache ({type(e).__name__}: {e}). Layers whose state is not K/V (convolution, state-space, "
-                f"linear attention) or that read the cache directly cannot be streamed; {family.ENGINE_HINT}") from e
-        finally:
-            _ACTIVE.pop()
 
     def _router_rows(self, router_logits, B: int) -> tuple:
         """The router logits of the batch's real tokens and how many sequences contain each."""
@@ -372,57 +253,6 @@ class _Batch:
 # ---------------------------------------------------------------------------------------------
 
 
-def _base_model(model: nn.Module) -> nn.Module:
-    get = getattr(model, "get_base_model", None)  # PEFT
-    return get() if callable(get) else model
-
-
-def _configs(model: nn.Module) -> list[PretrainedConfig]:
-    seen, out, stack = set(), [], [m.config for m in model.modules() if isinstance(getattr(m, "config", None), PretrainedConfig)]
-    while stack:
-        c = stack.pop()
-        if id(c) in seen:
-            continue
-        seen.add(id(c))
-        out.append(c)
-        for key in getattr(c, "sub_configs", {}) or {}:
-            sub = getattr(c, key, None)
-            if isinstance(sub, PretrainedConfig):
-                stack.append(sub)
-    return out
-
-
-class _use_backstream_attention:
-    """Route the model's attention through `_attention` for the duration of a call."""
-
-    def __init__(self, model):
-        self.configs = _configs(model)
-
-    def __enter__(self):
-        self.saved = [c._attn_implementation_internal for c in self.configs]
-        for c in self.configs:
-            c._attn_implementation_internal = ATTN_NAME
-
-    def __exit__(self, *exc):
-        for c, v in zip(self.configs, self.saved):
-            c._attn_implementation_internal = v
-
-
-def check_model(model) -> nn.Module:
-    """The model must be a transformers causal LM that accepts a Cache and a registered attention
-    function; returns the underlying PreTrainedModel."""
-    base = _base_model(model)
-    if not isinstance(model, nn.Module) or not hasattr(base, "config"):
-        raise TypeError(f"model: expected a transformers causal LM (or a PEFT model around one), got {type(model).__name__}")
-    params = inspect.signature(base.forward).parameters
-    if not getattr(base, "_supports_attention_backend", False) or "past_key_values" not in params:
-        raise TypeError(
-            f"model: {type(base).__name__} does not support transformers' Cache and AttentionInterface "
-            "(needs `_supports_attention_backend` and a `past_key_values` argument); stream_backward cannot drive it"
-        )
-    return base
-
-
 def validate_sequences(model, sequences, name: str = "sequences") -> int:
     """Checks shared by stream_backward and reference_backward; returns the vocabulary size."""
     base = check_model(model)
@@ -465,116 +295,43 @@ def _objective_from(weights, objective) -> Objective:
 
 
 class _Engine:
-    def __init__(self, model, sequences, block_size, batch_tokens, kernel, pad_id):
+    """The two passes over one token tree: the prefill (forward order) and the backward (reverse)."""
+
+    def __init__(self, model, sequences, tree: TokenTree, block_size, batch_tokens, kernel, pad_id):
         self.model = model
-        self.base = _base_model(model)
+        self.base = base_model(model)
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.kernel = kernel
         self.pad_id = pad_id
-        self.block_size, self.batch_tokens = block_size, batch_tokens
-        self.has_logits_to_keep = "logits_to_keep" in inspect.signature(self.base.forward).parameters
+        self.tree = tree
+        self.schedule = batches(tree, block_size, batch_tokens)
+        self.store = KVStore(tree)
+        self.has_logits_to_keep = takes_logits_to_keep(model)
         self.text_config = self.base.config.get_text_config()
         self.num_layers = self.text_config.num_hidden_layers
         self.offsets_t = torch.tensor(flat_offsets([len(s) for s in sequences]), dtype=torch.long)
-        self.kv: dict[int, list[list[Tensor]]] = {}  # node → layer → [K, V] of shape [Hkv, len, D]
-        self.g: dict[int, dict[int, list[Tensor | None]]] = {}  # node → layer → [gK, gV] fp32
-        self.touched: dict[int, dict[int, Tensor]] = {}  # node → layer → bool [len]: pending K/V gradient
-        self.tree: TokenTree | None = None
-        # layers whose attention reads K/V derived from the cache's output (see `_BlockCache`)
-        self.concat_layers: set[int] = _CONCAT_LAYERS.setdefault(self.base, set())
-        self.kv_given = False  # the K/V came from the caller (`kv=`): their shapes are checked on first read
+        self.concat_layers = concat_layers(self.base)  # attention reading K/V derived from the cache
         self.router: RouterBalance | None = None  # the load-balancing loss, when the objective has one
         self.router_mult: dict[int, Tensor] = {}  # node → float64 [len]: sequences containing each token
 
-    # -- schedule ---------------------------------------------------------------------------
-    def batches(self) -> list[tuple[int, list[_Row]]]:
-        """Forward order: parents before children; siblings at the same chunk offset together,
-        as many rows as fit in `batch_tokens` (counting the longest row's chunk)."""
-        T = self.block_size
-        out, queue = [], [-1]
-        while queue:
-            p = queue.pop(0)
-            kids = self.tree.roots if p < 0 else self.tree.nodes[p].children
-            if not kids:
-                continue
-            longest = max(len(self.tree.nodes[c].tokens) for c in kids)
-            for lo in range(0, longest, T):
-                rows = [_Row(c, lo, min(lo + T, len(self.tree.nodes[c].tokens)))
-                        for c in kids if len(self.tree.nodes[c].tokens) > lo]
-                rows.sort(key=lambda r: r.lo - r.hi)  # longest first: rows of a batch pad less
-                k = 0
-                while k < len(rows):
-                    cap = max(1, self.batch_tokens // (rows[k].hi - rows[k].lo))
-                    out.append((p, rows[k:k + cap]))
-                    k += cap
-            queue.extend(kids)
-        return out
-
-    def check_given_kv(self, nodes: list[int], layer: int, key_BHQD: Tensor, value_BHQD: Tensor) -> None:
-        for n in nodes:
-            for j, (x, own) in enumerate(zip(self.kv[n][layer], (key_BHQD, value_BHQD))):
-                if x.shape[0] != own.shape[1] or x.shape[2] != own.shape[3]:
-                    raise ValueError(
-                        f"kv: layer {layer}'s {'KV'[j]} has shape [{x.shape[0]}, length, {x.shape[2]}] but the model's "
-                        f"{'KV'[j]} at that layer are [{own.shape[1]}, length, {own.shape[3]}] ([kv_heads, length, "
-                        "head_dim]): pass the K/V of this model's own cache")
-
-    # -- gradient accumulators ---------------------------------------------------------------
-    def add_grad(self, node: int, layer: int, j: int, a: int, b: int, g: Tensor) -> None:
-        per_layer = self.g.setdefault(node, {}).setdefault(layer, [None, None])
-        if per_layer[j] is None:
-            ref = self.kv[node][layer][j]
-            # fp32 whatever the model dtype (bf16 sums of many readers drift); float64 stays float64
-            per_layer[j] = torch.zeros(ref.shape, dtype=torch.promote_types(ref.dtype, torch.float32), device=ref.device)
-        per_layer[j][:, a:b] += g.to(per_layer[j].dtype)
-        t = self.touched.setdefault(node, {}).setdefault(layer, torch.zeros(len(self.tree.nodes[node].tokens), dtype=torch.bool))
-        t[a:b] = True
-
-    def pending(self, row: _Row, layer: int | None = None) -> bool:
-        """Has any reader left a gradient for the K/V of this chunk (at `layer`, or any layer)?"""
-        per_node = self.touched.get(row.node, {})
-        masks = per_node.values() if layer is None else [per_node[layer]] if layer in per_node else []
-        return any(bool(t[row.lo:row.hi].any()) for t in masks)
-
-    def needs_work(self, row: _Row) -> bool:
-        if self.router is not None:
-            return True  # every token has a router term
-        tg = self.tree.targets.get(row.node)
-        if tg is not None and any(row.lo <= o < row.hi for o in tg.offset):
-            return True
-        return self.pending(row)
-
-    # -- passes -------------------------------------------------------------------------------
-    def store_kv(self, batch: _Batch) -> None:
-        for layer, (k, v) in batch.cache.new.items():
-            for r, row in enumerate(batch.rows):
-                n = row.hi - row.lo
-                store = self.kv.setdefault(row.node, {})
-                if layer not in store:
-                    L = len(self.tree.nodes[row.node].tokens)
-                    store[layer] = [k.new_empty((k.shape[1], L, k.shape[3])), v.new_empty((v.shape[1], L, v.shape[3]))]
-                store[layer][0][:, row.lo:row.hi] = k[r, :, :n]
-                store[layer][1][:, row.lo:row.hi] = v[r, :, :n]
-
-    def read_later(self, row: _Row) -> bool:
-        """Does any later block read this chunk's K/V (a later chunk of its node, or a child)?"""
-        node = self.tree.nodes[row.node]
-        return row.hi < len(node.tokens) or bool(node.children)
+    def needs_work(self, row: Row) -> bool:
+        """The zero-reward shortcut: a chunk with no target and no pending K/V gradient does nothing."""
+        return self.router is not None or has_targets(self.tree, row) or self.store.pending(row)
 
     def prefill(self, logprobs: list[Tensor], stats: StreamStats, all_logprobs: bool) -> None:
         """K/V of every chunk a later block reads, and the log-probs of the targets. A chunk nobody
         reads (the tail of a response) is left to the backward unless the objective asked for
         every log-prob before the backward (`all_logprobs`)."""
         with torch.no_grad():
-            for parent, rows in self.batches():
+            for parent, rows in self.schedule:
                 if not all_logprobs:
-                    rows = [r for r in rows if self.read_later(r)]
+                    rows = [r for r in rows if read_later(self.tree, r)]
                     if not rows:
                         continue
                 batch = _Batch(self, parent, rows)
                 logits, keep = batch.forward(with_logits=True)
-                self.store_kv(batch)
+                self.store.store(batch.rows, batch.cache.new)
                 if self.router is not None:
                     self.router.count(*batch.router)
                 view = batch.view(logits, keep)
@@ -590,7 +347,7 @@ class _Engine:
             logprobs[s][t] = x
 
     def backward(self, objective: Objective, logprobs: list[Tensor], stats: StreamStats, record: bool) -> None:
-        for parent, rows in reversed(self.batches()):
+        for parent, rows in reversed(self.schedule):
             work = [r for r in rows if self.needs_work(r)]
             stats.blocks_skipped += len(rows) - len(work)
             stats.skipped_tokens += sum(r.hi - r.lo for r in rows if r not in work)
@@ -615,68 +372,21 @@ class _Engine:
             # point unless autograd saved them: free them before the backward allocates its own
             del view, logits, loss
             for layer, kv in batch.cache.new.items():
-                for j, x in enumerate(kv):
-                    if not x.requires_grad:
+                for j, x_BHQD in enumerate(kv):
+                    if not x_BHQD.requires_grad:
                         continue  # frozen below this layer: no gradient can flow into history
-                    seed = None
-                    for r, row in enumerate(work):
-                        acc = self.g.get(row.node, {}).get(layer, [None, None])[j]
-                        # a zero seed would cost a backward and mark the history as pending
-                        if acc is not None and self.pending(row, layer):
-                            if seed is None:
-                                seed = torch.zeros(x.shape, dtype=x.dtype, device=x.device)
-                            seed[r, :, : row.hi - row.lo] = acc[:, row.lo:row.hi].to(x.dtype)
+                    seed = self.store.seed(work, layer, j, x_BHQD)
                     if seed is not None:
-                        roots.append(x)
+                        roots.append(x_BHQD)
                         seeds.append(seed)
             if roots:
                 torch.autograd.backward(roots, seeds)
             batch.release()
             del roots, seeds
-            # the accumulators of these positions are spent; free what no other row needs
-            for row in work:
-                if row.lo == 0:
-                    self.g.pop(row.node, None)
-                    self.touched.pop(row.node, None)
+            self.store.spent(work)  # the accumulators of these positions are spent
             stats.blocks_run += len(work)
             stats.batches_run += 1
             stats.backward_tokens += sum(r.hi - r.lo for r in work)
-
-
-def _prepare_kv(engine: _Engine, kv, sequences) -> None:
-    """Fill the node K/V store from caller-given K/V (one entry per sequence)."""
-    if not isinstance(kv, (list, tuple)) or len(kv) != len(sequences):
-        raise ValueError(f"kv: expected one entry per sequence ({len(sequences)}), got {type(kv).__name__}")
-    layers = engine.num_layers
-    engine.kv_given = True
-    per_seq = []
-    for i, entry in enumerate(kv):
-        if isinstance(entry, Cache):
-            rows = {layer.keys.shape[0] for layer in entry.layers if getattr(layer, "keys", None) is not None}
-            if rows != {1}:
-                raise ValueError(
-                    f"kv[{i}]: a Cache of batch {sorted(rows)}; each entry is the K/V of one sequence: pass a batch-1 "
-                    "Cache per sequence, or per sequence a list over layers of (K, V) of shape [kv_heads, length, head_dim]")
-            entry = [(layer.keys[0], layer.values[0]) for layer in entry.layers]
-        if not isinstance(entry, (list, tuple)) or len(entry) != layers:
-            raise ValueError(f"kv[{i}]: expected a Cache or a list of {layers} (K, V) pairs, got {type(entry).__name__}")
-        per_seq.append(entry)
-    for i, path in enumerate(engine.tree.paths):
-        for n in path:
-            if n in engine.kv:
-                continue
-            node = engine.tree.nodes[n]
-            store = {}
-            for layer, (k, v) in enumerate(per_seq[i]):
-                if k.dim() != 3 or v.dim() != 3 or k.shape[:2] != v.shape[:2]:
-                    raise ValueError(f"kv[{i}][{layer}]: expected K and V of shape [kv_heads, length, head_dim], got {tuple(k.shape)} and {tuple(v.shape)}")
-                if k.shape[1] < node.end:
-                    raise ValueError(
-                        f"kv[{i}][{layer}]: covers {k.shape[1]} positions but sequence {i} needs the K/V of its first "
-                        f"{node.end} tokens (a sliding-window cache that dropped history cannot be reused)"
-                    )
-                store[layer] = [x[:, node.start:node.end].to(engine.device, engine.dtype) for x in (k, v)]
-            engine.kv[n] = store
 
 
 def stream_backward(
@@ -750,6 +460,7 @@ def _run(model, sequences, obj, *, block_size, batch_tokens, memory_budget, kv, 
     router = _router_balance(model, obj, kv, backward)
     family.check_deterministic(model)
     family.check_positions(model, max(len(s) for s in sequences))
+    family.check_default_positions(model, max(sequences, key=len))
 
     seqs_cpu = [s.detach().to("cpu", torch.long) for s in sequences]
     active = [a.detach().to("cpu", torch.bool) for a in active]
@@ -768,17 +479,16 @@ def _run(model, sequences, obj, *, block_size, batch_tokens, memory_budget, kv, 
     p = plan(model, tree, block_size=block_size, batch_tokens=batch_tokens, memory_budget=memory_budget)
     stats.block_size, stats.batch_tokens, stats.peak_bytes_predicted = p.block_size, p.batch_tokens, p.peak_bytes
 
-    eng = _Engine(model, seqs_cpu, p.block_size, p.batch_tokens, kernel, pad_id=0)
-    eng.tree = tree
+    eng = _Engine(model, seqs_cpu, tree, p.block_size, p.batch_tokens, kernel, pad_id=0)
     if router is not None:
         eng.router, eng.router_mult = router, _multiplicities(tree, inputs)
     lp_dtype = torch.promote_types(eng.dtype, torch.float32)
     lps = [torch.full((len(s),), math.nan, dtype=lp_dtype) for s in seqs_cpu]
     if kv is not None:
-        _prepare_kv(eng, kv, sequences)
+        eng.store.fill(kv, sequences, eng.num_layers, eng.device, eng.dtype)
     # the objective may read every log-prob in `setup` (sequence-level statistics, ...)
     all_lp = not backward or obj.needs_prefill_logprobs or router is not None
-    with _use_backstream_attention(model):
+    with use_backstream_attention(model):
         t = time.perf_counter()
         if kv is None:
             eng.prefill(lps, stats, all_logprobs=all_lp)

@@ -14,6 +14,7 @@ user can fix it in one line), never a silently different gradient.
 from __future__ import annotations
 
 import os
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -204,6 +205,30 @@ def check_positions(model: nn.Module, longest: int) -> None:
                     f"{limit} positions), and a sequence here has {longest} tokens: its early blocks, forwarded alone, "
                     f"would be rotated with other frequencies than the whole sequence. Keep sequences "
                     f"{'under' if strict else 'at most'} {limit} tokens, or {ENGINE_HINT}")
+
+
+_POSITIONS_OK: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+
+
+def check_default_positions(model: nn.Module, tokens: Tensor) -> None:
+    """(d) The engine passes `position_ids` = 0, 1, 2, … while the full-sequence forward lets the
+    model choose; a model whose own default differs (RoBERTa-style embeddings count from
+    padding_idx + 1) would be shifted. One short probe forward per model, with its own attention."""
+    if model in _POSITIONS_OK:
+        return
+    ids = tokens[: min(8, len(tokens))].to(next(model.parameters()).device)[None]
+    with torch.no_grad():
+        try:
+            own = model(input_ids=ids).logits
+            given = model(input_ids=ids, position_ids=torch.arange(ids.shape[1], device=ids.device)[None]).logits
+        except Exception:  # noqa: BLE001  (a model that cannot run this probe fails in the engine, named there)
+            return
+    if not torch.allclose(own, given, rtol=1e-5, atol=1e-5 * float(own.abs().max())):
+        raise Unsupported(
+            f"model: {type(model).__name__} does not number positions 0, 1, 2, … by default (its output changes when "
+            "given position_ids = arange: RoBERTa-style embeddings count from padding_idx + 1), so the blocks, which "
+            f"pass their absolute positions, would be shifted; {ENGINE_HINT}")
+    _POSITIONS_OK.add(model)
 
 
 def check_deterministic(model: nn.Module) -> None:

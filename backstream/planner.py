@@ -11,6 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from backstream.adapter import base_model
+from backstream.family import Unsupported
+
 DEFAULT_BLOCK = 512
 DEFAULT_ROWS = 8
 
@@ -24,8 +27,13 @@ class Plan:
 
 
 def _dims(model):
-    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
-    c = base.config.get_text_config()
+    try:
+        return _read_dims(base_model(model).config.get_text_config())
+    except Exception as e:  # noqa: BLE001  (per-layer attributes some configs refuse to read globally)
+        raise Unsupported(f"model: the memory planner cannot read the config's sizes ({type(e).__name__}: {e})") from e
+
+
+def _read_dims(c):
     H = c.num_attention_heads
     D = getattr(c, "head_dim", None) or c.hidden_size // H
     Hkv = getattr(c, "num_key_value_heads", None) or H

@@ -7,14 +7,13 @@ whole sequence as one view) and is the baseline of the tests and the benchmarks.
 
 from __future__ import annotations
 
-import inspect
 import math
 
 import torch
 from torch import Tensor, nn
 
-from backstream.engine import (StreamResult, StreamStats, _objective_from, check_model, validate_sequences,
-                               validate_weights)
+from backstream.adapter import takes_logits_to_keep
+from backstream.engine import StreamResult, StreamStats, _objective_from, validate_sequences, validate_weights
 from backstream.objective import BlockView, Objective, flat_offsets
 from backstream.router import load_balancing_loss, moe_spec
 
@@ -50,7 +49,7 @@ def reference_backward(model: nn.Module, sequences: list[Tensor], weights: list[
     offsets = flat_offsets([len(s) for s in sequences])
     logprobs = [torch.full((len(s),), math.nan, dtype=dtype) for s in sequences]
 
-    keep_arg = "logits_to_keep" in inspect.signature(check_model(model).forward).parameters
+    keep_arg = takes_logits_to_keep(model)
     coef = float(getattr(obj, "router_aux_coef", 0.0))
     if coef < 0:
         raise ValueError(f"objective.router_aux_coef: expected a finite number >= 0, got {coef!r}")

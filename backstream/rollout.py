@@ -15,7 +15,6 @@ and finished rows are not dropped from the batch.
 
 from __future__ import annotations
 
-import inspect
 import math
 from dataclasses import dataclass, field
 
@@ -23,6 +22,8 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
+
+from backstream.adapter import takes_logits_to_keep
 
 
 @dataclass(kw_only=True)
@@ -214,8 +215,7 @@ def generate(
             got = tuple(p.shape) if isinstance(p, Tensor) else type(p).__name__
             raise ValueError(f"prompts[{j}]: expected a non-empty 1-D integer tensor, got {got}")
     eos = set() if eos_token_id is None else {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT
-    keep_last = "logits_to_keep" in inspect.signature(base.forward).parameters
+    keep_last = takes_logits_to_keep(model)
 
     out = Rollout(prompt_index=[], prompt_ids=[], completion_ids=[], logprobs=[], finish_reason=[],
                   kv=[] if return_kv else None, group_size=config.group_size)

@@ -18,10 +18,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from backstream.adapter import base_model
+
 
 def moe_spec(model: nn.Module, what: str = "router_aux_coef") -> tuple[int, int]:
     """(num_experts, top_k) of a transformers MoE causal LM, or a clear error."""
-    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    base = base_model(model)
     cfg = base.config.get_text_config()
     experts = next((getattr(cfg, k) for k in ("num_experts", "num_local_experts", "n_routed_experts")
                     if isinstance(getattr(cfg, k, None), int)), None)

@@ -15,6 +15,7 @@ Simplified on purpose: one process (no data parallelism yet); rollout and learne
 from __future__ import annotations
 
 import copy
+import json
 import math
 import os
 import resource
@@ -62,6 +63,32 @@ def apply_lora(model, mc: cfgmod.ModelConfig):
     from peft import LoraConfig, get_peft_model  # noqa: PLC0415
 
     return get_peft_model(model, LoraConfig(r=mc.lora_r, lora_alpha=mc.lora_alpha, target_modules=mc.lora_targets))
+
+
+_VERIFIED: dict = {}  # architecture → VerifyReport: a process checks each architecture once
+
+
+def verify_engine(model) -> None:
+    """engine.verify: the streamed backward must be exact on a miniature of `model`'s architecture
+    (same config, same LoRA config, same train/eval mode; `backstream.verify`), else stop before
+    the run folder is written."""
+    from backstream.verify import verify  # noqa: PLC0415
+
+    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    peft = getattr(model, "peft_config", None)
+    # what saving a checkpoint writes into the config (architectures, dtype) is not architecture
+    arch = {k: v for k, v in base.config.to_dict().items()
+            if k not in ("architectures", "dtype", "_name_or_path", "transformers_version")}
+    key = (json.dumps(arch, sort_keys=True, default=str), repr(peft), model.training)
+    report = _VERIFIED.get(key)
+    if report is None:
+        report = _VERIFIED[key] = verify(model)
+    if not report.ok:
+        detail = f"{report.verdict} ({report.reason})" if report.kind == "wrong" else report.verdict
+        raise ValueError(f"engine.verify: the streamed backward is not exact on a miniature of this model's architecture "
+                         f"({report.model_type}): {detail}. `backstream verify` prints the details; set "
+                         "engine.backward = \"reference\" to train with the naive backward, or engine.verify = false "
+                         "to skip this check")
 
 
 def make_optimizer(oc: cfgmod.OptimConfig, params):
@@ -179,6 +206,8 @@ class Trainer:
             self.model, self.tok = apply_lora(model.to(self.device, DTYPES[cfg.model.dtype]).eval(), cfg.model), tokenizer
         if cfg.loss.router_aux_coef > 0:
             moe_spec(self.model, "loss.router_aux_coef")
+        if cfg.engine.verify and cfg.engine.backward == "stream":
+            verify_engine(self.model)
         self.examples, source = load_data(cfg.data, tc.seed)
         self.prompts = datamod.encode_prompts(self.examples, self.tok, cfg.data.max_prompt_tokens)
         self.prompt_text = [datamod.render_prompt(e["prompt"], self.tok) for e in self.examples]

@@ -11,7 +11,7 @@ from test_engine import assert_same, group_batch, rand_ids
 from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, DynamicCache
 
 from backstream import planner, stream_backward
-from backstream import engine as engine_mod
+from backstream import adapter
 from backstream.family import Unsupported
 
 warnings.filterwarnings("ignore", category=FutureWarning)
@@ -90,8 +90,8 @@ def test_softcapping_gemma2_exact(float64_softmax):
 def test_softcapping_ignored_would_fail(float64_softmax, monkeypatch):
     """The test above can fail: an engine that drops `softcap` is off by far more than 1e-10."""
     model = build("gemma2", attn_logit_softcapping=0.5, sliding_window=4)
-    real = engine_mod.merged_attention
-    monkeypatch.setattr(engine_mod, "merged_attention", lambda *a, softcap=None, **k: real(*a, **k))
+    real = adapter.merged_attention
+    monkeypatch.setattr(adapter, "merged_attention", lambda *a, softcap=None, **k: real(*a, **k))
     with pytest.raises(AssertionError, match="relative error"):
         check_exact(model, block_sizes=(3,))
 
@@ -121,13 +121,13 @@ def test_sinks_gpt_oss_exact(use_lora):
 def _wrap_attention(monkeypatch, change):
     """Route the engine's attention through `change(module, q, k, v, mask, kwargs)` first: a stand-in
     for a model that passes other arguments than the families at hand."""
-    real = engine_mod._attention
+    real = adapter.attention
 
     def wrapped(module, q, k, v, mask, **kwargs):
         q, k, v, mask = change(module, q, k, v, mask, kwargs)
         return real(module, q, k, v, mask, **kwargs)
 
-    monkeypatch.setitem(AttentionInterface._global_mapping, engine_mod.ATTN_NAME, wrapped)
+    monkeypatch.setitem(AttentionInterface._global_mapping, adapter.ATTN_NAME, wrapped)
 
 
 def test_unknown_attention_keyword_refused(monkeypatch):
@@ -328,3 +328,10 @@ def test_planner_per_layer_intermediate_sizes():
     object.__setattr__(model.config, "intermediate_size", 96)
     assert plan.peak_bytes == planner.estimate(model, tree_tokens=100, longest_path=50, block_size=16,
                                                rows=2).peak_bytes
+
+
+def test_positions_counted_from_padding_idx_refused():
+    """RoBERTa-style embeddings number positions from padding_idx + 1 when none are given, so the
+    full-sequence forward and the blocks (which pass 0, 1, 2, …) would disagree: refused."""
+    model = build("roberta", is_decoder=True, max_position_embeddings=64, type_vocab_size=1)
+    check_refused(model, "does not number positions 0, 1, 2")

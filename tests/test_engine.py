@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from models import FAMILIES, VOCAB, lora, make
 
 from backstream import Objective, TokenWeights, reference_backward, stream_backward
-from backstream import engine as engine_mod
+from backstream import adapter, family
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 TOL = 1e-10
@@ -165,6 +165,7 @@ def test_zero_weight_sequences_cost_nothing():
     seqs = [rand_ids(20, gen) for _ in range(3)]
     weights = [torch.zeros(20, dtype=torch.float64) for _ in range(3)]
     weights[1][5:] = torch.randn(15, generator=gen, dtype=torch.float64)
+    family.check_default_positions(model, seqs[0])  # the once-per-model probe, before counting
     counter = CountTokens(model)
     r = stream_backward(model, seqs, weights, block_size=8)
     # only sequence 1 is read: its 19 inputs in the backward, and in the prefill all but its last
@@ -185,6 +186,7 @@ def test_trailing_tokens_after_last_loss_are_never_forwarded():
     seq = rand_ids(64, gen)
     w = torch.zeros(64, dtype=torch.float64)
     w[3:10] = 1.0  # last loss token at index 9: inputs 0..8 only
+    family.check_default_positions(model, seq)  # the once-per-model probe, before counting
     counter = CountTokens(model)
     r = stream_backward(model, [seq], [w], block_size=4)
     assert counter.tokens == 8 + 9  # prefill [0, 8) (the tail [8, 9) is read by no one), backward [0, 9)
@@ -221,13 +223,13 @@ def test_shared_prefix_is_one_copy_in_the_batch(monkeypatch):
     seqs = [torch.cat([P, rand_ids(5, gen)]) for _ in range(G)]
     weights = [torch.cat([torch.zeros(16), torch.randn(5, generator=gen)]).double() for _ in range(G)]
     seen = []
-    real = engine_mod.merged_attention
+    real = adapter.merged_attention
 
     def spy(q, parts, *a, **kw):
         seen.append((q.shape[0], [(p.shared, p.k.shape[0], p.k.shape[2]) for p in parts if p.k.shape[2]]))
         return real(q, parts, *a, **kw)
 
-    monkeypatch.setattr(engine_mod, "merged_attention", spy)
+    monkeypatch.setattr(adapter, "merged_attention", spy)
     assert_same(model, seqs, weights, block_size=8)
     group_calls = [parts for B, parts in seen if B == G]
     assert group_calls, "the G responses never ran as one batch"
@@ -247,6 +249,7 @@ def test_logits_only_for_predicting_positions():
         w[30:] = 1.0
         weights.append(w)
     rows = []
+    family.check_default_positions(model, seqs[0])  # the once-per-model probe, before counting
     model.lm_head.register_forward_hook(lambda m, i, o: rows.append(o.reshape(-1, o.shape[-1]).shape[0]))
     stream_backward(model, seqs, weights, block_size=8, batch_tokens=8)
     assert max(rows) <= 8  # one row × one block
@@ -262,6 +265,7 @@ def test_kv_from_caller_skips_the_prefill():
     with torch.no_grad():
         caches = [model(input_ids=s[None], use_cache=True).past_key_values for s in seqs]
     assert_same(model, seqs, weights, block_size=3, kv=caches)
+    family.check_default_positions(model, seqs[0])  # the once-per-model probe, before counting
     counter = CountTokens(model)
     r = stream_backward(model, seqs, weights, block_size=3, kv=caches)
     assert r.stats.prefill_tokens == 0 and counter.calls == r.stats.batches_run  # one pass only
