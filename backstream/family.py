@@ -72,6 +72,19 @@ class MaskInfo:
     window: int | None
     error: str | None = None
 
+    def _as_tensor(self, *_):
+        raise Unsupported(
+            "model: the model reads the attention mask as a tensor outside the attention function (a sparse-"
+            "attention indexer, a mask mixed into other scores); the engine hands layers the mask's meaning, not a "
+            f"[queries × keys] tensor; {ENGINE_HINT}")
+
+    __getitem__ = _as_tensor
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        self._as_tensor()
+
 
 def _classify(rows, q_offset: int, q_length: int, kv_length: int, kv_offset: int, device) -> MaskInfo:
     """rows(lo, hi) -> bool [.., hi-lo, kv_length]: the mask of queries lo..hi-1 (any leading dims)."""

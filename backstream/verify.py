@@ -31,7 +31,6 @@ every float32/16 cast into float64.
 from __future__ import annotations
 
 import copy
-import json
 import math
 import os
 import time
@@ -43,7 +42,7 @@ from torch.overrides import TorchFunctionMode
 
 TOL = 1e-10
 BLOCK_SIZES = (1, 3, 16)
-VERIFY_KINDS = ("exact", "refused", "could not build", "wrong", "error")  # report.kind, best to worst but "wrong"
+VERIFY_KINDS = ("exact", "refused", "could not build", "wrong", "error")  # the values of VerifyReport.kind
 
 # the miniature's sizes
 WIDTH, HEADS, HEAD_DIM, FFN, MOE_FFN, VOCAB, RANK = 32, 4, 8, 48, 16, 61, 16
@@ -757,9 +756,7 @@ def verify(model_or_config, *, seed: int = 0, block_sizes=BLOCK_SIZES, stage=Non
             if err > worst[0]:
                 worst = (err, f"{n} (block {b})")
         rep.logprob_error.append(_logprob_error(res.logprobs, r_ref.logprobs, weights))
+        if rep.logprob_error[-1] > worst[0]:
+            worst = (rep.logprob_error[-1], f"log-probs (block {b})")
     rep.worst_parameter = worst[1]
     return done("exact" if rep.worst is not None and rep.worst <= TOL else "wrong")
-
-
-def report_json(rep: VerifyReport) -> str:
-    return json.dumps(rep.to_dict(), default=str)
