@@ -36,8 +36,8 @@ from backstream.adapter import (ATTN_NAME, BlockCache, base_model, check_model, 
                                 takes_logits_to_keep, use_backstream_attention)
 from backstream.attention import Part
 from backstream.kvstore import KVStore
-from backstream.objective import BlockView, Objective, TokenWeights, flat_offsets
-from backstream.router import RouterBalance, moe_spec
+from backstream.objective import BlockView, Objective, Terms, TokenWeights, flat_offsets
+from backstream.router import router_term
 from backstream.schedule import Row, batches, has_targets, read_later
 from backstream.tree import TokenTree
 
@@ -91,7 +91,6 @@ class _Batch:
         self.cache = BlockCache(self)
         self.attn_calls = 0
         self.hooks = []
-        self.router: tuple | None = None  # (router logits per layer [R, E], multiplicity [R]) of the real tokens
 
     def reset_cache(self) -> None:
         """A fresh cache before a forward (a retry drops what the failed attempt registered)."""
@@ -169,7 +168,6 @@ class _Batch:
             h.remove()
         self.hooks.clear()
         self.cache.new.clear()
-        self.router = None
 
     def forward(self, with_logits: bool):
         """Run the model on the batch; returns (outputs, keep mask [B, Q] of predicting positions)."""
@@ -189,7 +187,7 @@ class _Batch:
         kwargs = dict(input_ids=ids, position_ids=self.qpos[None], use_cache=True)
         if eng.has_logits_to_keep:
             kwargs["logits_to_keep"] = keep
-        if eng.router is not None:
+        if eng.every_token:
             kwargs["output_router_logits"] = True
         out = run_model(self, kwargs)
         logits = out.logits if eng.has_logits_to_keep else out.logits[keep]
@@ -201,19 +199,19 @@ class _Batch:
         missing = sorted(set(range(eng.num_layers)) - set(self.cache.new))
         if missing:
             raise family.layers_without_kv(type(eng.base).__name__, missing, getattr(eng.text_config, "layer_types", None))
-        if eng.router is not None:
-            self.router = self._router_rows(getattr(out, "router_logits", None), B)
-        return logits, keep
+        router = self._router_rows(getattr(out, "router_logits", None), B) if eng.every_token else (None, None)
+        return logits, keep, router
 
     def _router_rows(self, router_logits, B: int) -> tuple:
-        """The router logits of the batch's real tokens and how many sequences contain each."""
+        """The router logits of the batch's real tokens ([R, E] per layer) and how many sequences
+        contain each ([R])."""
         eng = self.engine
         if not router_logits:
             raise TypeError(f"objective.router_aux_coef: {type(eng.model).__name__} returned no router logits "
                             "with output_router_logits=True")
         mult = torch.zeros((B, self.Q), dtype=torch.float64)
         for r, row in enumerate(self.rows):
-            mult[r, : row.hi - row.lo] = eng.router_mult[row.node][row.lo:row.hi]
+            mult[r, : row.hi - row.lo] = eng.mult[row.node][row.lo:row.hi]
         mult = mult.flatten()
         idx = torch.nonzero(mult > 0).flatten()
         for x in router_logits:
@@ -223,8 +221,9 @@ class _Batch:
         idx_d = idx.to(eng.device)
         return [x[idx_d] for x in router_logits], mult[idx]
 
-    def view(self, logits_PV: Tensor, keep: Tensor) -> BlockView | None:
-        """Targets of this batch, mapped to rows of logits_PV (row-major order of `keep`)."""
+    def view(self, logits_PV: Tensor, keep: Tensor, router: tuple) -> BlockView | None:
+        """Targets of this batch, mapped to rows of logits_PV (row-major order of `keep`), and the
+        router rows when the objective needs them; None when there is nothing to read."""
         eng = self.engine
         index = torch.cumsum(keep.flatten().to(torch.long), 0) - 1
         Q = self.Q
@@ -239,7 +238,7 @@ class _Batch:
                     target.append(tk)
                     seq.append(s)
                     tok.append(t)
-        if not pos:
+        if not pos and router[0] is None:
             return None
         dev = logits_PV.device
         as_t = lambda x: torch.tensor(x, dtype=torch.long, device=dev)  # noqa: E731
@@ -247,6 +246,7 @@ class _Batch:
         return BlockView(
             logits_PV=logits_PV, row_pos_N=index[as_t(pos)], target_N=as_t(target), seq_N=seq_t,
             tok_N=tok_t, flat_N=eng.offsets_t.to(dev)[seq_t] + tok_t,
+            router_logits_LRE=router[0], mult_R=router[1],
         )
 
 
@@ -312,14 +312,14 @@ class _Engine:
         self.num_layers = self.text_config.num_hidden_layers
         self.offsets_t = torch.tensor(flat_offsets([len(s) for s in sequences]), dtype=torch.long)
         self.concat_layers = concat_layers(self.base)  # attention reading K/V derived from the cache
-        self.router: RouterBalance | None = None  # the load-balancing loss, when the objective has one
-        self.router_mult: dict[int, Tensor] = {}  # node → float64 [len]: sequences containing each token
+        self.every_token = False  # the objective reads every token's router logits (views carry them)
+        self.mult: dict[int, Tensor] = {}  # then: node → float64 [len], sequences containing each token
 
     def needs_work(self, row: Row) -> bool:
         """The zero-reward shortcut: a chunk with no target and no pending K/V gradient does nothing."""
-        return self.router is not None or has_targets(self.tree, row) or self.store.pending(row)
+        return self.every_token or has_targets(self.tree, row) or self.store.pending(row)
 
-    def prefill(self, logprobs: list[Tensor], stats: StreamStats, all_logprobs: bool) -> None:
+    def prefill(self, objective: Objective, logprobs: list[Tensor], stats: StreamStats, all_logprobs: bool) -> None:
         """K/V of every chunk a later block reads, and the log-probs of the targets. A chunk nobody
         reads (the tail of a response) is left to the backward unless the objective asked for
         every log-prob before the backward (`all_logprobs`)."""
@@ -330,12 +330,11 @@ class _Engine:
                     if not rows:
                         continue
                 batch = _Batch(self, parent, rows)
-                logits, keep = batch.forward(with_logits=True)
+                logits, keep, router = batch.forward(with_logits=True)
                 self.store.store(batch.rows, batch.cache.new)
-                if self.router is not None:
-                    self.router.count(*batch.router)
-                view = batch.view(logits, keep)
+                view = batch.view(logits, keep, router)
                 if view is not None:
+                    objective.observe(view)
                     self.record(view, logprobs)
                 batch.release()
                 stats.prefill_tokens += sum(r.hi - r.lo for r in rows)
@@ -354,17 +353,14 @@ class _Engine:
             if not work:
                 continue
             batch = _Batch(self, parent, work)
-            logits, keep = batch.forward(with_logits=True)
+            logits, keep, router = batch.forward(with_logits=True)
             roots, seeds = [], []
-            view = batch.view(logits, keep)
+            view = batch.view(logits, keep, router)
             loss = None
-            if view is not None:
+            if view is not None and objective.reads(view):
                 loss = objective.block_loss(view)
-                if record:
-                    self.record(view, logprobs)
-            if self.router is not None:
-                term = self.router.block_term(*batch.router)
-                loss = term if loss is None else loss + term
+            if view is not None and record:
+                self.record(view, logprobs)
             if loss is not None and loss.requires_grad:
                 roots.append(loss)
                 seeds.append(torch.ones_like(loss))
@@ -457,7 +453,12 @@ def _run(model, sequences, obj, *, block_size, batch_tokens, memory_budget, kv, 
         raise ValueError("objective.active: must return one bool tensor per sequence, of the sequence's shape")
     if any(bool(a[0]) for a in active):
         raise ValueError("objective.active: index 0 has no prediction and cannot be active")
-    router = _router_balance(model, obj, kv, backward)
+    router = router_term(model, obj) if backward else None
+    if router is not None:
+        if kv is not None:
+            raise ValueError("kv: the router load-balancing loss needs the routing counts of every token, which "
+                             "only the prefill gives; do not pass kv= (trainer: engine.reuse_rollout_kv = false)")
+        obj = Terms(obj, router)
     family.check_deterministic(model)
     family.check_positions(model, max(len(s) for s in sequences))
     family.check_default_positions(model, max(sequences, key=len))
@@ -467,7 +468,7 @@ def _run(model, sequences, obj, *, block_size, batch_tokens, memory_budget, kv, 
     inputs = []
     for s, a in zip(seqs_cpu, active):
         nz = torch.nonzero(a)
-        if router is not None:
+        if obj.needs_router_logits:
             inputs.append(s.tolist())  # the router loss reads every token of every sequence
         else:
             inputs.append(s[: int(nz[-1])].tolist() if len(nz) else [])
@@ -480,42 +481,28 @@ def _run(model, sequences, obj, *, block_size, batch_tokens, memory_budget, kv, 
     stats.block_size, stats.batch_tokens, stats.peak_bytes_predicted = p.block_size, p.batch_tokens, p.peak_bytes
 
     eng = _Engine(model, seqs_cpu, tree, p.block_size, p.batch_tokens, kernel, pad_id=0)
-    if router is not None:
-        eng.router, eng.router_mult = router, _multiplicities(tree, inputs)
+    if obj.needs_router_logits:
+        eng.every_token, eng.mult = True, _multiplicities(tree, inputs)
     lp_dtype = torch.promote_types(eng.dtype, torch.float32)
     lps = [torch.full((len(s),), math.nan, dtype=lp_dtype) for s in seqs_cpu]
     if kv is not None:
         eng.store.fill(kv, sequences, eng.num_layers, eng.device, eng.dtype)
     # the objective may read every log-prob in `setup` (sequence-level statistics, ...)
-    all_lp = not backward or obj.needs_prefill_logprobs or router is not None
+    all_lp = not backward or obj.needs_prefill_logprobs or obj.needs_router_logits
     with use_backstream_attention(model):
         t = time.perf_counter()
         if kv is None:
-            eng.prefill(lps, stats, all_logprobs=all_lp)
+            eng.prefill(obj, lps, stats, all_logprobs=all_lp)
         stats.prefill_s = time.perf_counter() - t
         if not backward:
             return StreamResult(logprobs=lps, stats=stats)
-        if router is not None:
-            router.finish()
-            stats.router_aux_loss = router.value
         obj.setup([x.clone() for x in lps] if kv is None else None)
+        if router is not None:
+            stats.router_aux_loss = router.value
         t = time.perf_counter()
         eng.backward(obj, lps, stats, record=kv is not None or not all_lp)
         stats.backward_s = time.perf_counter() - t
     return StreamResult(logprobs=lps, stats=stats)
-
-
-def _router_balance(model, obj: Objective, kv, backward: bool) -> RouterBalance | None:
-    coef = getattr(obj, "router_aux_coef", 0.0)
-    if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not math.isfinite(coef) or coef < 0:
-        raise ValueError(f"objective.router_aux_coef: expected a finite number >= 0, got {coef!r}")
-    if not backward or coef == 0:
-        return None
-    experts, top_k = moe_spec(model, "objective.router_aux_coef")
-    if kv is not None:
-        raise ValueError("kv: the router load-balancing loss needs the routing counts of every token, which "
-                         "only the prefill gives; do not pass kv= (trainer: engine.reuse_rollout_kv = false)")
-    return RouterBalance(float(coef), experts, top_k)
 
 
 def _multiplicities(tree: TokenTree, inputs: list[list[int]]) -> dict[int, Tensor]:

@@ -35,6 +35,12 @@ class BlockView:
                 layout in which objectives keep per-token statistics (see `flat_offsets`).
     A position shared by several sequences (a shared prompt, a multi-turn prefix) appears once in
     `logits_PV` and once per sequence in the N targets.
+
+    For an objective with `needs_router_logits` (the MoE load-balancing term), the view also
+    carries every real token of the batch, targets or not (R rows):
+    router_logits_LRE: per router layer [R, experts] logits;
+    mult_R:            [R] float64, how many sequences contain each token (a shared prompt counts
+                       once per sequence that contains it).
     """
 
     logits_PV: Tensor
@@ -43,6 +49,8 @@ class BlockView:
     seq_N: Tensor
     tok_N: Tensor
     flat_N: Tensor
+    router_logits_LRE: list[Tensor] | None = None
+    mult_R: Tensor | None = None
     _logp_P: Tensor | None = field(default=None, repr=False)
 
     def log_softmax(self) -> Tensor:
@@ -101,6 +109,18 @@ class Objective:
     """Whether `setup` reads the log-probs of every active target. When False, the prefill skips
     the chunks whose K/V no later block reads (a response's tail), and `setup` sees NaN there."""
 
+    needs_router_logits: bool = False
+    """Whether the views must carry the router logits of every token (`BlockView.router_logits_LRE`):
+    every token is then forwarded, in the prefill too, and the K/V cannot come from the caller."""
+
+    def reads(self, view: BlockView) -> bool:
+        """Does this view hold anything this objective's `block_loss` reads?"""
+        return view.target_N.numel() > 0
+
+    def observe(self, view: BlockView) -> None:
+        """The prefill hook: every prefill view (no grad), in forward order, before `setup`; for
+        statistics over the whole batch that are not log-probs (e.g. routing counts)."""
+
     def setup(self, logprobs: list[Tensor] | None) -> None:
         """Called once before any block, with the log-probs at the current weights from the
         prefill (detached, float32 or wider, NaN where not active); None when the caller supplied the K/V
@@ -109,6 +129,38 @@ class Objective:
     def block_loss(self, view: BlockView) -> Tensor:
         """Scalar term of this view; its gradient is accumulated into `.grad`."""
         raise NotImplementedError
+
+
+class Terms(Objective):
+    """The sum of several objectives (e.g. an RL loss and the MoE router term): the engine sees
+    one objective; each term reads the views it `reads`."""
+
+    def __init__(self, *terms: Objective):
+        self.terms = terms
+        self.needs_prefill_logprobs = any(t.needs_prefill_logprobs for t in terms)
+        self.needs_router_logits = any(t.needs_router_logits for t in terms)
+
+    def active(self, sequences: list[Tensor]) -> list[Tensor]:
+        out = None
+        for t in self.terms:
+            a = t.active(sequences)
+            out = a if out is None else [x | y for x, y in zip(out, a)]
+        return out
+
+    def reads(self, view: BlockView) -> bool:
+        return any(t.reads(view) for t in self.terms)
+
+    def observe(self, view: BlockView) -> None:
+        for t in self.terms:
+            t.observe(view)
+
+    def setup(self, logprobs: list[Tensor] | None) -> None:
+        for t in self.terms:
+            t.setup(logprobs)
+
+    def block_loss(self, view: BlockView) -> Tensor:
+        losses = [t.block_loss(view) for t in self.terms if t.reads(view)]
+        return sum(losses[1:], losses[0])
 
 
 class TokenWeights(Objective):

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from backstream.adapter import takes_logits_to_keep
 from backstream.engine import StreamResult, StreamStats, _objective_from, validate_sequences, validate_weights
 from backstream.objective import BlockView, Objective, flat_offsets
-from backstream.router import load_balancing_loss, moe_spec
+from backstream.router import load_balancing_loss, router_term
 
 
 def _sequence_view(logits_LV: Tensor, seq: Tensor, act: Tensor, i: int, offset: int) -> BlockView | None:
@@ -50,10 +50,8 @@ def reference_backward(model: nn.Module, sequences: list[Tensor], weights: list[
     logprobs = [torch.full((len(s),), math.nan, dtype=dtype) for s in sequences]
 
     keep_arg = takes_logits_to_keep(model)
-    coef = float(getattr(obj, "router_aux_coef", 0.0))
-    if coef < 0:
-        raise ValueError(f"objective.router_aux_coef: expected a finite number >= 0, got {coef!r}")
-    router = moe_spec(model, "objective.router_aux_coef") if coef > 0 else None
+    term = router_term(model, obj)  # validated as the engine validates it; computed the textbook way below
+    router = (term.E, term.k) if term is not None else None
     router_logits: list[tuple[Tensor, ...]] = []
 
     def views(grad: bool):
@@ -92,7 +90,7 @@ def reference_backward(model: nn.Module, sequences: list[Tensor], weights: list[
         per_layer = tuple(torch.cat(layer, dim=0) for layer in zip(*router_logits))
         aux = load_balancing_loss(per_layer, *router)
         stats.router_aux_loss = float(aux.detach())
-        loss = coef * aux + sum(total)
+        loss = term.coef * aux + sum(total)
         if loss.requires_grad:
             loss.backward()
     return StreamResult(logprobs=logprobs, stats=stats)

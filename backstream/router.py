@@ -15,10 +15,13 @@ its prefill, where a token of a shared prefix stands for every sequence that con
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor, nn
 
 from backstream.adapter import base_model
+from backstream.objective import BlockView, Objective
 
 
 def moe_spec(model: nn.Module, what: str = "router_aux_coef") -> tuple[int, int]:
@@ -47,10 +50,14 @@ def load_balancing_loss(router_logits: tuple[Tensor, ...] | list[Tensor], num_ex
     return num_experts * (tokens_per_expert * prob_per_expert[None]).sum()
 
 
-class RouterBalance:
-    """Streamed form: `count` every block batch in the prefill, `finish`, then `block_term` in
-    every backward block. `mult_R` weighs each row by the sequences that contain that token
-    (0 for padding)."""
+class RouterAux(Objective):
+    """The load-balancing loss as an objective term (streamed form). The prefill hook `observe`
+    counts every view's routing (f_e, no gradient) and probability mass; `setup` fixes the
+    per-expert coefficients; `block_loss` is the view's Σ_e c_e·p_e, each token weighed by the
+    number of sequences that contain it."""
+
+    needs_prefill_logprobs = False
+    needs_router_logits = True
 
     def __init__(self, coef: float, num_experts: int, top_k: int):
         self.coef, self.E, self.k = coef, num_experts, top_k
@@ -60,31 +67,50 @@ class RouterBalance:
         self.token_coef: Tensor | None = None
         self.value: float | None = None
 
+    def active(self, sequences: list[Tensor]) -> list[Tensor]:
+        return [torch.zeros(len(s), dtype=torch.bool) for s in sequences]  # no log-prob targets
+
+    def reads(self, view: BlockView) -> bool:
+        return view.mult_R is not None and view.mult_R.numel() > 0
+
     def _probs(self, logits: Tensor) -> Tensor:
         if logits.dim() != 2 or logits.shape[-1] != self.E:
             raise ValueError(f"router_aux_coef: expected router logits of shape [tokens, {self.E}], got {tuple(logits.shape)}")
         return torch.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
 
-    def count(self, router_logits, mult_R: Tensor) -> None:
-        for logits in router_logits:
+    def observe(self, view: BlockView) -> None:
+        if not self.reads(view):
+            return
+        for logits in view.router_logits_LRE:
             p = self._probs(logits.detach())
-            m = mult_R.to(p.device, torch.float64)
+            m = view.mult_R.to(p.device, torch.float64)
             chosen = torch.topk(p, self.k, dim=-1).indices  # [R, k]
             self.counts += torch.zeros(self.E, dtype=torch.float64, device=p.device).scatter_add_(
                 0, chosen.reshape(-1), m.repeat_interleave(self.k)).cpu()
             self.prob_sum += (p.double() * m[:, None]).sum(0).cpu()
             self.rows += float(m.sum())
 
-    def finish(self) -> None:
+    def setup(self, logprobs) -> None:
         f = self.counts / self.rows
         self.value = float(self.E * (f * self.prob_sum / self.rows).sum())
         self.token_coef = self.coef * self.E * f / self.rows
 
-    def block_term(self, router_logits, mult_R: Tensor) -> Tensor:
+    def block_loss(self, view: BlockView) -> Tensor:
         out = None
-        for logits in router_logits:
+        for logits in view.router_logits_LRE:
             p = self._probs(logits)
-            w = mult_R.to(p.device, p.dtype)[:, None] * self.token_coef.to(p.device, p.dtype)[None]
+            w = view.mult_R.to(p.device, p.dtype)[:, None] * self.token_coef.to(p.device, p.dtype)[None]
             term = (p * w).sum()
             out = term if out is None else out + term
         return out
+
+
+def router_term(model: nn.Module, objective: Objective) -> RouterAux | None:
+    """The router term an objective asks for with `router_aux_coef` (validated here, once, for the
+    engine and the reference alike), or None when it is 0."""
+    coef = getattr(objective, "router_aux_coef", 0.0)
+    if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not math.isfinite(coef) or coef < 0:
+        raise ValueError(f"objective.router_aux_coef: expected a finite number >= 0, got {coef!r}")
+    if coef == 0:
+        return None
+    return RouterAux(float(coef), *moe_spec(model, "objective.router_aux_coef"))

@@ -101,6 +101,9 @@ def test_router_loss_refuses_bad_input():
     moe = make("qwen3-moe")
     with pytest.raises(ValueError, match="router_aux_coef: expected a finite number"):
         stream_backward(moe, seqs, objective=TokenWeights(w, router_aux_coef=-1.0))
+    for fn in (stream_backward, reference_backward):  # one validation: both refuse NaN alike
+        with pytest.raises(ValueError, match="router_aux_coef: expected a finite number"):
+            fn(moe, seqs, objective=TokenWeights(w, router_aux_coef=float("nan")))
     with torch.no_grad():
         cache = moe(input_ids=seqs[0][None], use_cache=True).past_key_values
     with pytest.raises(ValueError, match="kv: the router load-balancing loss"):
