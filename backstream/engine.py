@@ -128,13 +128,13 @@ class _Batch:
             parts.append(Part(kv_BHLD[0], kv_BHLD[1], kpos))
         return parts
 
-    def concat_history(self, layer: int, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
-        """History ⊕ block per row for a concat layer (the shared prefix expanded over the rows: the
-        memory trap of DESIGN §5 accepted for the layers that need it)."""
-        parts = self.history_parts(layer, key, value, None)
-        B = key.shape[0]
+    def concat_history(self, layer: int, key_BHQD: Tensor, value_BHQD: Tensor) -> tuple[Tensor, Tensor]:
+        """History ⊕ block per row, [B, Hkv, Lh + Q, D], for a concat layer (the shared prefix
+        expanded over the rows: the memory trap of DESIGN §5, accepted for the layers that need it)."""
+        parts = self.history_parts(layer, key_BHQD, value_BHQD, None)
+        B = key_BHQD.shape[0]
         out = [torch.cat([(p.k if j == 0 else p.v).expand(B, -1, -1, -1) for p in parts] + [x], dim=2)
-               for j, x in enumerate((key, value))]
+               for j, x in enumerate((key_BHQD, value_BHQD))]
         self.cache.kpos[layer] = torch.cat([p.kpos_K for p in parts] + [self.qpos])
         return out[0], out[1]
 
@@ -170,7 +170,8 @@ class _Batch:
         self.cache.new.clear()
 
     def forward(self, with_logits: bool):
-        """Run the model on the batch; returns (outputs, keep mask [B, Q] of predicting positions)."""
+        """Run the model on the batch; returns (logits [P, V] of the predicting positions, keep mask
+        [B, Q] of those positions, (router logits per layer [R, E], multiplicities [R]) or (None, None))."""
         eng = self.engine
         B = len(self.rows)
         ids = torch.full((B, self.Q), eng.pad_id, dtype=torch.long)
