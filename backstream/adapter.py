@@ -41,7 +41,8 @@ def check_model(model) -> nn.Module:
     function; returns the underlying PreTrainedModel."""
     base = base_model(model)
     if not isinstance(model, nn.Module) or not hasattr(base, "config"):
-        raise TypeError(f"model: expected a transformers causal LM (or a PEFT model around one), got {type(model).__name__}")
+        raise TypeError("model: expected a transformers causal LM (or a PEFT model around one), "
+                        f"got {type(model).__name__}")
     params = inspect.signature(base.forward).parameters
     if not getattr(base, "_supports_attention_backend", False) or "past_key_values" not in params:
         raise TypeError(

@@ -129,7 +129,7 @@ class _FlashMerged(torch.autograd.Function):
             lses.append(sinks.to(lses[0].dtype).reshape(1, H, 1).expand(B, H, Q))
         lse_all = torch.logsumexp(torch.stack(lses), dim=0)  # [B, H, Q]
         acc = torch.promote_types(q.dtype, torch.float32)
-        out = sum(torch.exp(l - lse_all)[..., None].to(acc) * o.to(acc) for l, o in zip(lses, outs))
+        out = sum(torch.exp(lse - lse_all)[..., None].to(acc) * o.to(acc) for lse, o in zip(lses, outs))
         out = out.to(q.dtype)
         ctx.meta = meta
         ctx.save_for_backward(q, out, lse_all, sinks, *kv)

@@ -199,7 +199,8 @@ class _Batch:
             )
         missing = sorted(set(range(eng.num_layers)) - set(self.cache.new))
         if missing:
-            raise family.layers_without_kv(type(eng.base).__name__, missing, getattr(eng.text_config, "layer_types", None))
+            layer_types = getattr(eng.text_config, "layer_types", None)
+            raise family.layers_without_kv(type(eng.base).__name__, missing, layer_types)
         router = self._router_rows(getattr(out, "router_logits", None), B) if eng.every_token else (None, None)
         return logits, keep, router
 
@@ -258,7 +259,9 @@ def validate_sequences(model, sequences, name: str = "sequences") -> int:
     """Checks shared by stream_backward and reference_backward; returns the vocabulary size."""
     base = check_model(model)
     if not isinstance(sequences, (list, tuple)) or len(sequences) == 0:
-        raise ValueError(f"{name}: expected a non-empty list of 1-D integer tensors, got {type(sequences).__name__} of length {len(sequences) if isinstance(sequences, (list, tuple)) else 'n/a'}")
+        n = len(sequences) if isinstance(sequences, (list, tuple)) else "n/a"
+        raise ValueError(f"{name}: expected a non-empty list of 1-D integer tensors, got "
+                         f"{type(sequences).__name__} of length {n}")
     vocab = base.get_input_embeddings().num_embeddings
     for i, s in enumerate(sequences):
         if not isinstance(s, Tensor):
@@ -275,14 +278,19 @@ def validate_sequences(model, sequences, name: str = "sequences") -> int:
 
 def validate_weights(sequences, weights) -> None:
     if not isinstance(weights, (list, tuple)) or len(weights) != len(sequences):
-        raise ValueError(f"weights: expected a list of {len(sequences)} tensors (one per sequence), got {type(weights).__name__} of length {len(weights) if isinstance(weights, (list, tuple)) else 'n/a'}")
+        n = len(weights) if isinstance(weights, (list, tuple)) else "n/a"
+        raise ValueError(f"weights: expected a list of {len(sequences)} tensors (one per sequence), got "
+                         f"{type(weights).__name__} of length {n}")
     for i, (s, w) in enumerate(zip(sequences, weights)):
         if not isinstance(w, Tensor) or not w.dtype.is_floating_point:
-            raise TypeError(f"weights[{i}]: expected a floating-point tensor, got {getattr(w, 'dtype', type(w).__name__)}")
+            got = getattr(w, "dtype", type(w).__name__)
+            raise TypeError(f"weights[{i}]: expected a floating-point tensor, got {got}")
         if w.shape != s.shape:
-            raise ValueError(f"weights[{i}]: shape {tuple(w.shape)} does not match sequences[{i}] shape {tuple(s.shape)}")
+            raise ValueError(f"weights[{i}]: shape {tuple(w.shape)} does not match sequences[{i}] shape "
+                             f"{tuple(s.shape)}")
         if w[0] != 0:
-            raise ValueError(f"weights[{i}][0] = {float(w[0])}: the first token has no prediction; its weight must be 0")
+            raise ValueError(f"weights[{i}][0] = {float(w[0])}: the first token has no prediction; "
+                             "its weight must be 0")
         if not torch.isfinite(w).all():
             raise ValueError(f"weights[{i}]: contains NaN or inf")
 

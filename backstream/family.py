@@ -211,7 +211,8 @@ def check_positions(model: nn.Module, longest: int) -> None:
             try:
                 limit, strict = _rope_limit(mod, t, layer_type)
             except (AttributeError, KeyError, TypeError) as e:
-                raise Unsupported(f"model: rope_type {t!r}: cannot read its length threshold ({e}); {ENGINE_HINT}") from e
+                raise Unsupported(f"model: rope_type {t!r}: cannot read its length threshold ({e}); "
+                                  f"{ENGINE_HINT}") from e
             if longest > limit or (strict and longest == limit):
                 raise Unsupported(
                     f"model: rope_type {t!r} changes its frequencies with the longest position of a forward (threshold "

@@ -46,7 +46,8 @@ class KVStore:
         if per_layer[j] is None:
             ref = self.kv[node][layer][j]
             # fp32 whatever the model dtype (bf16 sums of many readers drift); float64 stays float64
-            per_layer[j] = torch.zeros(ref.shape, dtype=torch.promote_types(ref.dtype, torch.float32), device=ref.device)
+            acc_dtype = torch.promote_types(ref.dtype, torch.float32)
+            per_layer[j] = torch.zeros(ref.shape, dtype=acc_dtype, device=ref.device)
         per_layer[j][:, a:b] += g_HLD.to(per_layer[j].dtype)
         t = self.touched.setdefault(node, {}).setdefault(
             layer, torch.zeros(len(self.tree.nodes[node].tokens), dtype=torch.bool))

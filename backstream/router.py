@@ -75,7 +75,8 @@ class RouterAux(Objective):
 
     def _probs(self, logits: Tensor) -> Tensor:
         if logits.dim() != 2 or logits.shape[-1] != self.E:
-            raise ValueError(f"router_aux_coef: expected router logits of shape [tokens, {self.E}], got {tuple(logits.shape)}")
+            raise ValueError(f"router_aux_coef: expected router logits of shape [tokens, {self.E}], "
+                             f"got {tuple(logits.shape)}")
         return torch.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
 
     def observe(self, view: BlockView) -> None:

@@ -116,7 +116,8 @@ def load_config(model_or_config):
             raise TypeError(f"model: {type(x).__name__} has no transformers config")
         return copy.deepcopy(base.config)
     if not isinstance(x, (str, os.PathLike)):
-        raise TypeError(f"model: expected a config, a model, a folder, a model_type or a Hub id, got {type(x).__name__}")
+        raise TypeError("model: expected a config, a model, a folder, a model_type or a Hub id, "
+                        f"got {type(x).__name__}")
     name = os.fspath(x)
     if name == "default":
         from backstream.default_model import DEFAULT_MODEL_DIR  # noqa: PLC0415
@@ -275,7 +276,8 @@ def _shrink(d: dict) -> dict:
         for k, v in list(d.items()):
             if isinstance(v, dict) and v and all(str(i).isdigit() and int(i) < L0 for i in v):
                 # per-layer overrides keyed by layer index ({"05": {"head_dim": 512}}): follow the kept layers
-                d[k] = {_same_width(i, kept.index(int(i))): _shrink_override(o, d) for i, o in v.items() if int(i) in kept}
+                d[k] = {_same_width(i, kept.index(int(i))): _shrink_override(o, d)
+                        for i, o in v.items() if int(i) in kept}
         for k in _LAYER_COUNT:
             if _is_int(d.get(k)):
                 d[k] = len(kept)
@@ -586,7 +588,8 @@ class VerifyReport:
             lines.append("-" * len(head))
             for r in ROLE_ORDER:
                 if r in self.errors:
-                    lines.append(f"{r:<16}{self.tensors.get(r, 0):>8}" + "".join(f"{fmt(x):>11}" for x in self.errors[r]))
+                    cells = "".join(f"{fmt(x):>11}" for x in self.errors[r])
+                    lines.append(f"{r:<16}{self.tensors.get(r, 0):>8}" + cells)
             lines.append(f"{'log-probs':<16}{'':>8}" + "".join(f"{fmt(x):>11}" for x in self.logprob_error))
             lines.append("")
         tail = f"verdict: {self.verdict}"
@@ -644,14 +647,16 @@ def _lora(mini: nn.Module, model: nn.Module):
     from peft import get_peft_model  # noqa: PLC0415
 
     name = getattr(model, "active_adapter", None)
-    cfg = copy.deepcopy(peft_cfg.get(name) if isinstance(name, str) and name in peft_cfg else next(iter(peft_cfg.values())))
+    chosen = peft_cfg.get(name) if isinstance(name, str) and name in peft_cfg else next(iter(peft_cfg.values()))
+    cfg = copy.deepcopy(chosen)
     if getattr(cfg, "peft_type", None) is None or str(getattr(cfg.peft_type, "value", cfg.peft_type)) != "LORA":
         raise NotImplementedError(f"model: only LoRA adapters are verified, got {cfg.peft_type}")
     cfg.init_lora_weights = False  # B ≠ 0: every LoRA tensor gets a gradient
     cfg.inference_mode = False
     layers = getattr(cfg, "layers_to_transform", None)
     if layers is not None:  # the miniature has 2 layers: adapt the same relative part of the stack
-        cfg.layers_to_transform = None if isinstance(layers, int) and layers > 1 else [0] if isinstance(layers, int) else None
+        cfg.layers_to_transform = (None if isinstance(layers, int) and layers > 1
+                                   else [0] if isinstance(layers, int) else None)
     pm = get_peft_model(mini, cfg)
     with torch.no_grad():
         for n, p in pm.named_parameters():

@@ -52,7 +52,8 @@ def main(quick=False):
             }, rounds=2 if quick else 3)
             rows.append({"G": G, "P": P, "S": S, "router_aux_coef": coef, "reference_s": round(t["reference"], 2),
                          "stream_s": round(t["stream"], 2), "speedup": round(t["reference"] / t["stream"], 2),
-                         "grad_rel_err_fp32": f"{err:.1e}", "tokens_fwd_stream": r.stats.backward_tokens + r.stats.prefill_tokens,
+                         "grad_rel_err_fp32": f"{err:.1e}",
+                         "tokens_fwd_stream": r.stats.backward_tokens + r.stats.prefill_tokens,
                          "aux_loss": None if r.stats.router_aux_loss is None else round(r.stats.router_aux_loss, 4)})
             print(rows[-1], flush=True)
     print(common.table(rows, list(rows[0])))

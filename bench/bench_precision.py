@@ -24,7 +24,8 @@ def main():
     g = torch.Generator().manual_seed(0)
     V = 4096
     prompt = torch.randint(0, V, (256,), generator=g)
-    seqs = [torch.cat([prompt, torch.randint(0, V, (int(n),), generator=g)]) for n in torch.randint(64, 193, (8,), generator=g)]
+    lengths = torch.randint(64, 193, (8,), generator=g)
+    seqs = [torch.cat([prompt, torch.randint(0, V, (int(n),), generator=g)]) for n in lengths]
     weights = [torch.cat([torch.zeros(256), torch.randn(len(s) - 256, generator=g)]) for s in seqs]
     truth_model = common.model(vocab=V, dtype=torch.float64)
     r64 = reference_backward(truth_model, seqs, [w.double() for w in weights])

@@ -76,7 +76,8 @@ def main(quick=False):
                 "kv": run(stream_backward, batch_tokens=L, kv=caches), "lp": lambda: logprob_pass(model, seqs)})
             t_ref, t_st, t_kv, t_lp = t["ref"], t["stream"], t["kv"], t["lp"]
             bound = G * (P + S) / (P + G * S)
-            mem = {m: common.peak_in_subprocess("bench.bench_prefix", {"G": G, "L": L, "share": share, "method": m, "threads": 2})
+            mem = {m: common.peak_in_subprocess("bench.bench_prefix",
+                                                {"G": G, "L": L, "share": share, "method": m, "threads": 2})
                    for m in ("reference", "stream")}
             rows.append({
                 "G": G, "share": share, "P": P, "S": S, "bound": round(bound, 2),
@@ -92,7 +93,8 @@ def main(quick=False):
     cols = ["G", "share", "bound", "ref_s", "stream_s", "speedup", "of_bound", "speedup_kv", "trainer_step",
             "peak_ref_MiB", "peak_stream_MiB", "peak_ratio"]
     print(common.table(rows, cols))
-    print("saved", common.save("prefix" + ("_quick" if quick else ""), {"L": L, "model": model.config.to_dict(), "rows": rows}))
+    name = "prefix" + ("_quick" if quick else "")
+    print("saved", common.save(name, {"L": L, "model": model.config.to_dict(), "rows": rows}))
 
 
 if __name__ == "__main__":

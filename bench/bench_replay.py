@@ -45,7 +45,8 @@ def main():
         ws, wr = (t.model.state_dict() for t in runs.values())
         drift = (sum(float((ws[k] - wr[k]).double().norm() ** 2) for k in ws) ** 0.5
                  / sum(float(wr[k].double().norm() ** 2) for k in wr) ** 0.5)
-        rows.append({"step": step, "weight_drift": f"{drift:.2e}", "reward_stream": round(m["stream"]["reward/mean"], 3),
+        rows.append({"step": step, "weight_drift": f"{drift:.2e}",
+                     "reward_stream": round(m["stream"]["reward/mean"], 3),
                      "reward_reference": round(m["reference"]["reward/mean"], 3)})
         if step in (1, 2, 5, 10, 20, 50, 100) or step == a.steps:
             print(rows[-1], flush=True)

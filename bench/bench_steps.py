@@ -22,7 +22,8 @@ from bench import common
 
 # kvlookup: partial credit per character, so the (untrained) model's groups have nonzero advantages
 TASKS = {"arith": ["train.prompts_per_step=16"],
-         "kvlookup": ["train.prompts_per_step=4", "data.num_examples=64", "reward.functions=['bench.rewards:char_overlap']"]}
+         "kvlookup": ["train.prompts_per_step=4", "data.num_examples=64",
+                      "reward.functions=['bench.rewards:char_overlap']"]}
 PHASES = ["rollout", "reward", "prefill", "backward", "optim"]
 
 

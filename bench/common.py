@@ -116,4 +116,5 @@ def save(name: str, payload) -> str:
 def table(rows: list[dict], cols: list[str]) -> str:
     widths = [max(len(c), *(len(str(r[c])) for r in rows)) for c in cols]
     line = lambda vals: "| " + " | ".join(str(v).rjust(w) for v, w in zip(vals, widths)) + " |"  # noqa: E731
-    return "\n".join([line(cols), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line([r[c] for c in cols]) for r in rows])
+    rule = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([line(cols), rule] + [line([r[c] for c in cols]) for r in rows])

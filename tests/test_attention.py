@@ -49,7 +49,8 @@ def test_bf16_flash_close_to_float64():
     k1, v1 = torch.randn(1, 2, 64, 32, dtype=torch.float64), torch.randn(1, 2, 64, 32, dtype=torch.float64)
     k2, v2 = torch.randn(2, 2, 16, 32, dtype=torch.float64), torch.randn(2, 2, 16, 32, dtype=torch.float64)
     qpos = torch.arange(64, 80)
-    mk = lambda dt: [Part(k1.to(dt), v1.to(dt), torch.arange(64), shared=True), Part(k2.to(dt), v2.to(dt), qpos, causal=True)]  # noqa: E731
+    mk = lambda dt: [Part(k1.to(dt), v1.to(dt), torch.arange(64), shared=True),  # noqa: E731
+                     Part(k2.to(dt), v2.to(dt), qpos, causal=True)]
     exact = merged_attention(q, mk(torch.float64), qpos, 32**-0.5, None)
     low = merged_attention(q.bfloat16(), mk(torch.bfloat16), qpos, 32**-0.5, None)
     assert low.dtype == torch.bfloat16

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoConfig, Qwen3Config, Qwen3ForCausalLM
 
-from backstream import adapter, cli, config, engine, trainer
+from backstream import cli, config, engine, trainer
 from backstream.default_model import build_tokenizer
 from backstream.verify import (TOL, VERIFY_KINDS, VerifyReport, keep_float64, miniature, miniature_config, role,
                                verify)
@@ -48,7 +48,8 @@ def test_miniature_keeps_the_architecture(model_type):
             assert getattr(cfg, key) == 4 and cfg.num_experts_per_tok <= 2
             assert cfg._experts_implementation == "eager"
     if model_type == "deepseek_v3":  # MLA dimensions
-        assert (cfg.kv_lora_rank, cfg.q_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim) == (16, 16, 4, 8, 8)
+        dims = (cfg.kv_lora_rank, cfg.q_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim)
+        assert dims == (16, 16, 4, 8, 8)
         assert cfg.first_k_dense_replace == 1  # layer 0 dense, layer 1 MoE
     if model_type == "llama4_text":  # NoPE on the full layer, RoPE on the chunked one, as in the original
         assert cfg.no_rope_layers == [full.no_rope_layers[full.layer_types.index(t)] for t in cfg.layer_types]
@@ -69,7 +70,7 @@ def test_miniature_resizes_rope_and_keeps_every_layer_type():
     assert len(rp["short_factor"]) == len(rp["long_factor"]) == 4  # head_dim 8: 4 frequencies
     assert rp["short_factor"][0] == 1.0 and rp["long_factor"][-1] == rope["long_factor"][-1]
     assert rp["original_max_position_embeddings"] <= 8 < mini.max_position_embeddings
-    q = Qwen3Config(num_hidden_layers=6, layer_types=["sliding_attention", "full_attention"] * 2 + ["sliding_attention", "full_attention"],
+    q = Qwen3Config(num_hidden_layers=6, layer_types=["sliding_attention", "full_attention"] * 3,
                     sliding_window=4096, use_sliding_window=True)
     assert miniature_config(q).layer_types == ["sliding_attention", "full_attention"]
     mixed = AutoConfig.for_model("gemma3_text", num_hidden_layers=7,
@@ -155,7 +156,8 @@ def test_could_not_build(tmp_path):
 def test_keep_float64_removes_the_float32_noise():
     x = torch.randn(5, dtype=torch.float64)
     with keep_float64():
-        assert x.float().dtype == x.to(torch.float32).dtype == torch.softmax(x, 0, dtype=torch.float32).dtype == torch.float64
+        softmax_dtype = torch.softmax(x, 0, dtype=torch.float32).dtype
+        assert x.float().dtype == x.to(torch.float32).dtype == softmax_dtype == torch.float64
     assert x.float().dtype == torch.float32
 
 
