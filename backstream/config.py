@@ -4,6 +4,9 @@ Each component owns a small `@dataclass(kw_only=True)` beside its code, document
 (attribute docstrings) and validated in `__post_init__`; this module maps TOML sections onto them,
 checks names and types with errors that name the key, the value and the allowed values, and renders
 `backstream train --help` from the same docstrings. The resolved config is saved with the run.
+The sections and where they live: model (model.py), data (data.py), rollout (rollout.py), reward
+(rewards.py), loss (losses.py: one type per variant, picked by its `type` key), optim (optim.py);
+the trainer's own algorithm, engine and train below.
 """
 
 from __future__ import annotations
@@ -18,46 +21,13 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from backstream.losses import GSPOConfig, PPOClipConfig
+from backstream.checks import at_least, choice
+from backstream.data import DataConfig
+from backstream.losses import LOSS_TYPES, LossConfig, PPOClipConfig
+from backstream.model import ModelConfig
+from backstream.optim import OptimConfig
 from backstream.rewards import RewardConfig
 from backstream.rollout import SamplingConfig
-
-
-@dataclass(kw_only=True)
-class ModelConfig:
-    name: str = "default"
-    """"default" for the built-in tiny model (no download), or a hub id / local folder of a causal LM."""
-    dtype: str = "float32"
-    """Parameter dtype: float32, bfloat16 or float64."""
-    lora_r: int = 0
-    """LoRA rank; 0 trains all weights."""
-    lora_alpha: float = 16.0
-    """LoRA scaling numerator (scale = alpha / r)."""
-    lora_targets: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
-    """Module names that get LoRA adapters."""
-    device: str = "auto"
-    """"auto" (cuda if available, else cpu), "cpu" or "cuda"."""
-
-    def __post_init__(self):
-        _choice("model.dtype", self.dtype, ["float32", "bfloat16", "float64"])
-        _choice("model.device", self.device, ["auto", "cpu", "cuda"])
-        _at_least("model.lora_r", self.lora_r, 0)
-
-
-@dataclass(kw_only=True)
-class DataConfig:
-    task: str = "arith"
-    """Built-in generated task (arith, kvlookup), used when `path` is empty."""
-    path: str = ""
-    """A JSONL file or a `datasets` folder with a `prompt` column (text or chat messages)."""
-    num_examples: int = 2048
-    """Examples generated for a built-in task."""
-    max_prompt_tokens: int = 4096
-    """Prompts longer than this are an error (no silent truncation)."""
-
-    def __post_init__(self):
-        _at_least("data.num_examples", self.num_examples, 1)
-        _at_least("data.max_prompt_tokens", self.max_prompt_tokens, 1)
 
 
 @dataclass(kw_only=True)
@@ -80,33 +50,12 @@ class AlgorithmConfig:
     """Keep a frozen copy of the initial policy for the KL term (loss.kl_coef > 0 needs it)."""
 
     def __post_init__(self):
-        _choice("algorithm.advantage", self.advantage, ["grpo", "drgrpo", "rloo"])
-        _choice("algorithm.overlong", self.overlong, ["none", "filter", "penalty"])
-        _at_least("algorithm.epochs", self.epochs, 1)
-        _at_least("algorithm.minibatches", self.minibatches, 1)
-        _at_least("algorithm.max_refills", self.max_refills, 0)
-        _at_least("algorithm.overlong_buffer", self.overlong_buffer, 1)
-
-
-@dataclass(kw_only=True)
-class OptimConfig:
-    name: str = "adamw"
-    """adamw, rmsprop, or muon (torch.optim.Muon, where the installed torch has it; 2-D weights only)."""
-    lr: float = 1e-4
-    """Peak learning rate."""
-    weight_decay: float = 0.0
-    """Decoupled weight decay."""
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.99])
-    """AdamW betas."""
-    warmup_steps: int = 0
-    """Linear warm-up steps, then constant."""
-    max_grad_norm: float = 1.0
-    """Gradient clipping by global norm; 0 turns it off."""
-
-    def __post_init__(self):
-        _choice("optim.name", self.name, ["adamw", "rmsprop", "muon"])
-        if not self.lr > 0:
-            raise ValueError(f"optim.lr: got {self.lr}, expected a number > 0")
+        choice("algorithm.advantage", self.advantage, ["grpo", "drgrpo", "rloo"])
+        choice("algorithm.overlong", self.overlong, ["none", "filter", "penalty"])
+        at_least("algorithm.epochs", self.epochs, 1)
+        at_least("algorithm.minibatches", self.minibatches, 1)
+        at_least("algorithm.max_refills", self.max_refills, 0)
+        at_least("algorithm.overlong_buffer", self.overlong_buffer, 1)
 
 
 @dataclass(kw_only=True)
@@ -125,9 +74,9 @@ class EngineConfig:
     Only with backward = "stream"."""
 
     def __post_init__(self):
-        _choice("engine.backward", self.backward, ["stream", "reference"])
-        _at_least("engine.block_size", self.block_size, 0)
-        _at_least("engine.memory_budget_mb", self.memory_budget_mb, 0)
+        choice("engine.backward", self.backward, ["stream", "reference"])
+        at_least("engine.block_size", self.block_size, 0)
+        at_least("engine.memory_budget_mb", self.memory_budget_mb, 0)
 
 
 @dataclass(kw_only=True)
@@ -155,13 +104,13 @@ class TrainConfig:
     """Progress on stderr: a redrawing bar on a terminal, one line per step otherwise."""
 
     def __post_init__(self):
-        _at_least("train.steps", self.steps, 1)
-        _at_least("train.prompts_per_step", self.prompts_per_step, 1)
-        _at_least("train.save_every", self.save_every, 0)
-        _at_least("train.keep_checkpoints", self.keep_checkpoints, 1)
+        at_least("train.steps", self.steps, 1)
+        at_least("train.prompts_per_step", self.prompts_per_step, 1)
+        at_least("train.save_every", self.save_every, 0)
+        at_least("train.keep_checkpoints", self.keep_checkpoints, 1)
 
 
-LOSSES = {"ppo_clip": PPOClipConfig, "gspo": GSPOConfig}
+LOSSES = LOSS_TYPES  # [loss] is the variant its `type` key names
 
 SECTIONS: dict[str, type] = {
     "model": ModelConfig, "data": DataConfig, "rollout": SamplingConfig, "reward": RewardConfig,
@@ -172,12 +121,17 @@ SECTIONS: dict[str, type] = {
 
 @dataclass
 class RunConfig:
+    """One run: a config per section, each validated when built. The keys that constrain each other
+    across sections are checked by `validate()`, which the trainer calls before it touches anything:
+    not when the config is built, so that one can be loaded and then edited in Python (set the
+    rollout's temperature, then the loss's) before it is run."""
+
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: SamplingConfig = field(default_factory=lambda: SamplingConfig(group_size=8, max_new_tokens=8))
     reward: RewardConfig = field(default_factory=RewardConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
-    loss: Any = field(default_factory=PPOClipConfig)
+    loss: LossConfig = field(default_factory=PPOClipConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -185,22 +139,33 @@ class RunConfig:
     def to_dict(self) -> dict:
         return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
 
+    def validate(self) -> None:
+        """Raise a ValueError naming the keys when two sections ask for things that cannot go together."""
+        ac, ec, loss = self.algorithm, self.engine, self.loss
+        if ec.reuse_rollout_kv and ac.epochs * ac.minibatches != 1:
+            raise ValueError("engine.reuse_rollout_kv: the rollout's K/V are stale after the first optimizer step; "
+                             "it needs algorithm.epochs = algorithm.minibatches = 1")
+        if loss.router_aux_coef > 0 and ec.reuse_rollout_kv:
+            raise ValueError("loss.router_aux_coef > 0 needs the prefill's routing counts; "
+                             "set engine.reuse_rollout_kv = false")
+        if loss.kl_coef > 0 and not ac.kl_reference:
+            raise ValueError("loss.kl_coef > 0 needs algorithm.kl_reference = true (a frozen reference policy)")
+        t_sample = self.rollout.temperature
+        if t_sample > 0 and loss.temperature != t_sample:
+            raise ValueError(f"loss.temperature: got {loss.temperature}, but rollout.temperature is {t_sample}; "
+                             "the learner must score tokens at the sampling temperature (set both the same)")
+        G = self.rollout.group_size
+        if G < 2:  # every advantage estimator is a group baseline
+            raise ValueError(f"rollout.group_size: got {G}; group advantages ({ac.advantage}) need at least "
+                             "2 samples per prompt")
+        if self.train.prompts_per_step % ac.minibatches:
+            raise ValueError(f"algorithm.minibatches: {ac.minibatches} does not divide "
+                             f"train.prompts_per_step={self.train.prompts_per_step}")
 
-def _choice(key: str, value, allowed: list) -> None:
-    if value not in allowed:
-        raise ValueError(f"{key}: got {value!r}, expected one of {allowed}")
 
-
-def _at_least(key: str, value, lo: int) -> None:
-    if value < lo:
-        raise ValueError(f"{key}: got {value}, expected an integer >= {lo}")
-
-
-def _coerce(key: str, value, annotation):
-    """Check a TOML value against a field's annotation (ints are accepted for floats)."""
-    hint = annotation
-    if isinstance(hint, str):
-        hint = eval(hint, {"list": list, "float": float, "int": int, "str": str, "bool": bool, "None": None})  # noqa: S307
+def _coerce(key: str, value, hint):
+    """Check a TOML value against a field's type hint, as `typing.get_type_hints` resolves it (ints
+    are accepted for floats)."""
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
         errors = []
@@ -213,7 +178,7 @@ def _coerce(key: str, value, annotation):
                 return _coerce(key, value, option)
             except ValueError as e:
                 errors.append(str(e))
-        raise ValueError(errors[0] if errors else f"{key}: got {value!r}")
+        raise ValueError(errors[0])
     if origin is list:
         if not isinstance(value, list):
             raise ValueError(f"{key}: got {value!r}, expected a list")
@@ -231,7 +196,7 @@ def _build(section: str, cls: type, values: dict):
         raise ValueError(f"[{section}]: expected a table of keys, got {values!r}")
     if section == "loss":
         kind = values.get("type", "ppo_clip")
-        _choice("loss.type", kind, list(LOSSES))
+        choice("loss.type", kind, list(LOSSES))
         cls = LOSSES[kind]
     names = {f.name: f for f in dataclasses.fields(cls)}
     for key in values:

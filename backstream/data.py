@@ -9,8 +9,39 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 
 import torch
+
+from backstream.checks import at_least
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    task: str = "arith"
+    """Built-in generated task (arith, kvlookup), used when `path` is empty."""
+    path: str = ""
+    """A JSONL file or a `datasets` folder with a `prompt` column (text or chat messages)."""
+    num_examples: int = 2048
+    """Examples generated for a built-in task."""
+    max_prompt_tokens: int = 4096
+    """Prompts longer than this are an error (no silent truncation)."""
+
+    def __post_init__(self):
+        at_least("data.num_examples", self.num_examples, 1)
+        at_least("data.max_prompt_tokens", self.max_prompt_tokens, 1)
+
+    def build(self, seed: int) -> list[dict]:
+        """The examples: read from `path`, else `num_examples` rows of the built-in `task` drawn with
+        `seed`; checked (not empty, every one with a `prompt`)."""
+        if self.path:
+            examples, source = load_examples(self.path), self.path
+        else:
+            from backstream.tasks import make_dataset  # noqa: PLC0415
+
+            examples, source = make_dataset(self.task, self.num_examples, seed), f"task {self.task}"
+        check_examples(examples, source)
+        return examples
 
 
 def load_examples(path: str) -> list[dict]:

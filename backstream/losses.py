@@ -25,6 +25,7 @@ still count in the normalisers, as in the per-sample computation.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -32,7 +33,13 @@ from torch import Tensor
 
 from backstream.objective import BlockView, Objective, flat_offsets
 
-AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+# The weight of each of sequence i's token losses, by aggregation, from the normalisers of the whole
+# minibatch: (n_i completion tokens of sequence i, n_total of all, n_seq sequences, lmax) -> weight
+AGGREGATIONS: dict[str, Callable[[int, int, int, int], float]] = {
+    "token-mean": lambda n_i, n_total, n_seq, lmax: 1.0 / max(1, n_total),
+    "seq-mean-token-mean": lambda n_i, n_total, n_seq, lmax: 1.0 / (n_seq * max(1, n_i)),
+    "seq-mean-token-sum-norm": lambda n_i, n_total, n_seq, lmax: 1.0 / (n_seq * lmax),
+}
 
 
 def _groups(rewards: Tensor, group_size: int) -> Tensor:
@@ -130,6 +137,10 @@ class GSPOConfig(_Common):
         self._check("gspo")
 
 
+LossConfig = PPOClipConfig | GSPOConfig
+LOSS_TYPES: dict[str, type] = {"ppo_clip": PPOClipConfig, "gspo": GSPOConfig}  # by the `type` key
+
+
 def _logp_entropy(view: BlockView, temperature: float, need_entropy: bool):
     if temperature == 1.0:
         return view.logprobs(), (view.entropy() if need_entropy else None)
@@ -211,17 +222,11 @@ class PPOClipObjective(PolicyObjective):
     needs_prefill_logprobs = False
 
     def token_coefficients(self) -> Tensor:
-        agg = self.cfg.aggregation
+        weight = AGGREGATIONS[self.cfg.aggregation]
         out = torch.zeros(len(self.adv_flat), dtype=torch.float64)
-        lmax = self.cfg.max_len_norm or max(max(self.n_tok), 1)
+        n_total, lmax = sum(self.n_tok), self.cfg.max_len_norm or max(max(self.n_tok), 1)
         for i, (o, L) in enumerate(zip(self.offsets, self.lengths)):
-            if agg == "token-mean":
-                c = 1.0 / max(1, sum(self.n_tok))
-            elif agg == "seq-mean-token-mean":
-                c = 1.0 / (self.n_seq * max(1, self.n_tok[i]))
-            else:
-                c = 1.0 / (self.n_seq * lmax)
-            out[o:o + L] = c
+            out[o:o + L] = weight(self.n_tok[i], n_total, self.n_seq, lmax)
         return out
 
     def block_loss(self, view: BlockView) -> Tensor:
@@ -305,6 +310,8 @@ def reference_loss(config, logits_list, sequences, completion_mask, advantages, 
     N = len(sequences)
     total_tok = sum(int(m.sum()) for m in completion_mask)
     lmax = getattr(config, "max_len_norm", None) or max(int(m.sum()) for m in completion_mask)
+    gspo = isinstance(config, GSPOConfig)
+    weight = None if gspo else AGGREGATIONS[config.aggregation]
     loss = 0.0
     for i in range(N):
         m = completion_mask[i].clone()
@@ -317,7 +324,7 @@ def reference_loss(config, logits_list, sequences, completion_mask, advantages, 
         old = logp.detach() if old_logprobs is None else old_logprobs[i][t].to(logp.dtype)
         A = float(advantages[i])
         n = len(t)
-        if isinstance(config, GSPOConfig):
+        if gspo:
             s = torch.exp((logp - old).mean())
             term = -torch.min(s * A, torch.clamp(s, 1 - config.eps_low, 1 + config.eps_high) * A) / N
             w = torch.full((n,), 1.0 / (N * n), dtype=logp.dtype)
@@ -326,9 +333,7 @@ def reference_loss(config, logits_list, sequences, completion_mask, advantages, 
             lt = -torch.min(ratio * A, torch.clamp(ratio, 1 - config.eps_low, 1 + config.eps_high) * A)
             if config.dual_clip is not None and A < 0:
                 lt = torch.min(lt, torch.full_like(lt, -config.dual_clip * A))
-            w = {"token-mean": 1.0 / total_tok, "seq-mean-token-mean": 1.0 / (N * n),
-                 "seq-mean-token-sum-norm": 1.0 / (N * lmax)}[config.aggregation]
-            w = torch.full((n,), w, dtype=logp.dtype)
+            w = torch.full((n,), weight(n, total_tok, N, lmax), dtype=logp.dtype)
             term = (w * lt).sum()
         if config.kl_coef > 0:
             ref = ref_logprobs[i][t].to(logp.dtype)

@@ -95,6 +95,35 @@ class Rollout:
     def texts(self, tokenizer, skip_special_tokens: bool = True) -> list[str]:
         return [tokenizer.decode(c.tolist(), skip_special_tokens=skip_special_tokens) for c in self.completion_ids]
 
+    def group_rows(self, groups: list[int]) -> list[int]:
+        """The sample rows of `groups` (group indices), in that order."""
+        G = self.group_size
+        return [g * G + j for g in groups for j in range(G)]
+
+    def select(self, groups: list[int]) -> Rollout:
+        """The rollout of `groups` only (whole groups, in that order)."""
+        rows = self.group_rows(groups)
+
+        def pick(xs):
+            return [xs[r] for r in rows]
+
+        return Rollout(prompt_index=pick(self.prompt_index), prompt_ids=pick(self.prompt_ids),
+                       completion_ids=pick(self.completion_ids), logprobs=pick(self.logprobs),
+                       finish_reason=pick(self.finish_reason), kv=None if self.kv is None else pick(self.kv),
+                       group_size=self.group_size)
+
+    @staticmethod
+    def concat(parts: list[Rollout]) -> Rollout:
+        """The samples of every part, in order (same group size; K/V kept only if every part has them)."""
+        assert parts and all(p.group_size == parts[0].group_size for p in parts)
+        has_kv = all(p.kv is not None for p in parts)
+        return Rollout(prompt_index=[x for p in parts for x in p.prompt_index],
+                       prompt_ids=[x for p in parts for x in p.prompt_ids],
+                       completion_ids=[x for p in parts for x in p.completion_ids],
+                       logprobs=[x for p in parts for x in p.logprobs],
+                       finish_reason=[x for p in parts for x in p.finish_reason],
+                       kv=[x for p in parts for x in p.kv] if has_kv else None, group_size=parts[0].group_size)
+
 
 def _filter(scaled_BV: Tensor, top_k: int, top_p: float) -> Tensor:
     """Top-k then top-p: the dropped tokens' logits become -inf."""

@@ -9,9 +9,9 @@ its end-of-sequence token, nothing else: the answer format is the bare answer st
 
 Each task names its default reward spec (`Task.reward`, a string `backstream.rewards.load_reward`
 accepts): `exact_match`, which scores 1.0 when the stripped completion (or the text after its last
-"####") equals the answer, numbers compared numerically. `score` below is the same rule for a single
+"####") equals the answer, numbers compared numerically. `score` below is that reward for a single
 pair, so scripts that use only this module (scripts/check_learnable.py) reward exactly as the
-trainer does; tests/test_tasks.py checks the two agree.
+trainer does.
 
 - `arith`: two-digit additions. Short prompts, a verifiable answer, and a difficulty at which the
   shipped default model (backstream/default_model.py) is right only part of the time at
@@ -23,12 +23,12 @@ trainer does; tests/test_tasks.py checks the two agree.
 
 from __future__ import annotations
 
-import math
 import random
-import re
 import string
 from dataclasses import dataclass
 from typing import Callable
+
+from backstream.rewards import exact_match
 
 Row = dict[str, str]
 
@@ -120,28 +120,8 @@ def make_dataset(task: str | Task, n: int, seed: int = 0) -> list[Row]:
     return [task.make_row(rng) for _ in range(n)]
 
 
-# ---------------------------------------------------------------------------------------------
-# the exact-match rule for one pair: backstream.rewards.exact_match's, less its \boxed{} reading,
-# which these answers never need
-
-_NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
-
-
-def _final(text: str) -> str:
-    return text.rsplit("####", 1)[1].strip() if "####" in text else text.strip()
-
-
-def _number(text: str) -> float | None:
-    text = text.replace(",", "").strip()
-    return float(text) if _NUMBER.fullmatch(text) else None
-
-
 def score(completion: str, answer: str) -> float:
-    """1.0 if the completion's answer equals `answer`, else 0.0. The completion's answer is the
-    text after its last "####" if any, else the whole completion, stripped; when both sides are
-    numbers they compare numerically ("082" == "82.0")."""
-    pred, gold = _final(completion), _final(str(answer))
-    a, b = _number(pred), _number(gold)
-    if a is not None and b is not None:
-        return float(math.isclose(a, b, rel_tol=1e-9))
-    return float(pred == gold)
+    """1.0 if the completion's answer equals `answer`, else 0.0: the `exact_match` reward of one
+    pair (the text after the last "####" if any, else the whole completion, stripped; numbers
+    compare numerically, "082" == "82.0")."""
+    return exact_match([completion], [answer])[0]

@@ -1,31 +1,39 @@
 """The RL loop: prompts → rollouts → rewards → advantages → streamed backward → optimizer step.
 
-One step:
-  1. take `prompts_per_step` prompts; sample G completions each (in-process sampler, one prefill
-     per prompt);
-  2. score them (reward functions, TRL signature); overlong filter/penalty; group advantages;
-     DAPO dynamic sampling refills the batch when groups have no signal;
-  3. for each epoch and minibatch (group-aligned): build the objective (normalisers over the whole
-     minibatch, before any block), run the exact streamed backward (or the naive reference, for
-     comparison), clip, step. Log-probs of the policy before the update come from the engine's
-     prefill when there is a single update per rollout, else from one no-grad pass up front.
+One step (`Trainer.train_step`), in the stages of DESIGN §1:
+  collect     take `prompts_per_step` prompts and sample G completions each (in-process sampler,
+              one prefill per prompt); score them (reward functions, TRL signature); shape the
+              overlong ones (filter or penalty); DAPO dynamic sampling drops the groups with no
+              signal and refills the batch;
+  advantages  per group (GRPO, Dr.GRPO, RLOO), zero where a sample gets no loss;
+  update      for each epoch and minibatch (group-aligned): build the objective (normalisers over
+              the whole minibatch, before any block), run the backward chosen once from
+              `engine.backward` (the exact streamed one, or the naive reference, for comparison),
+              clip, step. Log-probs of the policy before the update come from the engine's prefill
+              when there is a single update per rollout, else from one no-grad pass up front;
+  metrics     one line: rewards, lengths, loss terms, sampler/learner mismatch, time per phase.
+The policy, the data and the optimizer are built by their configs (model.py, data.py, optim.py).
 Simplified on purpose: one process (no data parallelism yet); rollout and learner share weights.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import dataclasses
 import json
 import math
 import os
 import resource
 import signal
 import time
+from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 
 from backstream import checkpoint, config as cfgmod, data as datamod
-from backstream.engine import logprobs as engine_logprobs, stream_backward
+from backstream.engine import StreamResult, logprobs as engine_logprobs, stream_backward
 from backstream.losses import build_objective, drgrpo_advantages, grpo_advantages, rloo_advantages
 from backstream.metrics import Logger, check_backends
 from backstream.reference import reference_backward
@@ -34,35 +42,10 @@ from backstream.rewards import Rewards
 from backstream.rollout import Rollout, generate
 
 ADVANTAGES = {"grpo": grpo_advantages, "drgrpo": drgrpo_advantages, "rloo": rloo_advantages}
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+PHASES = ("rollout", "reward", "prefill", "backward", "optim")  # the step's time split, as logged
 
 
 # -- set-up --------------------------------------------------------------------------------------
-
-
-def load_model(mc: cfgmod.ModelConfig, device: torch.device):
-    dtype = DTYPES[mc.dtype]
-    if mc.name == "default":
-        from backstream.default_model import load_default  # noqa: PLC0415
-
-        model, tok = load_default(dtype=dtype)
-    else:
-        from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
-
-        try:
-            tok = AutoTokenizer.from_pretrained(mc.name)
-            model = AutoModelForCausalLM.from_pretrained(mc.name, dtype=dtype)
-        except OSError as e:
-            raise ValueError(f"model.name: cannot load {mc.name!r} ({e})") from None
-    return apply_lora(model.to(device).eval(), mc), tok
-
-
-def apply_lora(model, mc: cfgmod.ModelConfig):
-    if mc.lora_r == 0:
-        return model
-    from peft import LoraConfig, get_peft_model  # noqa: PLC0415
-
-    return get_peft_model(model, LoraConfig(r=mc.lora_r, lora_alpha=mc.lora_alpha, target_modules=mc.lora_targets))
 
 
 _VERIFIED: dict = {}  # architecture → VerifyReport: a process checks each architecture once
@@ -91,48 +74,58 @@ def verify_engine(model) -> None:
                          "to skip this check")
 
 
-def make_optimizer(oc: cfgmod.OptimConfig, params):
-    params = [p for p in params if p.requires_grad]
-    if oc.name == "adamw":
-        opt = torch.optim.AdamW(params, lr=oc.lr, betas=tuple(oc.betas), weight_decay=oc.weight_decay)
-    elif oc.name == "rmsprop":
-        opt = torch.optim.RMSprop(params, lr=oc.lr, weight_decay=oc.weight_decay)
-    else:
-        if not hasattr(torch.optim, "Muon"):
-            raise ValueError("optim.name: 'muon' needs a torch with torch.optim.Muon; use adamw or rmsprop")
-        bad = [tuple(p.shape) for p in params if p.dim() != 2]
-        if bad:
-            raise ValueError(f"optim.name: Muon optimizes 2-D weights only, and {len(bad)} trainable tensors are not 2-D "
-                             f"(e.g. {bad[0]}); use LoRA (model.lora_r > 0) or adamw")
-        opt = torch.optim.Muon(params, lr=oc.lr, weight_decay=oc.weight_decay)
-    warm = oc.warmup_steps
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm) if warm > 0 else 1.0)
-    return opt, sched
-
-
-def load_data(dc: cfgmod.DataConfig, seed: int) -> tuple[list[dict], str]:
-    if dc.path:
-        examples, source = datamod.load_examples(dc.path), dc.path
-    else:
-        from backstream.tasks import make_dataset  # noqa: PLC0415
-
-        examples, source = make_dataset(dc.task, dc.num_examples, seed), f"task {dc.task}"
-    datamod.check_examples(examples, source)
-    return examples, source
-
-
-def _device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("model.device: 'cuda' asked for but no GPU is visible; use 'auto' or 'cpu'")
-    return torch.device(name)
-
-
 def peak_mib(device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+# -- engine.backward, chosen once ----------------------------------------------------------------
+
+
+class StreamedBackward:
+    """engine.backward = "stream": the exact streamed backward (DESIGN §2), which times its own
+    prefill and backward; log-probs alone from its prefill pass."""
+
+    def __init__(self, ec: cfgmod.EngineConfig):
+        self.kw = {}
+        if ec.block_size:
+            self.kw["block_size"] = ec.block_size
+        if ec.memory_budget_mb:
+            self.kw["memory_budget"] = ec.memory_budget_mb * 2**20
+
+    def backward(self, model, sequences: list[Tensor], objective, kv: list | None) -> StreamResult:
+        return stream_backward(model, sequences, objective=objective, kv=kv, **self.kw)
+
+    def logprobs(self, model, sequences: list[Tensor], mask: list[Tensor]) -> list[Tensor]:
+        return engine_logprobs(model, sequences, mask)
+
+
+class ReferenceBackward:
+    """engine.backward = "reference": one full-sequence forward and backward per sample, the
+    baseline the streamed backward is compared with (it ignores the rollout's K/V)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def backward(self, model, sequences: list[Tensor], objective, kv: list | None) -> StreamResult:
+        t = time.perf_counter()
+        res = reference_backward(model, sequences, objective=objective)
+        res.stats.backward_s = time.perf_counter() - t  # the reference does not time itself
+        return res
+
+    def logprobs(self, model, sequences: list[Tensor], mask: list[Tensor]) -> list[Tensor]:
+        """Plain full-sequence forwards, no grad; NaN outside `mask`."""
+        out = []
+        with torch.no_grad():
+            for s, m in zip(sequences, mask):
+                logits = model(input_ids=s[None].to(self.device)).logits[0, :-1]
+                logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+                lp = torch.full((len(s),), math.nan, dtype=logits.dtype)
+                lp[1:] = torch.log_softmax(logits, -1).gather(-1, s[1:, None].to(self.device))[:, 0].cpu()
+                lp[~m] = math.nan
+                out.append(lp)
+        return out
 
 
 # -- one step's pieces ---------------------------------------------------------------------------
@@ -151,83 +144,81 @@ def overlong_shaping(rollout: Rollout, rewards: torch.Tensor, ac: cfgmod.Algorit
     return rewards, keep
 
 
-def select_groups(rollout: Rollout, idx: list[int]) -> Rollout:
-    """Keep whole groups (indices of groups)."""
-    G = rollout.group_size
-    rows = [g * G + j for g in idx for j in range(G)]
-    pick = lambda xs: [xs[r] for r in rows]  # noqa: E731
-    return Rollout(prompt_index=pick(rollout.prompt_index), prompt_ids=pick(rollout.prompt_ids),
-                   completion_ids=pick(rollout.completion_ids), logprobs=pick(rollout.logprobs),
-                   finish_reason=pick(rollout.finish_reason), kv=pick(rollout.kv) if rollout.kv else None,
-                   group_size=G)
+def informative_groups(rewards: Tensor, group_size: int) -> list[int]:
+    """The groups whose rewards are not all equal (DAPO dynamic sampling): the others have zero
+    advantage on every sample, so they would cost a backward and teach nothing."""
+    G = group_size
+    return [g for g in range(len(rewards) // G) if rewards[g * G:(g + 1) * G].std() > 0]
 
 
-def concat(a: Rollout | None, b: Rollout) -> Rollout:
-    if a is None:
-        return b
-    return Rollout(prompt_index=a.prompt_index + b.prompt_index, prompt_ids=a.prompt_ids + b.prompt_ids,
-                   completion_ids=a.completion_ids + b.completion_ids, logprobs=a.logprobs + b.logprobs,
-                   finish_reason=a.finish_reason + b.finish_reason,
-                   kv=(a.kv + b.kv) if a.kv is not None and b.kv is not None else None, group_size=a.group_size)
+def minibatches(n_groups: int, n: int, group_size: int) -> list[list[int]]:
+    """The sample rows of `n` group-aligned minibatches of equal size, in order."""
+    assert n_groups % n == 0, (n_groups, n)  # RunConfig.validate: minibatches divides prompts_per_step
+    rows = n_groups // n * group_size
+    return [list(range(m * rows, (m + 1) * rows)) for m in range(n)]
+
+
+def take(xs: list | None, rows: list[int]) -> list | None:
+    """The entries `rows` of a per-sample list (None stays None)."""
+    return None if xs is None else [xs[i] for i in rows]
+
+
+def logprob_gaps(learner: list[Tensor], sampler: list[Tensor], mask: list[Tensor]) -> list[Tensor]:
+    """Per sample, the mean |learner − sampler| log-prob over the completion tokens both computed
+    (the learner leaves NaN where no target was active); a sample with none is left out."""
+    out = []
+    for a, b, m in zip(learner, sampler, mask):
+        d = (a.double() - b.double())[m]
+        d = d[~torch.isnan(d)]
+        if len(d):
+            out.append(d.abs().mean())
+    return out
+
+
+@dataclass
+class Batch:
+    """What `collect` hands on: the kept samples, their rewards after overlong shaping and which of
+    them get a loss; for the metrics, the reward of every sample scored in the step (dropped groups
+    included) as the reward functions gave it."""
+
+    rollout: Rollout
+    rewards: Tensor  # [N] float, shaped
+    keep: Tensor  # [N] bool: False where overlong filtering takes a sample out of the loss
+    scored: Tensor  # [M >= N] total reward of every sample scored, before shaping
+    scored_by_fn: dict[str, Tensor]  # per reward function, [M]
 
 
 class Trainer:
+    """One run in one process: built from a RunConfig (policy, prompts, rewards, optimizer, the
+    backward), then `train_step` after `train_step`; checkpoints and resume."""
+
     def __init__(self, cfg: cfgmod.RunConfig, run_dir: str | None = None, resume: bool = False,
                  model=None, tokenizer=None):
         """`model`/`tokenizer`: objects to train instead of loading `cfg.model.name` (LoRA and the
-        dtype from `cfg.model` are still applied to it)."""
+        dtype from `cfg.model` are still applied to it). Everything that can fail on bad input is
+        checked before the run folder is touched."""
         self.cfg = cfg
-        tc, ac = cfg.train, cfg.algorithm
+        tc = cfg.train
         torch.manual_seed(tc.seed)
-        self.device = _device(cfg.model.device)
-        # everything that can fail on bad input is checked before the run folder is touched
-        if cfg.engine.reuse_rollout_kv and ac.epochs * ac.minibatches != 1:
-            raise ValueError("engine.reuse_rollout_kv: the rollout's K/V are stale after the first optimizer step; "
-                             "it needs algorithm.epochs = algorithm.minibatches = 1")
+        self.device = cfg.model.torch_device()
+        cfg.validate()
         check_backends(tc.log_tensorboard, tc.log_wandb)
-        if cfg.loss.router_aux_coef > 0 and cfg.engine.reuse_rollout_kv:
-            raise ValueError("loss.router_aux_coef > 0 needs the prefill's routing counts; set engine.reuse_rollout_kv = false")
-        if getattr(cfg.loss, "kl_coef", 0.0) > 0 and not ac.kl_reference:
-            raise ValueError("loss.kl_coef > 0 needs algorithm.kl_reference = true (a frozen reference policy)")
-        t_loss = getattr(cfg.loss, "temperature", 1.0)
-        if cfg.rollout.temperature > 0 and t_loss != cfg.rollout.temperature:
-            raise ValueError(f"loss.temperature: got {t_loss}, but rollout.temperature is {cfg.rollout.temperature}; "
-                             "the learner must score tokens at the sampling temperature (set both the same)")
-        G = cfg.rollout.group_size
-        if G < 2 and ac.advantage in ("grpo", "drgrpo", "rloo"):
-            raise ValueError(f"rollout.group_size: got {G}; group advantages ({ac.advantage}) need at least 2 samples per prompt")
-        if tc.prompts_per_step % ac.minibatches:
-            raise ValueError(f"algorithm.minibatches: {ac.minibatches} does not divide train.prompts_per_step={tc.prompts_per_step}")
-        if model is None:
-            self.model, self.tok = load_model(cfg.model, self.device)
-        else:
-            if tokenizer is None:
-                raise ValueError("tokenizer: required when a model object is passed")
-            self.model, self.tok = apply_lora(model.to(self.device, DTYPES[cfg.model.dtype]).eval(), cfg.model), tokenizer
+        self.model, self.tok = cfg.model.build(model, tokenizer)
         if cfg.loss.router_aux_coef > 0:
             moe_spec(self.model, "loss.router_aux_coef")
         if cfg.engine.verify and cfg.engine.backward == "stream":
             verify_engine(self.model)
-        self.examples, source = load_data(cfg.data, tc.seed)
-        self.prompts = datamod.encode_prompts(self.examples, self.tok, cfg.data.max_prompt_tokens)
-        self.prompt_text = [datamod.render_prompt(e["prompt"], self.tok) for e in self.examples]
-        ctx = getattr(self.model.config, "max_position_embeddings", None)
-        longest = max(len(p) for p in self.prompts)
-        if ctx is not None and longest + cfg.rollout.max_new_tokens > ctx:
-            raise ValueError(f"data: the longest prompt ({longest} tokens) + rollout.max_new_tokens "
-                             f"({cfg.rollout.max_new_tokens}) exceeds the model's context ({ctx} positions)")
+        self._load_prompts()
         self.rewards = Rewards(cfg.reward)
-        self.opt, self.sched = make_optimizer(cfg.optim, self.model.parameters())
-        self.ref = None
-        if ac.kl_reference and cfg.model.lora_r == 0:  # (with LoRA the base model is the reference)
-            if model is not None:
-                self.ref = copy.deepcopy(self.model)  # before any update: the initial policy
-            else:
-                self.ref, _ = load_model(dataclass_replace(cfg.model, lora_r=0), self.device)
-            self.ref.requires_grad_(False)
+        self.opt, self.sched = cfg.optim.build(self.model.parameters())
+        self.ref = self._reference_policy(copy_of_given=model is not None)
+        stream = cfg.engine.backward == "stream"
+        self.engine = StreamedBackward(cfg.engine) if stream else ReferenceBackward(self.device)
+        self.advantage_fn = ADVANTAGES[cfg.algorithm.advantage]
         self.stream = datamod.PromptStream(len(self.examples), tc.seed)
         self.gen = torch.Generator().manual_seed(tc.seed)
         self.step = 0
+        self.times = dict.fromkeys(PHASES, 0.0)
         self.run_dir = run_dir or tc.output_dir
         self.eos = self.tok.eos_token_id
         if resume:
@@ -240,6 +231,31 @@ class Trainer:
                              config=cfg.to_dict(), total_steps=tc.steps, append=resume, wandb_project=tc.wandb_project,
                              start_step=self.step)
         self._stop = False
+
+    def _load_prompts(self) -> None:
+        """The examples, their prompts' token ids and text; a prompt whose completion could run
+        past the model's context is an error now rather than mid-run."""
+        cfg = self.cfg
+        self.examples = cfg.data.build(cfg.train.seed)
+        self.prompts = datamod.encode_prompts(self.examples, self.tok, cfg.data.max_prompt_tokens)
+        self.prompt_text = [datamod.render_prompt(e["prompt"], self.tok) for e in self.examples]
+        ctx = getattr(self.model.config, "max_position_embeddings", None)
+        longest = max(len(p) for p in self.prompts)
+        if ctx is not None and longest + cfg.rollout.max_new_tokens > ctx:
+            raise ValueError(f"data: the longest prompt ({longest} tokens) + rollout.max_new_tokens "
+                             f"({cfg.rollout.max_new_tokens}) exceeds the model's context ({ctx} positions)")
+
+    def _reference_policy(self, copy_of_given: bool):
+        """The frozen reference policy of the KL term (algorithm.kl_reference): the initial policy,
+        copied from the model passed in or loaded again. None when not asked for, and with LoRA,
+        where the base model under the adapters is the reference."""
+        if not self.cfg.algorithm.kl_reference or self.cfg.model.lora_r > 0:
+            return None
+        if copy_of_given:
+            ref = copy.deepcopy(self.model)  # before any update: the initial policy
+        else:
+            ref, _ = dataclasses.replace(self.cfg.model, lora_r=0).build()
+        return ref.requires_grad_(False)
 
     # -- checkpoints ----------------------------------------------------------------------------
     def state(self) -> dict:
@@ -271,7 +287,24 @@ class Trainer:
         self.step = st["step"]
 
     # -- the loop -------------------------------------------------------------------------------
-    def rollout_round(self, n_prompts: int):
+    def train_step(self) -> dict:
+        """One RL step (DESIGN §1): collect → advantages → update → metrics; returns the metrics."""
+        t0 = time.perf_counter()
+        self.times = dict.fromkeys(PHASES, 0.0)
+        batch = self.collect()
+        adv = self.advantages(batch.rewards) * batch.keep
+        logged, mismatch = self.update(batch.rollout, adv)
+        self.step += 1
+        return self.metrics(batch, adv, logged, mismatch, time.perf_counter() - t0)
+
+    @contextlib.contextmanager
+    def _timed(self, phase: str):
+        t = time.perf_counter()
+        yield
+        self.times[phase] += time.perf_counter() - t
+
+    def rollout_round(self, n_prompts: int) -> Rollout:
+        """G samples for each of the next `n_prompts` prompts of the data stream."""
         idx = self.stream.take(n_prompts)
         self.model.eval()
         r = generate(self.model, [self.prompts[i] for i in idx], self.cfg.rollout, eos_token_id=self.eos,
@@ -279,122 +312,107 @@ class Trainer:
         r.prompt_index = [idx[j] for j in r.prompt_index]
         return r
 
-    def score(self, r: Rollout):
+    def score(self, r: Rollout) -> tuple[Tensor, dict[str, Tensor]]:
+        """Total reward per sample and each reward function's, given the prompts and the columns."""
         texts = r.texts(self.tok)
         cols = {k: [self.examples[i][k] for i in r.prompt_index] for k in self.examples[0] if k != "prompt"}
-        total, per_fn = self.rewards(texts, [self.prompt_text[i] for i in r.prompt_index], cols)
-        return total, per_fn
+        return self.rewards(texts, [self.prompt_text[i] for i in r.prompt_index], cols)
 
-    def advantages(self, rewards: torch.Tensor) -> torch.Tensor:
-        return ADVANTAGES[self.cfg.algorithm.advantage](rewards, self.cfg.rollout.group_size)
-
-    def train_step(self) -> dict:
-        cfg, ac = self.cfg, self.cfg.algorithm
-        G, P = cfg.rollout.group_size, cfg.train.prompts_per_step
-        t0 = time.perf_counter()
-        times = {"rollout": 0.0, "reward": 0.0, "prefill": 0.0, "backward": 0.0, "optim": 0.0}
-        batch, rewards, keep, per_fn_all = None, [], [], {}
-        raw_rewards = []
+    def collect(self) -> Batch:
+        """Rollout rounds until `prompts_per_step` groups are kept: sample, score, shape the overlong
+        samples. With dynamic sampling (DAPO) a round keeps only the groups whose rewards differ and
+        the next one refills the rest; the last (after `max_refills`) keeps what it gets."""
+        ac, G = self.cfg.algorithm, self.cfg.rollout.group_size
+        kept: list[tuple[Rollout, Tensor, Tensor]] = []
+        scored, by_fn = [], {}
         for attempt in range(1 + (ac.max_refills if ac.dynamic_sampling else 0)):
-            need = P - (len(batch) // G if batch else 0)
+            need = self.cfg.train.prompts_per_step - sum(len(r) for r, _, _ in kept) // G
             if need <= 0:
                 break
-            t = time.perf_counter()
-            r = self.rollout_round(need)
-            times["rollout"] += time.perf_counter() - t
-            t = time.perf_counter()
-            total, per_fn = self.score(r)
-            times["reward"] += time.perf_counter() - t
-            raw_rewards.append(total)
+            with self._timed("rollout"):
+                r = self.rollout_round(need)
+            with self._timed("reward"):
+                total, per_fn = self.score(r)
+            scored.append(total)
             for k, v in per_fn.items():
-                per_fn_all.setdefault(k, []).append(v)
-            total, kp = overlong_shaping(r, total, ac, cfg.rollout.max_new_tokens)
+                by_fn.setdefault(k, []).append(v)
+            total, keep = overlong_shaping(r, total, ac, self.cfg.rollout.max_new_tokens)
             if ac.dynamic_sampling:
-                groups = [g for g in range(need) if total[g * G:(g + 1) * G].std() > 0 and attempt < ac.max_refills]
-                if attempt == ac.max_refills:  # out of refills: keep what the last round gave
-                    groups = list(range(need))
-                r = select_groups(r, groups)
-                sel = torch.tensor([g * G + j for g in groups for j in range(G)], dtype=torch.long)
-                total, kp = total[sel], kp[sel]
-            batch = concat(batch, r)
-            rewards.append(total)
-            keep.append(kp)
-        rewards, keep = torch.cat(rewards), torch.cat(keep)
-        adv = self.advantages(rewards) * keep
+                groups = informative_groups(total, G) if attempt < ac.max_refills else list(range(need))
+                rows = torch.tensor(r.group_rows(groups), dtype=torch.long)
+                r, total, keep = r.select(groups), total[rows], keep[rows]
+            kept.append((r, total, keep))
+        rollouts, rewards, keeps = zip(*kept)
+        return Batch(rollout=Rollout.concat(list(rollouts)), rewards=torch.cat(rewards), keep=torch.cat(keeps),
+                     scored=torch.cat(scored), scored_by_fn={k: torch.cat(v) for k, v in by_fn.items()})
+
+    def advantages(self, rewards: torch.Tensor) -> torch.Tensor:
+        """Per-sample advantages from the group rewards (algorithm.advantage)."""
+        return self.advantage_fn(rewards, self.cfg.rollout.group_size)
+
+    def update(self, batch: Rollout, adv: Tensor) -> tuple[dict[str, list[float]], list[Tensor]]:
+        """`epochs` × `minibatches` optimizer steps on the collected samples, each over one
+        group-aligned minibatch: its objective, the backward chosen at construction, a clipped step.
+        Returns each step's loss metrics and, from the first epoch, the sampler/learner log-prob gaps."""
+        ac = self.cfg.algorithm
         seqs, mask, sampler_lp = batch.sequences(), batch.completion_mask(), batch.aligned_logprobs()
-        n_groups = len(batch) // G
-        metrics = {"step": self.step + 1, "reward/mean": float(torch.cat(raw_rewards).mean()),
-                   "reward/std": float(torch.cat(raw_rewards).std()) if len(torch.cat(raw_rewards)) > 1 else 0.0,
-                   "response_length/mean": float(sum(len(c) for c in batch.completion_ids) / len(batch)),
-                   "batch/groups": n_groups, "batch/zero_adv_frac": float((adv == 0).float().mean())}
-        for k, v in per_fn_all.items():
-            metrics[f"reward/{k}"] = float(torch.cat(v).mean())
-        # log-probs before the update: from the engine's prefill when there is a single update
-        single = ac.epochs * ac.minibatches == 1
-        old = None
-        if cfg.engine.reuse_rollout_kv:  # no prefill: the sampler's log-probs are those of π_old
-            old = sampler_lp
-        elif not single:
-            t = time.perf_counter()
-            old = self._logprobs(self.model, seqs, mask)
-            times["prefill"] += time.perf_counter() - t
-        ref = None
-        if ac.kl_reference:
-            t = time.perf_counter()
-            ref = self._ref_logprobs(seqs, mask)
-            times["prefill"] += time.perf_counter() - t
-        per_mb = n_groups // ac.minibatches if n_groups >= ac.minibatches else n_groups
-        loss_metrics, mismatch = {}, []
+        old, ref = self.policy_logprobs(seqs, mask, sampler_lp)
+        logged: dict[str, list[float]] = {}
+        mismatch: list[Tensor] = []
         for epoch in range(ac.epochs):
-            for mb in range(max(1, math.ceil(n_groups / max(per_mb, 1)))):
-                rows = list(range(mb * per_mb * G, min(n_groups, (mb + 1) * per_mb) * G))
-                if not rows:
-                    continue
-                s_mb = [seqs[i] for i in rows]
-                obj = build_objective(cfg.loss, sequences=s_mb, completion_mask=[mask[i] for i in rows],
-                                      advantages=adv[rows], old_logprobs=None if old is None else [old[i] for i in rows],
-                                      ref_logprobs=None if ref is None else [ref[i] for i in rows])
+            for rows in minibatches(len(batch) // batch.group_size, ac.minibatches, batch.group_size):
+                obj = build_objective(self.cfg.loss, sequences=take(seqs, rows), completion_mask=take(mask, rows),
+                                      advantages=adv[rows], old_logprobs=take(old, rows), ref_logprobs=take(ref, rows))
                 self.model.train(False)  # no dropout: the backward must be that of the sampled policy
-                if cfg.engine.backward == "stream":
-                    kw = {}
-                    if cfg.engine.block_size:
-                        kw["block_size"] = cfg.engine.block_size
-                    if cfg.engine.memory_budget_mb:
-                        kw["memory_budget"] = cfg.engine.memory_budget_mb * 2**20
-                    if cfg.engine.reuse_rollout_kv:
-                        kw["kv"] = [batch.kv[i] for i in rows]
-                    res = stream_backward(self.model, s_mb, objective=obj, **kw)
-                    times["prefill"] += res.stats.prefill_s
-                    times["backward"] += res.stats.backward_s
-                else:
-                    t = time.perf_counter()
-                    res = reference_backward(self.model, s_mb, objective=obj)
-                    times["backward"] += time.perf_counter() - t
+                res = self.engine.backward(self.model, take(seqs, rows), obj, kv=take(batch.kv, rows))
+                self.times["prefill"] += res.stats.prefill_s
+                self.times["backward"] += res.stats.backward_s
                 if epoch == 0:  # sampler/learner agreement on the tokens the learner computed
-                    for j, i in enumerate(rows):
-                        d = (res.logprobs[j].double() - sampler_lp[i].double())[mask[i]]
-                        d = d[~torch.isnan(d)]
-                        if len(d):
-                            mismatch.append(d.abs().mean())
-                t = time.perf_counter()
-                gn = self._optimizer_step()
-                times["optim"] += time.perf_counter() - t
-                for k, v in obj.metrics().items():
-                    loss_metrics.setdefault(k, []).append(v)
+                    mismatch += logprob_gaps(res.logprobs, take(sampler_lp, rows), take(mask, rows))
+                with self._timed("optim"):
+                    grad_norm = self._optimizer_step()
+                step = obj.metrics()
                 if res.stats.router_aux_loss is not None:
-                    loss_metrics.setdefault("router_aux", []).append(res.stats.router_aux_loss)
-                loss_metrics.setdefault("grad_norm", []).append(gn)
-        for k, v in loss_metrics.items():
-            metrics[f"loss/{k}" if k != "grad_norm" else "optim/grad_norm"] = float(sum(v) / len(v))
+                    step["router_aux"] = res.stats.router_aux_loss
+                step["grad_norm"] = grad_norm
+                for k, v in step.items():
+                    logged.setdefault(k, []).append(v)
+        return logged, mismatch
+
+    def policy_logprobs(self, seqs: list[Tensor], mask: list[Tensor], sampler_lp: list[Tensor]):
+        """(π_old, π_ref) log-probs where the objective needs them up front, else None. π_old: the
+        sampler's when the engine reuses the rollout's K/V (same weights); from the engine's own
+        prefill (None here) when there is a single update; else one no-grad pass now."""
+        ac = self.cfg.algorithm
+        old = ref = None
+        if self.cfg.engine.reuse_rollout_kv:
+            old = sampler_lp
+        elif ac.epochs * ac.minibatches > 1:
+            with self._timed("prefill"):
+                old = self.engine.logprobs(self.model, seqs, mask)
+        if ac.kl_reference:
+            with self._timed("prefill"):
+                ref = self._ref_logprobs(seqs, mask)
+        return old, ref
+
+    def metrics(self, batch: Batch, adv: Tensor, logged: dict[str, list[float]], mismatch: list[Tensor],
+                step_time: float) -> dict:
+        """The step's line: rewards as scored, lengths, the loss terms averaged over the optimizer
+        steps, sampler/learner mismatch, time per phase, throughput, learning rate, peak memory."""
+        r, n = batch.scored, len(batch.rollout)
+        m = {"step": self.step, "reward/mean": float(r.mean()), "reward/std": float(r.std()) if len(r) > 1 else 0.0,
+             "response_length/mean": float(sum(len(c) for c in batch.rollout.completion_ids) / n),
+             "batch/groups": n // batch.rollout.group_size, "batch/zero_adv_frac": float((adv == 0).float().mean())}
+        m.update({f"reward/{k}": float(v.mean()) for k, v in batch.scored_by_fn.items()})
+        m.update({"optim/grad_norm" if k == "grad_norm" else f"loss/{k}": float(sum(v) / len(v))
+                  for k, v in logged.items()})
         if mismatch:
-            metrics["mismatch/logprob_abs"] = float(torch.stack(mismatch).mean())
-        self.step += 1
-        step_time = time.perf_counter() - t0
-        tokens = sum(len(s) for s in seqs)
-        metrics.update({f"time/{k}": v for k, v in times.items()})
-        metrics.update({"time/step": step_time, "throughput/tokens_per_s": tokens / step_time,
-                        "optim/lr": self.sched.get_last_lr()[0], "memory/peak_mib": peak_mib(self.device)})
-        return metrics
+            m["mismatch/logprob_abs"] = float(torch.stack(mismatch).mean())
+        tokens = sum(len(p) + len(c) for p, c in zip(batch.rollout.prompt_ids, batch.rollout.completion_ids))
+        m.update({f"time/{k}": v for k, v in self.times.items()})
+        m.update({"time/step": step_time, "throughput/tokens_per_s": tokens / step_time,
+                  "optim/lr": self.sched.get_last_lr()[0], "memory/peak_mib": peak_mib(self.device)})
+        return m
 
     def _optimizer_step(self) -> float:
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -408,26 +426,11 @@ class Trainer:
         self.opt.zero_grad(set_to_none=True)
         return gn
 
-    def _logprobs(self, model, seqs, mask):
-        if self.cfg.engine.backward == "stream":
-            return engine_logprobs(model, seqs, mask)
-        # the reference engine's old log-probs: plain full-sequence forwards
-        out = []
-        with torch.no_grad():
-            for s, m in zip(seqs, mask):
-                logits = model(input_ids=s[None].to(self.device)).logits[0, :-1]
-                logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-                lp = torch.full((len(s),), math.nan, dtype=logits.dtype)
-                lp[1:] = torch.log_softmax(logits, -1).gather(-1, s[1:, None].to(self.device))[:, 0].cpu()
-                lp[~m] = math.nan
-                out.append(lp)
-        return out
-
     def _ref_logprobs(self, seqs, mask):
         if self.ref is not None:
-            return self._logprobs(self.ref, seqs, mask)
+            return self.engine.logprobs(self.ref, seqs, mask)
         with self.model.disable_adapter():  # LoRA: the base model is the reference
-            return self._logprobs(self.model, seqs, mask)
+            return self.engine.logprobs(self.model, seqs, mask)
 
     def _signal(self, signum, frame):
         self._stop = True
@@ -447,13 +450,6 @@ class Trainer:
                 signal.signal(s, h)
             self.logger.close()
         return self.run_dir
-
-
-def dataclass_replace(dc, **kw):
-    new = copy.copy(dc)
-    for k, v in kw.items():
-        setattr(new, k, v)
-    return new
 
 
 def to_toml(d: dict) -> str:

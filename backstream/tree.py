@@ -104,13 +104,6 @@ class TokenTree:
         assert pos >= len(toks)
         return path
 
-    def node_at(self, i: int, position: int) -> int:
-        """The node of sequence i's path that holds absolute `position`."""
-        for n in self.paths[i]:
-            if self.nodes[n].start <= position < self.nodes[n].end:
-                return n
-        raise AssertionError(f"position {position} is not on the path of sequence {i}")
-
     def add_targets(self, sequences: list[Tensor], active: list[Tensor]) -> None:
         """Place every active target (i, t) at the node and offset of position t − 1."""
         for i, (seq, act) in enumerate(zip(sequences, active)):

@@ -18,3 +18,12 @@ def record_columns(completions, prompts, **columns):
     """Records what the trainer passes (TRL's call: prompts and the dataset's columns); rewards as count_digits."""
     SEEN.append({"prompts": list(prompts), **{k: list(v) for k, v in columns.items()}})
     return count_digits(completions)
+
+
+FLAT_PROMPT = "1+1="
+
+
+def flat_for_one_prompt(completions, prompts, **kwargs):
+    """The same reward for every sample of FLAT_PROMPT (a group with no signal); for any other
+    prompt, a different reward for each sample of its group (the row number)."""
+    return [0.5 if p == FLAT_PROMPT else float(i) for i, p in enumerate(prompts)]

@@ -34,6 +34,27 @@ def test_bad_values_name_the_key(overrides, match):
         config.load(None, overrides)
 
 
+@pytest.mark.parametrize("overrides, match", [
+    (["engine.reuse_rollout_kv=true", "algorithm.epochs=2"], r"engine.reuse_rollout_kv: .* algorithm.epochs"),
+    (["engine.reuse_rollout_kv=true", "loss.router_aux_coef=0.1"],
+     r"loss.router_aux_coef > 0 .* engine.reuse_rollout_kv = false"),
+    (["loss.kl_coef=0.1"], r"loss.kl_coef > 0 needs algorithm.kl_reference"),
+    (["rollout.temperature=0.7"], r"loss.temperature: got 1.0, but rollout.temperature is 0.7"),
+    (["rollout.group_size=1", "algorithm.advantage=rloo"], r"rollout.group_size: got 1; group advantages \(rloo\)"),
+    (["algorithm.minibatches=3"], r"algorithm.minibatches: 3 does not divide train.prompts_per_step=8"),
+])
+def test_cross_section_checks_name_the_keys(overrides, match):
+    cfg = config.load(None, overrides)  # each section is valid on its own
+    with pytest.raises(ValueError, match=match):
+        cfg.validate()
+
+
+def test_defaults_and_examples_pass_the_cross_section_checks():
+    config.load().validate()
+    for name in sorted(f for f in os.listdir(EXAMPLES) if f.endswith(".toml")):
+        config.load(os.path.join(EXAMPLES, name)).validate()
+
+
 def test_bad_toml_file(tmp_path):
     p = tmp_path / "bad.toml"
     p.write_text("[optim\nlr=1")

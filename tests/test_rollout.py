@@ -212,3 +212,21 @@ def test_rollout_helpers():
     assert r.sequences()[0].tolist() == [1, 2, 3, 4, 5]
     assert r.completion_mask()[0].tolist() == [False, False, True, True, True]
     assert r.kv is None and len(r) == 1
+
+
+def test_select_and_concat_keep_whole_groups():
+    def rollout(n_groups, kv=True):
+        rows = range(2 * n_groups)
+        return Rollout(prompt_index=[i // 2 for i in rows], prompt_ids=[torch.tensor([i // 2]) for i in rows],
+                       completion_ids=[torch.tensor([10 + i]) for i in rows], logprobs=[torch.zeros(1) for _ in rows],
+                       finish_reason=["eos" if i % 2 else "length" for i in rows],
+                       kv=[[(torch.full((1, 1, 1), float(i)),) * 2] for i in rows] if kv else None, group_size=2)
+
+    r = rollout(3)
+    assert r.group_rows([2, 0]) == [4, 5, 0, 1]
+    s = r.select([2, 0])
+    assert s.prompt_index == [2, 2, 0, 0] and [int(c) for c in s.completion_ids] == [14, 15, 10, 11]
+    assert s.finish_reason == ["length", "eos"] * 2 and s.kv == [r.kv[i] for i in (4, 5, 0, 1)]
+    c = Rollout.concat([s, r.select([]), r.select([1])])  # an empty selection keeps its (empty) K/V
+    assert c.prompt_index == [2, 2, 0, 0, 1, 1] and len(c.kv) == 6 and c.group_size == 2
+    assert Rollout.concat([r, rollout(1, kv=False)]).kv is None  # K/V only where every part has them

@@ -1,0 +1,76 @@
+"""The policy to train, built once from `[model]`: the built-in default model, a Hub id or a local
+folder (or a model object the caller passes), in the run's dtype, on its device, in eval mode (no
+dropout: the backward must be that of the sampled policy), with PEFT LoRA adapters when asked."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from backstream.checks import at_least, choice
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    name: str = "default"
+    """"default" for the built-in tiny model (no download), or a hub id / local folder of a causal LM."""
+    dtype: str = "float32"
+    """Parameter dtype: float32, bfloat16 or float64."""
+    lora_r: int = 0
+    """LoRA rank; 0 trains all weights."""
+    lora_alpha: float = 16.0
+    """LoRA scaling numerator (scale = alpha / r)."""
+    lora_targets: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    """Module names that get LoRA adapters."""
+    device: str = "auto"
+    """"auto" (cuda if available, else cpu), "cpu" or "cuda"."""
+
+    def __post_init__(self):
+        choice("model.dtype", self.dtype, list(DTYPES))
+        choice("model.device", self.device, ["auto", "cpu", "cuda"])
+        at_least("model.lora_r", self.lora_r, 0)
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("model.device: 'cuda' asked for but no GPU is visible; use 'auto' or 'cpu'")
+        return torch.device(self.device)
+
+    def build(self, model=None, tokenizer=None):
+        """(model, tokenizer): `model` and `tokenizer` when given (cast to `dtype`), else loaded from
+        `name`; on `device`, in eval mode, with LoRA adapters when `lora_r` > 0."""
+        device = self.torch_device()
+        if model is None:
+            model, tokenizer = self._load()
+            model = model.to(device)
+        elif tokenizer is None:
+            raise ValueError("tokenizer: required when a model object is passed")
+        else:
+            model = model.to(device, DTYPES[self.dtype])
+        return self.apply_lora(model.eval()), tokenizer
+
+    def _load(self):
+        dtype = DTYPES[self.dtype]
+        if self.name == "default":
+            from backstream.default_model import load_default  # noqa: PLC0415
+
+            return load_default(dtype=dtype)
+        from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
+
+        try:
+            tok = AutoTokenizer.from_pretrained(self.name)
+            return AutoModelForCausalLM.from_pretrained(self.name, dtype=dtype), tok
+        except OSError as e:
+            raise ValueError(f"model.name: cannot load {self.name!r} ({e})") from None
+
+    def apply_lora(self, model):
+        if self.lora_r == 0:
+            return model
+        from peft import LoraConfig, get_peft_model  # noqa: PLC0415
+
+        return get_peft_model(model, LoraConfig(r=self.lora_r, lora_alpha=self.lora_alpha,
+                                                target_modules=self.lora_targets))
