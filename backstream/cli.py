@@ -95,7 +95,8 @@ class _TrainHelp(argparse.Action):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="backstream", description="Exact streamed-backward RL post-training of causal LMs")
+    ap = argparse.ArgumentParser(prog="backstream",
+                                 description="Exact streamed-backward RL post-training of causal LMs")
     sub = ap.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("train", help="train from a TOML config", add_help=False)
     t.add_argument("-h", "--help", action=_TrainHelp, nargs=0, help="show this help and every config key")

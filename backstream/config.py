@@ -186,7 +186,8 @@ def _coerce(key: str, value, hint):
         return [_coerce(f"{key}[{i}]", v, item) for i, v in enumerate(value)]
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
-    if hint in (int, float, str, bool) and not (isinstance(value, hint) and not (hint is int and isinstance(value, bool))):
+    if hint in (int, float, str, bool) and not (
+            isinstance(value, hint) and not (hint is int and isinstance(value, bool))):
         raise ValueError(f"{key}: got {value!r} ({type(value).__name__}), expected {hint.__name__}")
     return value
 
@@ -256,7 +257,8 @@ def field_docs(cls: type) -> dict[str, str]:
             continue
         body = tree.body[0].body
         for a, b in zip(body, body[1:]):
-            if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(getattr(b, "value", None), ast.Constant):
+            is_doc = isinstance(b, ast.Expr) and isinstance(getattr(b, "value", None), ast.Constant)
+            if isinstance(a, ast.AnnAssign) and is_doc:
                 docs[a.target.id] = " ".join(str(b.value.value).split())
     return docs
 

@@ -50,7 +50,8 @@ def load_examples(path: str) -> list[dict]:
         try:
             import datasets  # noqa: PLC0415
         except ImportError:
-            raise ValueError(f"data.path: {path} is a folder; reading a `datasets` folder needs `pip install datasets`") from None
+            raise ValueError(f"data.path: {path} is a folder; reading a `datasets` folder needs "
+                             "`pip install datasets`") from None
         ds = datasets.load_from_disk(path)
         if isinstance(ds, datasets.DatasetDict):
             ds = ds["train"] if "train" in ds else next(iter(ds.values()))

@@ -178,7 +178,8 @@ class PolicyObjective(Objective):
         self.adv = torch.as_tensor(advantages, dtype=torch.float64).flatten().cpu()
         self.n_seq = n
         self.n_tok = [int(m.sum()) for m in self.mask]
-        self.adv_flat = torch.cat([torch.full((L,), float(a), dtype=torch.float64) for L, a in zip(self.lengths, self.adv)])
+        self.adv_flat = torch.cat([torch.full((L,), float(a), dtype=torch.float64)
+                                   for L, a in zip(self.lengths, self.adv)])
         cat = lambda xs: torch.cat([x.detach().double().cpu().reshape(-1) for x in xs])  # noqa: E731
         self.old_flat = None if old_logprobs is None else cat(old_logprobs)
         self.ref_flat = None if ref_logprobs is None else cat(ref_logprobs)

@@ -17,7 +17,8 @@ def check_backends(tensorboard: bool, wandb: bool) -> None:
     import importlib.util  # noqa: PLC0415
 
     if tensorboard and importlib.util.find_spec("tensorboard") is None:
-        raise ValueError("train.log_tensorboard: needs `pip install tensorboard` (or 'backstream[log]'); or set it to false")
+        raise ValueError("train.log_tensorboard: needs `pip install tensorboard` (or 'backstream[log]'); "
+                         "or set it to false")
     if wandb and importlib.util.find_spec("wandb") is None:
         raise ValueError("train.log_wandb: needs `pip install wandb` (or 'backstream[log]'); or set it to false")
 
@@ -74,9 +75,11 @@ class Logger:
     def line(self, m: dict) -> str:
         total = f"/{self.total}" if self.total else ""
         t = m.get("time/step", 0.0)
-        split = " ".join(f"{k.split('/')[1]} {m[k]:.1f}s" for k in ("time/rollout", "time/reward", "time/prefill", "time/backward") if k in m)
+        phases = ("time/rollout", "time/reward", "time/prefill", "time/backward")
+        split = " ".join(f"{k.split('/')[1]} {m[k]:.1f}s" for k in phases if k in m)
         return (f"step {m['step']}{total} | reward {m['reward/mean']:.3f} | len {m['response_length/mean']:.1f} | "
-                f"{m.get('throughput/tokens_per_s', 0):.0f} tok/s | {t:.1f}s ({split}) | peak {m.get('memory/peak_mib', 0):.0f} MiB")
+                f"{m.get('throughput/tokens_per_s', 0):.0f} tok/s | {t:.1f}s ({split}) | "
+                f"peak {m.get('memory/peak_mib', 0):.0f} MiB")
 
     def close(self) -> None:
         self.file.close()

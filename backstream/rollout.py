@@ -48,7 +48,8 @@ class SamplingConfig:
         def is_int(x):
             return isinstance(x, int) and not isinstance(x, bool)
 
-        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) or self.temperature < 0:
+        t = self.temperature
+        if not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
             bad("temperature", "a finite number >= 0 (0 = greedy)")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             bad("top_p", "a number in (0, 1]")
@@ -72,7 +73,8 @@ class Rollout:
     # per completion token, under softmax(logits / T) before truncation; float32 (float64 for a float64 model)
     logprobs: list[Tensor]
     finish_reason: list[str]  # "eos" | "stop" | "length"
-    kv: list | None = None  # per sample, a list over layers of (K, V) [kv_heads, len(prompt)+len(completion)-1, head_dim]
+    # per sample, a list over layers of (K, V) [kv_heads, len(prompt) + len(completion) - 1, head_dim]
+    kv: list | None = None
     group_size: int = 1
 
     def __len__(self) -> int:
@@ -184,6 +186,7 @@ def _sample_group(model, prompt: Tensor, config: SamplingConfig, eos: set[int], 
     tokens: list[list[int]] = [[] for _ in range(G)]
     logps: list[list[Tensor]] = [[] for _ in range(G)]
     reason: list[str | None] = [None] * G
+    tok_B: Tensor | None = None  # the tokens sampled at the previous step
     for t in range(config.max_new_tokens):
         if t > 0:
             logits_BV = _forward(model, tok_B[:, None], P + t - 1, cache, keep_last)

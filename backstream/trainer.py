@@ -68,8 +68,8 @@ def verify_engine(model) -> None:
         report = _VERIFIED[key] = verify(model)
     if not report.ok:
         detail = f"{report.verdict} ({report.reason})" if report.kind == "wrong" else report.verdict
-        raise ValueError(f"engine.verify: the streamed backward is not exact on a miniature of this model's architecture "
-                         f"({report.model_type}): {detail}. `backstream verify` prints the details; set "
+        raise ValueError("engine.verify: the streamed backward is not exact on a miniature of this model's "
+                         f"architecture ({report.model_type}): {detail}. `backstream verify` prints the details; set "
                          "engine.backward = \"reference\" to train with the naive backward, or engine.verify = false "
                          "to skip this check")
 
@@ -263,7 +263,8 @@ class Trainer:
                 "rng": checkpoint.rng_state(self.gen), "data_position": self.stream.position}
 
     def save(self) -> str:
-        return checkpoint.save(self.run_dir, self.step, self.model, self.tok, self.state(), self.cfg.train.keep_checkpoints)
+        return checkpoint.save(self.run_dir, self.step, self.model, self.tok, self.state(),
+                               self.cfg.train.keep_checkpoints)
 
     def _resume(self) -> None:
         path = checkpoint.latest(self.run_dir)
@@ -276,7 +277,8 @@ class Trainer:
 
             set_peft_model_state_dict(self.model, load_file(os.path.join(path, "adapter_model.safetensors")))
         else:
-            missing, unexpected = self.model.load_state_dict(load_file(os.path.join(path, "model.safetensors")), strict=False)
+            weights = load_file(os.path.join(path, "model.safetensors"))
+            missing, unexpected = self.model.load_state_dict(weights, strict=False)
             assert not unexpected, unexpected
             self.model.tie_weights()
         st = checkpoint.load_state(path)

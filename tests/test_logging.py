@@ -72,7 +72,8 @@ def test_wandb_calls(tmp_path, monkeypatch):
     fake = types.SimpleNamespace(init=lambda **kw: calls.append(("init", kw)) or Run())
     monkeypatch.setitem(sys.modules, "wandb", fake)
     real_find = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "wandb" else real_find(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "wandb" else real_find(name, *a))
     model, tok = tiny(torch.float32)
     run = trainer.train(run_cfg(tmp_path, "wb", 'model.dtype="float32"', "train.steps=2", "train.log_wandb=true",
                                 'train.wandb_project="proj"'), model=model, tokenizer=tok)
@@ -95,7 +96,8 @@ def test_missing_backend_stops_before_writing(tmp_path, monkeypatch, backend):
     model, tok = tiny(torch.float32)
     key = "log_tensorboard" if backend == "tensorboard" else "log_wandb"
     with pytest.raises(ValueError, match=f"train.{key}: needs `pip install {backend}`"):
-        trainer.train(run_cfg(tmp_path, "run", 'model.dtype="float32"', f"train.{key}=true"), model=model, tokenizer=tok)
+        cfg = run_cfg(tmp_path, "run", 'model.dtype="float32"', f"train.{key}=true")
+        trainer.train(cfg, model=model, tokenizer=tok)
     assert _no_run_written(tmp_path / "run")
 
 

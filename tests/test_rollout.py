@@ -168,7 +168,8 @@ def test_rollout_kv_feeds_stream_backward():
     from backstream import stream_backward
 
     model = model32()
-    r = run(model, SamplingConfig(max_new_tokens=6, group_size=3), eos_token_id=list(range(0, VOCAB, 4)), return_kv=True)
+    r = run(model, SamplingConfig(max_new_tokens=6, group_size=3), eos_token_id=list(range(0, VOCAB, 4)),
+            return_kv=True)
     weights = [m.float() * (i - 2.5) for i, m in enumerate(r.completion_mask())]
     grads, logprobs = [], []
     for kv in (None, r.kv):
