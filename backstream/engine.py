@@ -311,7 +311,8 @@ class _Engine:
         self.base = base_model(model)
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        self.kernel = kernel
+        # the attention kernel, decided once: the fused flash kernel on CPU, the naive one elsewhere
+        self.kernel = ("flash" if self.device.type == "cpu" else "math") if kernel == "auto" else kernel
         self.pad_id = pad_id
         self.tree = tree
         self.schedule = batches(tree, block_size, batch_tokens)
@@ -473,16 +474,7 @@ def _run(model, sequences, obj, *, block_size, batch_tokens, memory_budget, kv, 
     family.check_default_positions(model, max(sequences, key=len))
 
     seqs_cpu = [s.detach().to("cpu", torch.long) for s in sequences]
-    active = [a.detach().to("cpu", torch.bool) for a in active]
-    inputs = []
-    for s, a in zip(seqs_cpu, active):
-        nz = torch.nonzero(a)
-        if obj.needs_router_logits:
-            inputs.append(s.tolist())  # the router loss reads every token of every sequence
-        else:
-            inputs.append(s[: int(nz[-1])].tolist() if len(nz) else [])
-    tree = TokenTree(inputs)
-    tree.add_targets(seqs_cpu, active)
+    inputs, tree = _tree(seqs_cpu, [a.detach().to("cpu", torch.bool) for a in active], obj.needs_router_logits)
 
     stats = StreamStats(sequences=len(sequences), active_sequences=sum(1 for x in inputs if x),
                         input_tokens=sum(len(x) for x in inputs), tree_tokens=tree.num_tokens())
@@ -512,6 +504,21 @@ def _run(model, sequences, obj, *, block_size, batch_tokens, memory_budget, kv, 
         eng.backward(obj, lps, stats, record=kv is not None or not all_lp)
         stats.backward_s = time.perf_counter() - t
     return StreamResult(logprobs=lps, stats=stats)
+
+
+def _tree(seqs: list[Tensor], active: list[Tensor], every_token: bool) -> tuple[list[list[int]], TokenTree]:
+    """The inputs each sequence needs (up to its last active target, or all of it when the
+    objective reads every token) merged into the token tree, with the targets placed."""
+    inputs = []
+    for s, a in zip(seqs, active):
+        nz = torch.nonzero(a)
+        if every_token:
+            inputs.append(s.tolist())  # the router loss reads every token of every sequence
+        else:
+            inputs.append(s[: int(nz[-1])].tolist() if len(nz) else [])
+    tree = TokenTree(inputs)
+    tree.add_targets(seqs, active)
+    return inputs, tree
 
 
 def _multiplicities(tree: TokenTree, inputs: list[list[int]]) -> dict[int, Tensor]:
