@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
 import shutil
 
@@ -65,7 +66,14 @@ def latest(run_dir: str) -> str | None:
 
 
 def load_state(path: str) -> dict:
-    return torch.load(os.path.join(path, STATE), weights_only=False)
+    """The trainer state of a checkpoint: tensors, numbers, strings and containers only
+    (`weights_only=True`), so that a checkpoint folder from anywhere cannot run code when loaded."""
+    file = os.path.join(path, STATE)
+    try:
+        return torch.load(file, weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise ValueError(f"resume: {file} holds objects other than tensors, numbers and containers; it was refused "
+                         "because loading it could run code. Resume only from checkpoints backstream wrote") from e
 
 
 def rng_state(generator: torch.Generator) -> dict:

@@ -361,3 +361,28 @@ def test_hub_id_loads_through_the_hub_cache(tmp_path):
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode != 0 and "model.name: cannot load 'acme/missing'" in res.stderr
     assert _no_run_written(tmp_path / "run2")
+
+
+class _RunsCode:
+    """Unpickling this would call os.system: what a checkpoint from anywhere could hide."""
+
+    def __reduce__(self):
+        return (os.system, ("touch /tmp/backstream_pwned",))
+
+
+def test_trainer_state_loads_plain_data_only(tmp_path):
+    """A trainer_state.pt that holds code is refused by name, and the code never runs."""
+    from backstream import checkpoint
+
+    marker = "/tmp/backstream_pwned"
+    if os.path.exists(marker):
+        os.remove(marker)
+    folder = tmp_path / "step-1"
+    folder.mkdir()
+    torch.save({"step": 1, "evil": _RunsCode()}, folder / checkpoint.STATE)
+    with pytest.raises(ValueError, match="resume: .*trainer_state.pt holds objects other than tensors"):
+        checkpoint.load_state(str(folder))
+    assert not os.path.exists(marker)
+    torch.save({"step": 1, "rng": {"python": (3, tuple(range(5)), None), "torch": torch.zeros(3, dtype=torch.uint8)}},
+               folder / checkpoint.STATE)
+    assert checkpoint.load_state(str(folder))["step"] == 1
