@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from backstream.checks import choice
+from backstream.checks import at_least, choice
 
 
 def _adamw(params: list, c: OptimConfig) -> torch.optim.Optimizer:
@@ -45,9 +45,13 @@ class OptimConfig:
     """Linear warm-up steps, then constant."""
     max_grad_norm: float = 1.0
     """Gradient clipping by global norm; 0 turns it off."""
+    max_nonfinite_steps: int = 3
+    """An optimizer step whose gradient norm is NaN/inf is skipped (and counted as
+    optim/skipped_nonfinite); this many in a row stop the run with an error."""
 
     def __post_init__(self):
         choice("optim.name", self.name, list(OPTIMIZERS))
+        at_least("optim.max_nonfinite_steps", self.max_nonfinite_steps, 1)
         if not self.lr > 0:
             raise ValueError(f"optim.lr: got {self.lr}, expected a number > 0")
 

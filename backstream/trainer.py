@@ -175,6 +175,10 @@ def logprob_gaps(learner: list[Tensor], sampler: list[Tensor], mask: list[Tensor
     return out
 
 
+class NonFiniteError(ValueError):
+    """Training produced NaN/inf (gradients or weights): the run stops before writing from them."""
+
+
 @dataclass
 class Batch:
     """What `collect` hands on: the kept samples, their rewards after overlong shaping and which of
@@ -218,6 +222,8 @@ class Trainer:
         self.stream = datamod.PromptStream(len(self.examples), tc.seed)
         self.gen = torch.Generator().manual_seed(tc.seed)
         self.step = 0
+        self.skipped_nonfinite = 0  # optimizer steps skipped for a NaN/inf gradient norm, this process
+        self.nonfinite_in_a_row = 0
         self.times = dict.fromkeys(PHASES, 0.0)
         self.run_dir = run_dir or tc.output_dir
         self.eos = self.tok.eos_token_id
@@ -263,6 +269,7 @@ class Trainer:
                 "rng": checkpoint.rng_state(self.gen), "data_position": self.stream.position}
 
     def save(self) -> str:
+        self._check_finite_weights()
         return checkpoint.save(self.run_dir, self.step, self.model, self.tok, self.state(),
                                self.cfg.train.keep_checkpoints)
 
@@ -411,22 +418,48 @@ class Trainer:
         if mismatch:
             m["mismatch/logprob_abs"] = float(torch.stack(mismatch).mean())
         tokens = sum(len(p) + len(c) for p, c in zip(batch.rollout.prompt_ids, batch.rollout.completion_ids))
+        m["optim/skipped_nonfinite"] = self.skipped_nonfinite
         m.update({f"time/{k}": v for k, v in self.times.items()})
         m.update({"time/step": step_time, "throughput/tokens_per_s": tokens / step_time,
                   "optim/lr": self.sched.get_last_lr()[0], "memory/peak_mib": peak_mib(self.device)})
         return m
 
     def _optimizer_step(self) -> float:
+        """Clip and step; a non-finite gradient norm (a NaN/inf loss or gradient) skips the step
+        instead, and `optim.max_nonfinite_steps` of them in a row stop the run."""
         params = [p for p in self.model.parameters() if p.requires_grad]
         mx = self.cfg.optim.max_grad_norm
         if mx > 0:
             gn = float(torch.nn.utils.clip_grad_norm_(params, mx))
         else:
-            gn = float(torch.norm(torch.stack([p.grad.norm() for p in params if p.grad is not None])))
+            norms = [p.grad.norm() for p in params if p.grad is not None]
+            gn = float(torch.norm(torch.stack(norms))) if norms else 0.0  # no gradient: every advantage was 0
+        if not math.isfinite(gn):
+            self.opt.zero_grad(set_to_none=True)
+            self.skipped_nonfinite += 1
+            self.nonfinite_in_a_row += 1
+            if self.nonfinite_in_a_row >= self.cfg.optim.max_nonfinite_steps:
+                raise NonFiniteError(self._nonfinite_message())
+            return gn
+        self.nonfinite_in_a_row = 0
         self.opt.step()
         self.sched.step()
         self.opt.zero_grad(set_to_none=True)
         return gn
+
+    def _nonfinite_message(self) -> str:
+        last = checkpoint.latest(self.run_dir)
+        return (f"optim.max_nonfinite_steps: {self.nonfinite_in_a_row} optimizer steps in a row had a NaN/inf "
+                f"gradient norm (training step {self.step + 1}); the run stopped without writing a checkpoint. Last "
+                f"good checkpoint: {last or 'none'}. Usual causes: a learning rate too high (optim.lr = "
+                f"{self.cfg.optim.lr}), bfloat16 overflow (model.dtype), or a reward function returning NaN/inf")
+
+    def _check_finite_weights(self) -> None:
+        bad = [n for n, p in self.model.named_parameters() if not bool(torch.isfinite(p).all())]
+        if bad:
+            raise NonFiniteError(f"train: parameters {bad[:3]}{' …' if len(bad) > 3 else ''} hold NaN/inf at step "
+                                 f"{self.step}; no checkpoint is written from them. Last good checkpoint: "
+                                 f"{checkpoint.latest(self.run_dir) or 'none'}")
 
     def _ref_logprobs(self, seqs, mask):
         if self.ref is not None:

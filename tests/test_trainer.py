@@ -8,6 +8,7 @@ import warnings
 import pytest
 import torch
 from models import exact_norms
+from safetensors.torch import load_file
 from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from backstream import checkpoint, config, trainer
@@ -386,3 +387,32 @@ def test_trainer_state_loads_plain_data_only(tmp_path):
     torch.save({"step": 1, "rng": {"python": (3, tuple(range(5)), None), "torch": torch.zeros(3, dtype=torch.uint8)}},
                folder / checkpoint.STATE)
     assert checkpoint.load_state(str(folder))["step"] == 1
+
+
+def test_nonfinite_steps_are_skipped_then_stop_the_run(tmp_path):
+    """optim.lr = 1e30 turns the weights to inf after one step: the following steps' gradient norms
+    are NaN/inf, skipped and counted, and `max_nonfinite_steps` of them in a row stop the run with a
+    message naming the key, the step and the causes; no checkpoint is written from the bad weights."""
+    model, tok = tiny(torch.float32)
+    cfg = run_cfg(tmp_path, "nan", 'model.dtype="float32"', "optim.lr=1e30", "optim.max_grad_norm=0",
+                  "train.steps=10", "train.save_every=1", "optim.max_nonfinite_steps=2")
+    with pytest.raises(trainer.NonFiniteError, match=r"optim.max_nonfinite_steps: 2 optimizer steps in a row .*"
+                                                      r"NaN/inf.*optim.lr = 1e\+30"):
+        trainer.train(cfg, model=model, tokenizer=tok)
+    run = tmp_path / "nan"
+    for ck in checkpoint.list_checkpoints(str(run)):  # every checkpoint written holds finite weights
+        weights = load_file(os.path.join(ck, "model.safetensors"))
+        assert all(bool(torch.isfinite(w).all()) for w in weights.values())
+    rows = [json.loads(x) for x in open(run / "metrics.jsonl")]
+    assert rows and all("optim/skipped_nonfinite" in r for r in rows)
+
+
+def test_no_checkpoint_from_nonfinite_weights(tmp_path):
+    model, tok = tiny(torch.float32)
+    t = trainer.Trainer(run_cfg(tmp_path, "w", 'model.dtype="float32"'), model=model, tokenizer=tok)
+    with torch.no_grad():
+        next(t.model.parameters())[0, 0] = float("nan")
+    with pytest.raises(trainer.NonFiniteError, match="hold NaN/inf at step 0; no checkpoint is written"):
+        t.save()
+    assert checkpoint.list_checkpoints(str(tmp_path / "w")) == []
+    t.logger.close()
