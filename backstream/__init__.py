@@ -9,11 +9,11 @@ from backstream.reference import reference_backward
 from backstream.verify import VerifyReport, verify
 
 
-def train(config=None, overrides=(), resume=None, model=None, tokenizer=None) -> str:
+def train(config=None, overrides=(), resume=None, model=None, tokenizer=None, overwrite=False) -> str:
     """Run an RL job (see `backstream.trainer.train`); imported lazily, the engine needs none of it."""
     from backstream.trainer import train as _train  # noqa: PLC0415
 
-    return _train(config, overrides, resume=resume, model=model, tokenizer=tokenizer)
+    return _train(config, overrides, resume=resume, model=model, tokenizer=tokenizer, overwrite=overwrite)
 
 
 __all__ = [

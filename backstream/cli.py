@@ -1,7 +1,7 @@
 """Command line: a thin layer over the Python API, one function per subcommand.
 
     backstream demo [--steps N] [--output DIR]      the built-in default: tiny model, arith task
-    backstream train CONFIG.toml [--set section.key=value ...] [--resume RUN_DIR]
+    backstream train CONFIG.toml [--set section.key=value ...] [--resume RUN_DIR] [--overwrite]
     backstream train --help                          every config key, its default and meaning
     backstream plot RUN_DIR                          PNG curves of a run
     backstream verify MODEL                          is the streamed gradient exact on MODEL's architecture?
@@ -20,7 +20,7 @@ import sys
 def cmd_train(args) -> int:
     from backstream import trainer  # noqa: PLC0415
 
-    run_dir = trainer.train(args.config, args.set or [], resume=args.resume)
+    run_dir = trainer.train(args.config, args.set or [], resume=args.resume, overwrite=args.overwrite)
     print(f"run folder: {run_dir}")
     return 0
 
@@ -31,7 +31,7 @@ def cmd_demo(args) -> int:
 
     overrides = [f"train.steps={args.steps}", f'train.output_dir="{args.output}"'] + (args.set or [])
     cfg = load(None, overrides, base=DEMO)
-    run_dir = trainer.train(cfg)
+    run_dir = trainer.train(cfg, overwrite=True)  # a re-run of the demo moves the earlier one aside
     rows = metrics.read(run_dir)
     first = sum(r["reward/mean"] for r in rows[:3]) / min(3, len(rows))
     last = sum(r["reward/mean"] for r in rows[-3:]) / min(3, len(rows))
@@ -103,6 +103,8 @@ def main(argv=None) -> int:
     t.add_argument("config", nargs="?", help="TOML run file (omit for all defaults)")
     t.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override a config key (repeatable)")
     t.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its latest checkpoint")
+    t.add_argument("--overwrite", action="store_true",
+                   help="train.output_dir holds an earlier run: move it aside (to DIR.old-TIME) and start anew")
     t.set_defaults(fn=cmd_train)
     d = sub.add_parser("demo", help="train the built-in tiny model on the arith task (no download)")
     d.add_argument("--steps", type=int, default=60)

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from backstream import checkpoint, config as cfgmod, data as datamod
+from backstream import checkpoint, config as cfgmod, data as datamod, runfolder
 from backstream.engine import StreamResult, logprobs as engine_logprobs, stream_backward
 from backstream.losses import build_objective, drgrpo_advantages, grpo_advantages, rloo_advantages
 from backstream.metrics import Logger, check_backends
@@ -197,7 +197,7 @@ class Trainer:
     backward), then `train_step` after `train_step`; checkpoints and resume."""
 
     def __init__(self, cfg: cfgmod.RunConfig, run_dir: str | None = None, resume: bool = False,
-                 model=None, tokenizer=None):
+                 model=None, tokenizer=None, overwrite: bool = False):
         """`model`/`tokenizer`: objects to train instead of loading `cfg.model.name` (LoRA and the
         dtype from `cfg.model` are still applied to it). Everything that can fail on bad input is
         checked before the run folder is touched."""
@@ -227,15 +227,19 @@ class Trainer:
         self.times = dict.fromkeys(PHASES, 0.0)
         self.run_dir = run_dir or tc.output_dir
         self.eos = self.tok.eos_token_id
-        if resume:
-            self._resume()
-        else:
-            os.makedirs(self.run_dir, exist_ok=True)
-            with open(os.path.join(self.run_dir, "config.toml"), "w") as f:
-                f.write(to_toml(cfg.to_dict()))
-        self.logger = Logger(self.run_dir, progress=tc.progress, tensorboard=tc.log_tensorboard, wandb=tc.log_wandb,
-                             config=cfg.to_dict(), total_steps=tc.steps, append=resume, wandb_project=tc.wandb_project,
-                             start_step=self.step)
+        self.lock = runfolder.claim(self.run_dir, resume=resume, overwrite=overwrite)
+        try:
+            if resume:
+                self._resume()
+            else:
+                with open(os.path.join(self.run_dir, "config.toml"), "w") as f:
+                    f.write(to_toml(cfg.to_dict()))
+            self.logger = Logger(self.run_dir, progress=tc.progress, tensorboard=tc.log_tensorboard,
+                                 wandb=tc.log_wandb, config=cfg.to_dict(), total_steps=tc.steps, append=resume,
+                                 wandb_project=tc.wandb_project, start_step=self.step)
+        except BaseException:
+            self.lock.release()
+            raise
         self._stop = False
 
     def _load_prompts(self) -> None:
@@ -484,6 +488,7 @@ class Trainer:
             for s, h in old.items():
                 signal.signal(s, h)
             self.logger.close()
+            self.lock.release()
         return self.run_dir
 
 
@@ -507,10 +512,11 @@ def to_toml(d: dict) -> str:
 
 
 def train(config: cfgmod.RunConfig | str | None = None, overrides: list[str] = (), resume: str | None = None,
-          model=None, tokenizer=None) -> str:
+          model=None, tokenizer=None, overwrite: bool = False) -> str:
     """Run a training job; returns the run folder. `config` is a RunConfig, a TOML path or None
     (defaults); `resume` a run folder to continue; `model`/`tokenizer` objects to train instead of
-    loading `model.name`."""
+    loading `model.name`; `overwrite` moves an earlier run in `train.output_dir` aside (a new run
+    refuses a folder that holds one otherwise)."""
     if resume:
         path = os.path.join(resume, "config.toml")
         if not os.path.exists(path):
@@ -518,4 +524,4 @@ def train(config: cfgmod.RunConfig | str | None = None, overrides: list[str] = (
         cfg = cfgmod.load(path, overrides)
         return Trainer(cfg, run_dir=resume, resume=True, model=model, tokenizer=tokenizer).run()
     cfg = config if isinstance(config, cfgmod.RunConfig) else cfgmod.load(config, overrides)
-    return Trainer(cfg, model=model, tokenizer=tokenizer).run()
+    return Trainer(cfg, model=model, tokenizer=tokenizer, overwrite=overwrite).run()

@@ -1,0 +1,61 @@
+"""A run folder belongs to one run and one process: a new run refuses a folder that holds one (or
+moves it aside when asked), a second process is refused, a stale lock is taken over, nothing is
+deleted."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+from test_trainer import run_cfg, tiny
+
+from backstream import runfolder, trainer
+
+
+def test_new_run_refuses_a_folder_that_holds_one(tmp_path):
+    model, tok = tiny(torch.float32)
+    run = trainer.train(run_cfg(tmp_path, "r", 'model.dtype="float32"', "train.steps=2"), model=model, tokenizer=tok)
+    before = open(os.path.join(run, "metrics.jsonl")).read()
+    with pytest.raises(ValueError, match=r"train.output_dir: .* already holds a run; continue it with "
+                                         r"`backstream train --resume .*--overwrite"):
+        trainer.train(run_cfg(tmp_path, "r", 'model.dtype="float32"', "train.steps=1"), model=model, tokenizer=tok)
+    assert open(os.path.join(run, "metrics.jsonl")).read() == before  # nothing lost
+    assert not os.path.exists(os.path.join(run, runfolder.LOCK))  # released at the end of the first run
+
+
+def test_overwrite_moves_the_old_run_aside(tmp_path, capsys):
+    folder = tmp_path / "r"
+    folder.mkdir()
+    (folder / "metrics.jsonl").write_text('{"step": 1}\n')
+    lock = runfolder.claim(str(folder), resume=False, overwrite=True)
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith("r.old-")]
+    assert len(aside) == 1 and (aside[0] / "metrics.jsonl").read_text() == '{"step": 1}\n'
+    assert os.listdir(folder) == [runfolder.LOCK] and "moved the earlier run" in capsys.readouterr().out
+    lock.release()
+    assert os.listdir(folder) == []
+
+
+def test_a_second_process_is_refused_and_a_stale_lock_taken_over(tmp_path):
+    folder = str(tmp_path / "r")
+    os.makedirs(folder)
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        with open(os.path.join(folder, runfolder.LOCK), "w") as f:
+            json.dump({"pid": other.pid, "host": socket.gethostname(), "started": "then"}, f)
+        with pytest.raises(ValueError, match=rf"train.output_dir: .* is in use by process {other.pid}"):
+            runfolder.claim(folder, resume=True)
+    finally:
+        other.kill()
+        other.wait()
+    lock = runfolder.claim(folder, resume=True)  # its process is gone: the lock is stale
+    assert json.load(open(lock.path))["pid"] == os.getpid()
+    lock.release()
+
+
+def test_output_dir_that_is_a_file(tmp_path):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(ValueError, match="train.output_dir: .* is a file, not a folder"):
+        runfolder.claim(str(tmp_path / "f"), resume=False)
