@@ -27,6 +27,8 @@ class ModelConfig:
     """Module names that get LoRA adapters."""
     device: str = "auto"
     """"auto" (cuda if available, else cpu), "cpu" or "cuda"."""
+    trust_remote_code: bool = False
+    """Run the Python code a Hub model ships with its weights (only for a model you trust)."""
 
     def __post_init__(self):
         choice("model.dtype", self.dtype, list(DTYPES))
@@ -62,8 +64,12 @@ class ModelConfig:
         from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
 
         try:
-            tok = AutoTokenizer.from_pretrained(self.name)
-            return AutoModelForCausalLM.from_pretrained(self.name, dtype=dtype), tok
+            trust = self.trust_remote_code
+            tok = AutoTokenizer.from_pretrained(self.name, trust_remote_code=trust)
+            # weights from safetensors only: a pickled .bin checkpoint can run code when loaded
+            model = AutoModelForCausalLM.from_pretrained(self.name, dtype=dtype, trust_remote_code=trust,
+                                                         use_safetensors=True)
+            return model, tok
         except OSError as e:
             raise ValueError(f"model.name: cannot load {self.name!r} ({e})") from None
 

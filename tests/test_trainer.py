@@ -416,3 +416,18 @@ def test_no_checkpoint_from_nonfinite_weights(tmp_path):
         t.save()
     assert checkpoint.list_checkpoints(str(tmp_path / "w")) == []
     t.logger.close()
+
+
+def test_model_weights_from_safetensors_only(tmp_path):
+    """A folder whose weights are a pickled pytorch_model.bin is refused (loading it could run code)."""
+    model, tok = tiny(torch.float32)
+    folder = tmp_path / "bin_only"
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    os.remove(folder / "model.safetensors")  # the same weights, pickled
+    torch.save(model.state_dict(), folder / "pytorch_model.bin")
+    assert (folder / "pytorch_model.bin").exists() and not (folder / "model.safetensors").exists()
+    cfg = run_cfg(tmp_path, "b", 'model.dtype="float32"', f'model.name="{folder}"')
+    with pytest.raises(ValueError, match="model.name: cannot load"):
+        trainer.train(cfg)
+    assert not (tmp_path / "b").exists()  # refused before the run folder was made
