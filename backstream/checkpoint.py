@@ -13,10 +13,12 @@ import os
 import pickle
 import random
 import shutil
+import warnings
 
 import torch
 
 STATE = "trainer_state.pt"
+MANIFEST = "step.json"
 
 
 def _ckpt_dir(run_dir: str) -> str:
@@ -29,16 +31,25 @@ def save(run_dir: str, step: int, model, tokenizer, state: dict, keep: int = 2) 
     final = os.path.join(root, f"step-{step}")
     tmp = os.path.join(root, f".tmp-step-{step}")
     shutil.rmtree(tmp, ignore_errors=True)  # a write that a kill interrupted
-    os.makedirs(tmp)
-    model.save_pretrained(tmp)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(tmp)
-    torch.save(state, os.path.join(tmp, STATE))
-    with open(os.path.join(tmp, "step.json"), "w") as f:
-        json.dump({"step": step}, f)
-    for name in os.listdir(tmp):  # durable before the rename makes it visible
-        with open(os.path.join(tmp, name), "rb") as f:
-            os.fsync(f.fileno())
+    try:
+        os.makedirs(tmp)
+        model.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        torch.save(state, os.path.join(tmp, STATE))
+        sizes = {name: os.path.getsize(os.path.join(tmp, name)) for name in os.listdir(tmp)
+                 if os.path.isfile(os.path.join(tmp, name))}
+        with open(os.path.join(tmp, MANIFEST), "w") as f:  # what resume checks the folder against
+            json.dump({"step": step, "sizes": sizes}, f)
+        for name in os.listdir(tmp):  # durable before the rename makes it visible
+            if os.path.isfile(os.path.join(tmp, name)):
+                with open(os.path.join(tmp, name), "rb") as f:
+                    os.fsync(f.fileno())
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        prev = latest(run_dir)
+        raise OSError(e.errno, f"checkpoint: writing step {step} failed ({e.strerror or e}); nothing was "
+                               f"replaced, the latest checkpoint is still {prev or 'none'}") from e
     if os.path.exists(final):
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -63,6 +74,32 @@ def list_checkpoints(run_dir: str) -> list[str]:
 def latest(run_dir: str) -> str | None:
     found = list_checkpoints(run_dir)
     return found[-1] if found else None
+
+
+def damage(path: str) -> str | None:
+    """What is wrong with a checkpoint folder (a file missing or of another size than written), or None."""
+    try:
+        with open(os.path.join(path, MANIFEST)) as f:
+            sizes = json.load(f)["sizes"]
+    except (OSError, ValueError, KeyError) as e:
+        return f"its {MANIFEST} is unreadable ({e})"
+    for name, size in sizes.items():
+        file = os.path.join(path, name)
+        if not os.path.exists(file):
+            return f"{name} is missing"
+        if os.path.getsize(file) != size:
+            return f"{name} has {os.path.getsize(file)} bytes, {size} were written"
+    return None
+
+
+def latest_intact(run_dir: str) -> str | None:
+    """The newest checkpoint whose files are as written; a damaged newer one is skipped with a warning."""
+    for path in reversed(list_checkpoints(run_dir)):
+        bad = damage(path)
+        if bad is None:
+            return path
+        warnings.warn(f"resume: skipping the damaged checkpoint {path}: {bad}", stacklevel=2)
+    return None
 
 
 def load_state(path: str) -> dict:

@@ -23,12 +23,37 @@ def check_backends(tensorboard: bool, wandb: bool) -> None:
         raise ValueError("train.log_wandb: needs `pip install wandb` (or 'backstream[log]'); or set it to false")
 
 
+def _keep_steps_up_to(path: str, step: int) -> None:
+    """On resume from the checkpoint of `step`: keep the lines of steps ≤ `step` and drop the rest
+    (steps that will run again, and a line a kill cut short), so that no line is lost or doubled.
+    Rewritten under a temporary name and renamed into place."""
+    if not os.path.exists(path):
+        return
+    kept = []
+    with open(path) as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue  # cut short by a kill
+            if line.endswith("\n") and row.get("step", step + 1) <= step:
+                kept.append(line)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.writelines(kept)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
 class Logger:
     def __init__(self, run_dir: str, *, progress=True, tensorboard=False, wandb=False, config: dict | None = None,
                  total_steps: int | None = None, append: bool = False, wandb_project: str = "backstream",
                  start_step: int = 0):
         check_backends(tensorboard, wandb)
         self.path = os.path.join(run_dir, "metrics.jsonl")
+        if append:
+            _keep_steps_up_to(self.path, start_step)
         self.file = open(self.path, "a" if append else "w")
         self.progress, self.total = progress, total_steps
         self.bar = None

@@ -278,7 +278,7 @@ class Trainer:
                                self.cfg.train.keep_checkpoints)
 
     def _resume(self) -> None:
-        path = checkpoint.latest(self.run_dir)
+        path = checkpoint.latest_intact(self.run_dir)
         if path is None:
             raise ValueError(f"--resume: {self.run_dir} holds no complete checkpoint")
         from safetensors.torch import load_file  # noqa: PLC0415
