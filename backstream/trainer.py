@@ -382,9 +382,9 @@ class Trainer:
                 self.times["backward"] += res.stats.backward_s
                 if epoch == 0:  # sampler/learner agreement on the tokens the learner computed
                     mismatch += logprob_gaps(res.logprobs, take(sampler_lp, rows), take(mask, rows))
-                with self._timed("optim"):
-                    grad_norm = self._optimizer_step()
                 step = obj.metrics()
+                with self._timed("optim"):
+                    grad_norm = self._optimizer_step(loss_finite=all(math.isfinite(v) for v in step.values()))
                 if res.stats.router_aux_loss is not None:
                     step["router_aux"] = res.stats.router_aux_loss
                 step["grad_norm"] = grad_norm
@@ -428,9 +428,9 @@ class Trainer:
                   "optim/lr": self.sched.get_last_lr()[0], "memory/peak_mib": peak_mib(self.device)})
         return m
 
-    def _optimizer_step(self) -> float:
-        """Clip and step; a non-finite gradient norm (a NaN/inf loss or gradient) skips the step
-        instead, and `optim.max_nonfinite_steps` of them in a row stop the run."""
+    def _optimizer_step(self, loss_finite: bool = True) -> float:
+        """Clip and step; a NaN/inf loss term or gradient norm skips the step instead, and
+        `optim.max_nonfinite_steps` of them in a row stop the run."""
         params = [p for p in self.model.parameters() if p.requires_grad]
         mx = self.cfg.optim.max_grad_norm
         if mx > 0:
@@ -438,7 +438,7 @@ class Trainer:
         else:
             norms = [p.grad.norm() for p in params if p.grad is not None]
             gn = float(torch.norm(torch.stack(norms))) if norms else 0.0  # no gradient: every advantage was 0
-        if not math.isfinite(gn):
+        if not (math.isfinite(gn) and loss_finite):
             self.opt.zero_grad(set_to_none=True)
             self.skipped_nonfinite += 1
             self.nonfinite_in_a_row += 1
@@ -454,9 +454,10 @@ class Trainer:
     def _nonfinite_message(self) -> str:
         last = checkpoint.latest(self.run_dir)
         return (f"optim.max_nonfinite_steps: {self.nonfinite_in_a_row} optimizer steps in a row had a NaN/inf "
-                f"gradient norm (training step {self.step + 1}); the run stopped without writing a checkpoint. Last "
-                f"good checkpoint: {last or 'none'}. Usual causes: a learning rate too high (optim.lr = "
-                f"{self.cfg.optim.lr}), bfloat16 overflow (model.dtype), or a reward function returning NaN/inf")
+                f"loss or gradient norm (training step {self.step + 1}); the run stopped without writing a "
+                f"checkpoint. Last good checkpoint: {last or 'none'}. Usual causes: a learning rate too high "
+                f"(optim.lr = {self.cfg.optim.lr}), bfloat16 overflow (model.dtype), or a reward function "
+                "returning NaN/inf")
 
     def _check_finite_weights(self) -> None:
         bad = [n for n, p in self.model.named_parameters() if not bool(torch.isfinite(p).all())]
