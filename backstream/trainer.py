@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from backstream import checkpoint, config as cfgmod, data as datamod, runfolder
+from backstream.adapter import base_model
 from backstream.engine import StreamResult, logprobs as engine_logprobs, stream_backward
 from backstream.losses import build_objective, drgrpo_advantages, grpo_advantages, rloo_advantages
 from backstream.metrics import Logger, check_backends
@@ -57,7 +58,7 @@ def verify_engine(model) -> None:
     the run folder is written."""
     from backstream.verify import verify  # noqa: PLC0415
 
-    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    base = base_model(model)
     peft = getattr(model, "peft_config", None)
     # what saving a checkpoint writes into the config (architectures, dtype) is not architecture
     arch = {k: v for k, v in base.config.to_dict().items()

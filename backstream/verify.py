@@ -40,6 +40,8 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from backstream.adapter import base_model
+
 TOL = 1e-10
 BLOCK_SIZES = (1, 3, 16)
 VERIFY_KINDS = ("exact", "refused", "could not build", "wrong", "error")  # the values of VerifyReport.kind
@@ -111,7 +113,7 @@ def load_config(model_or_config):
     if isinstance(x, PretrainedConfig):
         return copy.deepcopy(x)
     if isinstance(x, nn.Module):
-        base = _base(x)
+        base = base_model(x)
         if not isinstance(getattr(base, "config", None), PretrainedConfig):
             raise TypeError(f"model: {type(x).__name__} has no transformers config")
         return copy.deepcopy(base.config)
@@ -128,11 +130,6 @@ def load_config(model_or_config):
     if name in CONFIG_MAPPING:
         return AutoConfig.for_model(name)
     return AutoConfig.from_pretrained(name)
-
-
-def _base(model: nn.Module) -> nn.Module:
-    get = getattr(model, "get_base_model", None)  # PEFT
-    return get() if callable(get) else model
 
 
 def _causal_config(config):
@@ -703,10 +700,10 @@ def verify(model_or_config, *, seed: int = 0, block_sizes=BLOCK_SIZES, stage=Non
         mini = miniature(config, seed=seed, training=bool(is_model and model_or_config.training))
         if is_model:
             mini = _lora(mini, model_or_config)
-        rep.architecture = type(_base(mini)).__name__
+        rep.architecture = type(base_model(mini)).__name__
         rep.features = _features(mini)
         gen = torch.Generator().manual_seed(seed)
-        allowed = torch.tensor([i for i in range(VOCAB) if i not in _special_ids(_base(mini).config)])
+        allowed = torch.tensor([i for i in range(VOCAB) if i not in _special_ids(base_model(mini).config)])
         seqs, weights = _tree(gen, allowed)
     except Exception as e:  # noqa: BLE001  (anything the config or transformers raise)
         return done(f"could not build: {type(e).__name__}: {_short(e)}")
