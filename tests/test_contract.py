@@ -2,7 +2,6 @@
 gradient or a clear error. One tiny config per category: supported features exact in float64
 against `reference_backward`, refused ones with a `model:` error that names the feature."""
 
-import inspect
 import warnings
 
 import pytest
@@ -13,28 +12,12 @@ from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, D
 from backstream import planner, stream_backward
 from backstream import adapter
 from backstream.family import Unsupported
+from backstream.verify import exact_norms
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 SMALL = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=8, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
              pad_token_id=0)
-
-
-def exact64(model):
-    """HF's RMSNorms compute in float32 even in a float64 model (DESIGN §2): keep the input dtype,
-    in the `w·x̂` form or Gemma's `(1 + w)·x̂` form, whichever the class computes."""
-    for mod in model.modules():
-        if type(mod).__name__.endswith("RMSNorm"):
-            eps = getattr(mod, "variance_epsilon", getattr(mod, "eps", 1e-6))
-            plus_one = "1.0 + self.weight" in inspect.getsource(type(mod).forward)
-
-            def forward(x, mod=mod, eps=eps, plus_one=plus_one):
-                x_hat = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-                w = getattr(mod, "weight", None)
-                return x_hat if w is None else (1.0 + w if plus_one else w) * x_hat
-
-            mod.forward = forward
-    return model
 
 
 def build(model_type, **kw):
@@ -48,7 +31,7 @@ def build(model_type, **kw):
                 p.uniform_(0.5, 1.5)
             elif "sinks" in name:
                 p.normal_()  # zero-initialised: make them matter
-    return exact64(model)
+    return exact_norms(model)
 
 
 def check_exact(model, block_sizes=(1, 3, 64), **kw):
