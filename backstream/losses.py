@@ -20,6 +20,18 @@ GSPO (Zheng et al. 2025): s_i = exp(mean_t(log π_t − log π_old,t)),
   Σ_t c_{i,t} log π_t with c_{i,t} = (1/N) ∂ℓ_i/∂s_i · s_i / |y_i|.
 Zero-advantage sequences are inactive (cost nothing) unless a KL or entropy term reads them; they
 still count in the normalisers, as in the per-sample computation.
+
+Training–inference mismatch (loss.is_level, `backstream.offpolicy`): decoupled PPO multiplies the
+policy-gradient term by the detached weight w = π_old/μ of the sampler μ (rollout_logprobs), per
+token (w_t) or per sequence (w_i = Π_t w_t), truncated (TIS) or masked (MIS) at the caps:
+  PPO-clip  ℓ_t ← w · ℓ_t        GSPO  ℓ_i ← w_i · ℓ_i   (sequence level only)
+The KL and entropy terms are not reweighted (they are penalties on the learner's own distribution,
+not estimates under the sampler's), and the normalisers stay those of the whole minibatch: a masked
+token (w = 0) still counts, like a zero-advantage one. π_old is old_logprobs when given, else the
+prefill's log-probs at the current weights.
+The ratio statistics (ratio_mean, clip fractions) and the is/ metrics are over the tokens or
+sequences with a policy-gradient term (advantage ≠ 0, at least one completion token): the ones a
+clip or a weight acts on; the others are not computed at all unless a KL or entropy term reads them.
 """
 
 from __future__ import annotations
@@ -32,6 +44,7 @@ import torch
 from torch import Tensor
 
 from backstream.objective import BlockView, Objective, flat_offsets
+from backstream.offpolicy import IS_LEVELS, IS_MODES, mismatch_weights
 
 # The weight of each of sequence i's token losses, by aggregation, from the normalisers of the whole
 # minibatch: (n_i completion tokens of sequence i, n_total of all, n_seq sequences, lmax) -> weight
@@ -81,6 +94,17 @@ class _Common:
     router_aux_coef: float = 0.0
     """MoE models: weight of the router load-balancing loss over every token of the minibatch
     (transformers' aux loss; the model config's router_aux_loss_coef is the usual value). 0 = off."""
+    is_level: str = "none"
+    """Training–inference mismatch correction (verl's rollout correction): none, token
+    (w_t = π_old,t/μ_t) or sequence (w_i = Π_t π_old,t/μ_t over the completion). The detached weight
+    multiplies the policy-gradient term only (not KL/entropy); needs the sampler's log-probs."""
+    is_mode: str = "truncate"
+    """truncate: w ← clamp(w, is_cap_low, is_cap_high) (TIS); mask: a token or sequence whose w lies
+    outside [is_cap_low, is_cap_high] gets weight 0, the others keep w (MIS)."""
+    is_cap_high: float = 2.0
+    """Upper cap of the mismatch weight."""
+    is_cap_low: float = 0.0
+    """Lower cap of the mismatch weight (0 = none); 0 ≤ is_cap_low < is_cap_high."""
 
     def _check(self, name: str) -> None:
         if self.kl_estimator not in ("k1", "k3"):
@@ -91,8 +115,21 @@ class _Common:
             raise ValueError(f"loss.router_aux_coef: got {self.router_aux_coef}, expected a finite number >= 0")
         if not self.temperature > 0:
             raise ValueError(f"loss.temperature: got {self.temperature}, expected > 0")
+        if self.is_level not in IS_LEVELS:
+            raise ValueError(f"loss.is_level: got {self.is_level!r}, expected one of {IS_LEVELS}")
+        if self.is_mode not in IS_MODES:
+            raise ValueError(f"loss.is_mode: got {self.is_mode!r}, expected one of {IS_MODES}")
+        lo, hi = self.is_cap_low, self.is_cap_high
+        if not (math.isfinite(lo) and math.isfinite(hi) and 0 <= lo < hi):
+            raise ValueError(f"loss.is_cap_low / loss.is_cap_high: expected finite 0 <= low < high, got {lo}, {hi}")
+
+    def _check_eps(self) -> None:
         if not (self.eps_low >= 0 and self.eps_high >= 0):
             raise ValueError(f"loss.eps_low / loss.eps_high: expected >= 0, got {self.eps_low}, {self.eps_high}")
+
+    def build(self, **inputs) -> PolicyObjective:
+        """The objective of this variant over one minibatch (the keyword arguments of `build_objective`)."""
+        raise NotImplementedError
 
 
 @dataclass(kw_only=True)
@@ -120,6 +157,12 @@ class PPOClipConfig(_Common):
         if self.max_len_norm is not None and self.max_len_norm < 1:
             raise ValueError(f"loss.max_len_norm: got {self.max_len_norm}, expected an integer >= 1")
         self._check("ppo_clip")
+        self._check_eps()
+
+    def build(self, **inputs) -> PolicyObjective:
+        # the corrected variant has a `setup` (its π_old may be the prefill's); the plain one has
+        # none, so the naive reference skips the extra no-grad pass it runs for objectives with one
+        return (PPOClipObjective if self.is_level == "none" else PPOClipISObjective)(self, **inputs)
 
 
 @dataclass(kw_only=True)
@@ -135,6 +178,13 @@ class GSPOConfig(_Common):
         if self.type != "gspo":
             raise ValueError(f"loss.type: got {self.type!r} for GSPOConfig")
         self._check("gspo")
+        self._check_eps()
+        if self.is_level == "token":
+            raise ValueError("loss.is_level: GSPO's ratio and clip are per sequence, so is its mismatch weight; "
+                             "use 'sequence' (or 'none')")
+
+    def build(self, **inputs) -> PolicyObjective:
+        return GSPOObjective(self, **inputs)
 
 
 LossConfig = PPOClipConfig | GSPOConfig
@@ -161,15 +211,24 @@ def _kl(logp: Tensor, ref: Tensor, estimator: str) -> Tensor:
 class PolicyObjective(Objective):
     """Shared bookkeeping: per-token statistics in the flat layout, normalisers, metrics."""
 
-    def __init__(self, config, *, sequences, completion_mask, advantages, old_logprobs=None, ref_logprobs=None):
+    def __init__(self, config, *, sequences, completion_mask, advantages, old_logprobs=None, ref_logprobs=None,
+                 rollout_logprobs=None, old_is_current=False):
         n = len(sequences)
+        if old_is_current and old_logprobs is None:
+            raise ValueError("old_is_current: needs old_logprobs (the log-probs at the current weights)")
         if len(completion_mask) != n or len(advantages) != n:
             raise ValueError(f"completion_mask / advantages: expected {n} entries (one per sequence)")
-        for name, x in (("old_logprobs", old_logprobs), ("ref_logprobs", ref_logprobs)):
+        for name, x in (("old_logprobs", old_logprobs), ("ref_logprobs", ref_logprobs),
+                        ("rollout_logprobs", rollout_logprobs)):
             if x is not None and len(x) != n:
                 raise ValueError(f"{name}: expected {n} entries (one per sequence)")
+            if x is not None and any(len(a) != len(s) for a, s in zip(x, sequences)):
+                raise ValueError(f"{name}: expected one log-prob per token of each sequence (NaN at the prompt)")
         if config.kl_coef > 0 and ref_logprobs is None:
             raise ValueError("ref_logprobs: required when loss.kl_coef > 0")
+        if config.is_level != "none" and rollout_logprobs is None:
+            raise ValueError(f"rollout_logprobs: the sampler's log-probs are required when loss.is_level = "
+                             f"{config.is_level!r}")
         self.cfg = config
         self.router_aux_coef = config.router_aux_coef
         self.lengths = [len(s) for s in sequences]
@@ -183,11 +242,45 @@ class PolicyObjective(Objective):
         cat = lambda xs: torch.cat([x.detach().double().cpu().reshape(-1) for x in xs])  # noqa: E731
         self.old_flat = None if old_logprobs is None else cat(old_logprobs)
         self.ref_flat = None if ref_logprobs is None else cat(ref_logprobs)
+        self.rollout_flat = None if rollout_logprobs is None else cat(rollout_logprobs)
+        self.old_is_current = old_is_current
+        if config.is_level != "none" and old_logprobs is None:
+            self.needs_prefill_logprobs = True  # π_old of the mismatch weight is the prefill's
+        self.is_flat: Tensor | None = None  # the mismatch weight per token, set by `setup`
         self.coef_flat = self.token_coefficients()
         self._sums: dict[str, float] = {}
 
     def token_coefficients(self) -> Tensor:
         raise NotImplementedError
+
+    def pg_mask(self) -> list[Tensor]:
+        """Per sequence, the tokens with a policy-gradient term: the completion of a sequence with
+        advantage ≠ 0."""
+        return [m & bool(a != 0) for m, a in zip(self.mask, self.adv)]
+
+    def current(self, logprobs: list[Tensor] | None) -> list[Tensor] | None:
+        """The log-probs at the current weights: the prefill's, or, when the engine ran none (the
+        caller's K/V), old_logprobs if the caller vouched that they are at the current weights."""
+        if logprobs is None and self.old_is_current:
+            return list(self.old_flat.split(self.lengths))
+        return logprobs
+
+    def _mismatch_setup(self, logprobs) -> None:
+        """The mismatch weights of loss.is_level (π_old: old_logprobs, else the prefill's), and their metrics."""
+        if self.cfg.is_level == "none":
+            return
+        old = self.old_flat
+        if old is None:
+            if logprobs is None:
+                raise ValueError("loss.is_level: the mismatch weight needs π_old: pass old_logprobs, or let the "
+                                 "engine run its prefill (no kv=)")
+            old = torch.cat([x.detach().double().cpu().reshape(-1) for x in logprobs])
+        cfg = self.cfg
+        self.is_flat, m = mismatch_weights(old, self.rollout_flat, self.offsets, self.lengths, self.pg_mask(),
+                                           level=cfg.is_level, mode=cfg.is_mode, cap_low=cfg.is_cap_low,
+                                           cap_high=cfg.is_cap_high)
+        for k, v in m.items():
+            self._add(k, v)
 
     def active(self, sequences):
         reads_all = self.cfg.kl_coef > 0 or self.cfg.entropy_coef > 0
@@ -242,13 +335,23 @@ class PPOClipObjective(PolicyObjective):
         loss_t = -torch.min(ratio * A, clipped * A)
         if cfg.dual_clip is not None:
             loss_t = torch.where(A < 0, torch.min(loss_t, -cfg.dual_clip * A), loss_t)
-        w = self._tokw(view).to(dev)
+        if self.is_flat is not None:  # decoupled PPO: the detached mismatch weight, PG term only
+            loss_t = self.is_flat.to(dev, dt)[view.flat_N] * loss_t
+        # ratio statistics over the tokens with a policy-gradient term (as GSPO's and the is/ ones)
+        w = (A != 0).double() / max(1, sum(n for n, a in zip(self.n_tok, self.adv) if a != 0))
         r = ratio.detach()
         self._add("clip_frac_low", (((r < 1 - cfg.eps_low) & (A < 0)).double() * w).sum())
         self._add("clip_frac_high", (((r > 1 + cfg.eps_high) & (A > 0)).double() * w).sum())
         self._add("ratio_mean", (r.double() * w).sum())
         self._add("policy", (loss_t.detach().double() * c.double()).sum())
         return (c * loss_t).sum() + self._extras(view, logp, ent, c)
+
+
+class PPOClipISObjective(PPOClipObjective):
+    """PPO-clip with the mismatch weights of loss.is_level, computed once in `setup`."""
+
+    def setup(self, logprobs):
+        self._mismatch_setup(logprobs)
 
 
 class GSPOObjective(PolicyObjective):
@@ -260,30 +363,34 @@ class GSPOObjective(PolicyObjective):
         return out
 
     def setup(self, logprobs):
+        logprobs = self.current(logprobs)
         if logprobs is None:
-            raise ValueError("GSPO: needs the prefill's log-probs for its sequence ratios (do not pass kv=)")
+            raise ValueError("GSPO: needs the prefill's log-probs for its sequence ratios (do not pass kv=, "
+                             "or pass old_is_current=True with old_logprobs at the current weights)")
         old_given = self.old_flat is not None
         cur = torch.cat([x.double().reshape(-1) for x in logprobs])
         if not old_given:
             self.old_flat = cur
         cfg = self.cfg
+        self._mismatch_setup(None)  # π_old is old_flat by now
         self.pg_flat = torch.zeros_like(cur)
-        for i, (o, L) in enumerate(zip(self.offsets, self.lengths)):
-            m = self.mask[i]
-            if self.n_tok[i] == 0:
-                continue
+        self._add("policy", 0.0)
+        pg = [i for i in range(self.n_seq) if self.n_tok[i] > 0 and self.adv[i] != 0]
+        for i in pg:  # a zero-advantage sequence has no term (and no log-probs when old is given)
+            o, L, m = self.offsets[i], self.lengths[i], self.mask[i]
             d = (cur[o:o + L] - self.old_flat[o:o + L])[m]
             s = math.exp(float(d.mean())) if old_given else 1.0
             A = float(self.adv[i])
+            w = 1.0 if self.is_flat is None else float(self.is_flat[o:o + L][m][0])  # one weight per sequence
             # ∂ℓ/∂s: −A on the unclipped branch of min(sA, clip(s)A), 0 on the clipped one
             lo, hi = 1 - cfg.eps_low, 1 + cfg.eps_high
             unclipped = s * A <= min(max(s, lo), hi) * A
             g = -A if unclipped else 0.0
-            self.pg_flat[o:o + L][m] = g * s / (self.n_seq * self.n_tok[i])
-            self._add("ratio_mean", s / self.n_seq)
-            self._add("clip_frac_low", float(not unclipped and s < lo) / self.n_seq)
-            self._add("clip_frac_high", float(not unclipped and s > hi) / self.n_seq)
-            self._add("policy", -min(s * A, min(max(s, lo), hi) * A) / self.n_seq)
+            self.pg_flat[o:o + L][m] = w * g * s / (self.n_seq * self.n_tok[i])
+            self._add("ratio_mean", s / len(pg))
+            self._add("clip_frac_low", float(not unclipped and s < lo) / len(pg))
+            self._add("clip_frac_high", float(not unclipped and s > hi) / len(pg))
+            self._add("policy", -w * min(s * A, min(max(s, lo), hi) * A) / self.n_seq)
 
     def block_loss(self, view: BlockView) -> Tensor:
         logp, ent = _logp_entropy(view, self.cfg.temperature, self.cfg.entropy_coef > 0)
@@ -294,18 +401,35 @@ class GSPOObjective(PolicyObjective):
 
 
 def build_objective(config, *, sequences, completion_mask, advantages, old_logprobs=None,
-                    ref_logprobs=None) -> PolicyObjective:
-    """The objective of `config` (PPOClipConfig or GSPOConfig) over one minibatch. Without
-    `old_logprobs` the policy before the update is the current one (from the engine's prefill)."""
-    cls = {PPOClipConfig: PPOClipObjective, GSPOConfig: GSPOObjective}.get(type(config))
-    if cls is None:
-        raise TypeError(f"config: expected PPOClipConfig or GSPOConfig, got {type(config).__name__}")
-    return cls(config, sequences=sequences, completion_mask=completion_mask, advantages=advantages,
-               old_logprobs=old_logprobs, ref_logprobs=ref_logprobs)
+                    ref_logprobs=None, rollout_logprobs=None, old_is_current=False) -> PolicyObjective:
+    """The objective of `config` (a loss config: PPOClipConfig, GSPOConfig, tbpo.TBPOConfig) over
+    one minibatch; each config builds its own objective (`config.build`), so variants defined
+    elsewhere need no entry here. Per sequence, aligned to it (NaN at the prompt tokens):
+    old_logprobs  π_old; None = the current policy (from the engine's prefill);
+    ref_logprobs  π_ref of the KL term (needed when loss.kl_coef > 0);
+    rollout_logprobs  the sampler's μ (needed by loss.is_level != 'none' and by TBPO, ignored else);
+    old_is_current  old_logprobs are at the current weights and numerics (the aligned sampler's, when
+                    the engine takes the rollout's K/V and runs no prefill): the sequence ratios
+                    (GSPO, TBPO) are then 1 without a prefill."""
+    if not isinstance(config, _Common):
+        raise TypeError(f"config: expected a loss config (PPOClipConfig, GSPOConfig, TBPOConfig), "
+                        f"got {type(config).__name__}")
+    return config.build(sequences=sequences, completion_mask=completion_mask, advantages=advantages,
+                        old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, rollout_logprobs=rollout_logprobs,
+                        old_is_current=old_is_current)
+
+
+def _naive_mismatch_weight(config, old: Tensor, rollout: Tensor) -> Tensor:
+    """loss.is_level's weight over one sequence's completion tokens, straight from the definition."""
+    w = torch.exp(old - rollout) if config.is_level == "token" else torch.exp((old - rollout).sum())
+    lo, hi = config.is_cap_low, config.is_cap_high
+    if config.is_mode == "truncate":
+        return torch.clamp(w, lo, hi)
+    return torch.where((w >= lo) & (w <= hi), w, torch.zeros_like(w))
 
 
 def reference_loss(config, logits_list, sequences, completion_mask, advantages, old_logprobs=None,
-                   ref_logprobs=None) -> Tensor:
+                   ref_logprobs=None, rollout_logprobs=None) -> Tensor:
     """The same losses the textbook way, from full per-sequence logits [len_i, V] (position t−1
     predicts token t). The naive reference of the tests."""
     N = len(sequences)
@@ -325,9 +449,12 @@ def reference_loss(config, logits_list, sequences, completion_mask, advantages, 
         old = logp.detach() if old_logprobs is None else old_logprobs[i][t].to(logp.dtype)
         A = float(advantages[i])
         n = len(t)
+        is_w = 1.0
+        if config.is_level != "none" and A != 0:
+            is_w = _naive_mismatch_weight(config, old.detach(), rollout_logprobs[i][t].to(logp.dtype))
         if gspo:
             s = torch.exp((logp - old).mean())
-            term = -torch.min(s * A, torch.clamp(s, 1 - config.eps_low, 1 + config.eps_high) * A) / N
+            term = -is_w * torch.min(s * A, torch.clamp(s, 1 - config.eps_low, 1 + config.eps_high) * A) / N
             w = torch.full((n,), 1.0 / (N * n), dtype=logp.dtype)
         else:
             ratio = torch.exp(logp - old)
@@ -335,7 +462,7 @@ def reference_loss(config, logits_list, sequences, completion_mask, advantages, 
             if config.dual_clip is not None and A < 0:
                 lt = torch.min(lt, torch.full_like(lt, -config.dual_clip * A))
             w = torch.full((n,), weight(n, total_tok, N, lmax), dtype=logp.dtype)
-            term = (w * lt).sum()
+            term = (w * is_w * lt).sum()
         if config.kl_coef > 0:
             ref = ref_logprobs[i][t].to(logp.dtype)
             d = ref - logp

@@ -1,0 +1,177 @@
+"""Training–inference mismatch: importance weights that correct for it, and telemetry that shows it.
+
+The sampler μ (the rollout engine: other kernels, a quantized model) and the learner's policy before
+the update π_old differ slightly even at the same weights (QaRL, DESIGN §6). Decoupled PPO (Hilton
+et al. 2022) corrects for it by weighting each policy-gradient term with the detached ratio π_old/μ:
+
+  token level     w_t = exp(log π_old,t − log μ_t)
+  sequence level  w_i = exp(Σ_t (log π_old,t − log μ_t))     (the product of the token ratios, as
+                                                              verl's rollout correction "sequence")
+  truncate (TIS, Yao et al. 2025)   w ← clamp(w, cap_low, cap_high)
+  mask     (MIS, Liu et al. 2025)   w ← w if cap_low ≤ w ≤ cap_high else 0   (the unit is rejected)
+
+Everything is computed in log space and exp'd only after clamping to ≤ log cap_high, so a sequence
+whose Σ log-ratio is in the thousands neither overflows nor turns into NaN.
+
+Telemetry, over the completion tokens where both the learner and the sampler computed a log-prob,
+with log r_t = log π_learner,t − log μ_t (tokens sampled from μ):
+  mismatch/kl                 mean_t k3 = mean_t (r_t − 1 − log r_t), an unbiased, non-negative
+                              estimate of KL(μ‖π_learner) per token (E_μ[r] = 1)
+  mismatch/abs_log_ratio/mean mean_t |log r_t|
+  mismatch/ratio/max          max_t r_t
+  mismatch/tokens             how many tokens the above are over
+and the share of responses holding "error tokens" (QaRL §3.2: a long response whose tail turns
+into a repetitive, garbled loop), detected as a repeated n-gram.
+
+This module imports nothing from the rest of backstream: losses.py and tbpo.py import it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+IS_LEVELS = ("none", "token", "sequence")
+IS_MODES = ("truncate", "mask")
+
+
+def _check_known(x_flat: Tensor, name: str, offsets: list[int], sel: Tensor) -> None:
+    bad = torch.nonzero(torch.isnan(x_flat.detach().cpu()) & sel).flatten()
+    if len(bad):
+        i = max(k for k, o in enumerate(offsets) if o <= int(bad[0]))
+        raise ValueError(f"{name}: NaN at token {int(bad[0]) - offsets[i]} of sequence {i}, a token of the loss")
+
+
+def sequence_log_ratios(num_flat: Tensor, den_flat: Tensor, offsets: list[int], lengths: list[int],
+                        mask: list[Tensor], *, reduce: str = "sum",
+                        names: tuple[str, str] = ("num", "den")) -> Tensor:
+    """Per sequence, Σ_t (or the mean over t) of num − den over its tokens in `mask`, from two
+    [T] log-prob tensors in the flat layout: [N] float64, 0 for a sequence with no such token.
+    A NaN at a token in `mask` is a ValueError naming the input (`names`)."""
+    if reduce not in ("sum", "mean"):
+        raise ValueError(f"reduce: got {reduce!r}, expected 'sum' or 'mean'")
+    sel = torch.cat([m.to("cpu", torch.bool).reshape(-1) for m in mask]) if mask else torch.zeros(0, dtype=torch.bool)
+    assert sel.shape == num_flat.shape == den_flat.shape, "flat layouts disagree"
+    _check_known(num_flat, names[0], offsets, sel)
+    _check_known(den_flat, names[1], offsets, sel)
+    d = num_flat.detach().double().cpu() - den_flat.detach().double().cpu()
+    out = torch.zeros(len(lengths), dtype=torch.float64)
+    for i, (o, L) in enumerate(zip(offsets, lengths)):
+        x = d[o:o + L][sel[o:o + L]]
+        if len(x):
+            out[i] = x.sum() if reduce == "sum" else x.mean()
+    return out
+
+
+def mismatch_weights(old_flat: Tensor, rollout_flat: Tensor, offsets: list[int], lengths: list[int],
+                     mask: list[Tensor], *, level: str, mode: str, cap_low: float,
+                     cap_high: float) -> tuple[Tensor, dict[str, float]]:
+    """The detached mismatch weight of every token, in the flat per-token layout of
+    `objective.flat_offsets` (sequence i at [offsets[i], offsets[i] + lengths[i])).
+
+    old_flat, rollout_flat: [T] log π_old and log μ in that layout (NaN where unknown).
+    mask: per sequence, a bool tensor of its length: the tokens whose loss the weight multiplies
+      (a sequence-level weight is over these tokens); both log-probs must be known there.
+    level: "token" or "sequence"; mode: "truncate" or "mask"; 0 ≤ cap_low < cap_high.
+    Returns the [T] float64 weights (1 outside `mask`) and the metrics over the weighted units
+    (tokens, or sequences with at least one token in `mask`): is/weight_mean, the share masked
+    (is/token_masked_frac or is/seq_masked_frac, 0 in truncate mode) and the share truncated
+    (is/truncated_frac, 0 in mask mode); no metrics when there is no unit.
+    """
+    if level not in ("token", "sequence"):
+        raise ValueError(f"level: got {level!r}, expected 'token' or 'sequence'")
+    if mode not in IS_MODES:
+        raise ValueError(f"mode: got {mode!r}, expected one of {IS_MODES}")
+    if not (0 <= cap_low < cap_high and math.isfinite(cap_high)):
+        raise ValueError(f"cap_low / cap_high: expected 0 <= cap_low < cap_high < inf, got {cap_low}, {cap_high}")
+    sel = torch.cat([m.to("cpu", torch.bool).reshape(-1) for m in mask]) if mask else torch.zeros(0, dtype=torch.bool)
+    has = [bool(m.any()) for m in mask]
+    if level == "token":
+        assert sel.shape == old_flat.shape == rollout_flat.shape, "flat layouts disagree"
+        _check_known(old_flat, "old_logprobs", offsets, sel)
+        _check_known(rollout_flat, "rollout_logprobs", offsets, sel)
+        log_w = (old_flat.detach().double().cpu() - rollout_flat.detach().double().cpu())[sel]  # log(π_old/μ)
+    else:  # one log-weight per sequence with weighted tokens: the sum of its token log-ratios
+        log_w = sequence_log_ratios(old_flat, rollout_flat, offsets, lengths, mask,
+                                    names=("old_logprobs", "rollout_logprobs"))[torch.tensor(has, dtype=torch.bool)]
+    log_lo = math.log(cap_low) if cap_low > 0 else -math.inf
+    log_hi = math.log(cap_high)
+    outside = (log_w < log_lo) | (log_w > log_hi)
+    if mode == "truncate":
+        w = torch.exp(log_w.clamp(min=log_lo, max=log_hi))
+    else:
+        w = torch.where(outside, torch.zeros_like(log_w), torch.exp(log_w.clamp(max=log_hi)))
+    out = torch.ones(len(sel), dtype=torch.float64)
+    if level == "token":
+        out[sel] = w
+    else:
+        for k, i in enumerate(i for i, h in enumerate(has) if h):
+            o, L = offsets[i], lengths[i]
+            out[o:o + L][sel[o:o + L]] = w[k]
+    if len(w) == 0:
+        return out, {}
+    share = float(outside.double().mean())
+    unit = "token" if level == "token" else "seq"
+    return out, {"is/weight_mean": float(w.mean()),
+                 f"is/{unit}_masked_frac": share if mode == "mask" else 0.0,
+                 "is/truncated_frac": share if mode == "truncate" else 0.0}
+
+
+def mismatch_metrics(learner: list[Tensor | None], sampler: list[Tensor], mask: list[Tensor]) -> dict[str, float]:
+    """Sampler/learner agreement over the completion tokens (`mask`) where both log-probs are
+    finite (the learner leaves NaN where it computed nothing; a None entry is skipped). See the
+    module docstring for the keys; with no such token, only {"mismatch/tokens": 0}."""
+    parts = []
+    for a, b, m in zip(learner, sampler, mask):
+        if a is None:
+            continue
+        log_r = (a.detach().double().cpu() - b.detach().double().cpu())[m.cpu().bool()]
+        parts.append(log_r[torch.isfinite(log_r)])
+    log_r = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
+    if len(log_r) == 0:
+        return {"mismatch/tokens": 0.0}
+    k3 = torch.expm1(log_r) - log_r  # e^x − 1 − x, without the cancellation of exp(x) − 1 near 0
+    return {"mismatch/kl": float(k3.mean()), "mismatch/abs_log_ratio/mean": float(log_r.abs().mean()),
+            "mismatch/ratio/max": math.exp(min(float(log_r.max()), 709.0)), "mismatch/tokens": float(len(log_r))}
+
+
+# A degenerate loop of period p (≤ 16) shows a 16-gram 4 times within 16 + 3p ≤ 64 tokens, so the
+# shortest completions can be flagged; natural text (a 16K-token chain of thought included) seldom
+# repeats a whole 16-token span — a sentence, an equation line — four times, while an error-token
+# tail repeats its loop until the length limit, tens to hundreds of times.
+ERROR_NGRAM = 16
+ERROR_MIN_COUNT = 4
+
+
+def repeated_ngram(ids: Tensor, n: int = ERROR_NGRAM, min_count: int = ERROR_MIN_COUNT) -> bool:
+    """Does the token sequence `ids` hold some n-gram at least `min_count` times (overlaps count)?"""
+    if n < 1 or min_count < 2:
+        raise ValueError(f"n / min_count: expected n >= 1 and min_count >= 2, got {n}, {min_count}")
+    ids = ids.reshape(-1).to("cpu", torch.long)
+    if len(ids) < n + min_count - 1:  # min_count n-grams need at least that many tokens
+        return False
+    grams_GN = ids.unfold(0, n, 1)  # [G = L − n + 1, n], every window (a view)
+    # a 1-D sort of one hash per window instead of a row-wise unique (10× faster on 16K tokens);
+    # hashing can merge n-grams, never split them, so only windows whose hash reaches min_count are
+    # compared exactly. Each term < 2^31 (mod a prime), so the sum cannot overflow int64.
+    mult_N = _HASH_MULT[torch.arange(n) % len(_HASH_MULT)]
+    key_G = ((grams_GN % _HASH_P) * mult_N % _HASH_P).sum(1)
+    _, inv_G, counts = torch.unique(key_G, return_inverse=True, return_counts=True)
+    for c in torch.nonzero(counts >= min_count).flatten():
+        _, exact = torch.unique(grams_GN[inv_G == c], dim=0, return_counts=True)
+        if exact.max() >= min_count:
+            return True
+    return False
+
+
+_HASH_P = 2_147_483_647  # 2^31 − 1
+_HASH_MULT = torch.randint(1, _HASH_P, (64,), generator=torch.Generator().manual_seed(0))
+
+
+def error_token_share(completions: list[Tensor], n: int = ERROR_NGRAM, min_count: int = ERROR_MIN_COUNT) -> float:
+    """Share of the completions (token ids, prompt excluded) flagged by `repeated_ngram`; 0 if none."""
+    if not completions:
+        return 0.0
+    return sum(repeated_ngram(c, n, min_count) for c in completions) / len(completions)

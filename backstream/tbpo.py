@@ -1,0 +1,140 @@
+"""TBPO: Trust-Band Policy Optimization (Gu et al., "QaRL: Rollout-Aligned Quantization-Aware RL",
+§3.2 and Appendix E), a sequence-level objective that drops whole responses leaving a trust band.
+
+For response i with completion tokens t = 1..|y_i| (the completion mask), advantage A_i, learner
+π_θ, learner before the update π_old and sampler μ (the rollout's log-probs):
+
+  s_i = exp(mean_t(log π_θ,t − log π_old,t))          proximal ratio (geometric mean, as GSPO)
+  w_i = clamp(exp(mean_t(log π_old,t − log μ_t)), 1/C, C)      mismatch weight, C = seq_tis_imp_ratio_cap
+  M_i = 1 if A_i > 0 and s_i ≤ 1 + seq_clip_ratio_high
+        1 if A_i < 0 and 1 − neg_seq_clip_ratio_low ≤ s_i ≤ 1 + neg_seq_clip_ratio_high
+        0 otherwise (the response leaves its band and is masked out of the update entirely)
+  ℓ_i = −M_i · w_i · s_i · A_i        (w_i, M_i detached)
+  L   = (1/N) Σ_i ℓ_i + Σ_i Σ_t (kl_coef · KL_t − entropy_coef · H_t) / (N |y_i|)
+
+As in GSPO, s_i comes from the prefill (exact: the prefill runs at the current weights; s_i = 1
+when old_logprobs are not given, π_old being the current policy), and since ∇s_i = s_i · mean_t
+∇log π_t, the block term is Σ_t c_{i,t} log π_t with c_{i,t} = −M_i w_i A_i s_i / (N |y_i|).
+The loss value is `policy` in the metrics; the block terms are a surrogate with its gradient.
+
+Where the paper leaves details open, our reading:
+- positive advantages: "the standard PPO-style bound" is one-sided, s_i ≤ 1 + seq_clip_ratio_high:
+  PPO's min(sA, clip(s)A) with A > 0 stops the gradient only above 1 + ε (the paper: "for positive
+  advantages, it constrains only the upper bound"). seq_clip_ratio_low, the lower end of that clip,
+  therefore never binds; it is kept so that the paper's configuration (Appendix B) maps one to one.
+- negative advantages: the dual band is two-sided as written; both ends are inclusive (at s = 1 ± ε
+  PPO's clip is still the identity).
+- "two-sided cap" of the mismatch weight (eq. 5): [1/C, C], truncated (not masked), so C = 2
+  keeps w_i in [0.5, 2]; computed in log space.
+- means are over the completion tokens of each response (the geometric mean of Appendix E); the
+  policy term is averaged over the N responses of the minibatch (sequence-mean, as GSPO), masked and
+  zero-advantage responses included; KL/entropy per token with weight 1/(N |y_i|), not reweighted
+  by w_i or M_i (penalties on the learner's own distribution).
+- A_i = 0: no policy term, no band. The tbpo/ shares and means are over the responses with a
+  policy term (A_i ≠ 0, at least one completion token).
+TBPO has its own mismatch weight, so loss.is_level must stay "none".
+
+Metrics: tbpo/masked_frac (share of the responses masked), tbpo/masked_pos and tbpo/masked_neg
+(the shares masked with A > 0 and A < 0: they add up to masked_frac), tbpo/weight_mean (mean w_i),
+tbpo/weight_capped_frac (share with w_i at a cap), ratio_mean (mean s_i), policy (the loss value).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from backstream.losses import GSPOObjective, PolicyObjective, _Common
+from backstream.offpolicy import sequence_log_ratios
+
+
+@dataclass(kw_only=True)
+class TBPOConfig(_Common):
+    type: str = "tbpo"
+    """Trust-Band Policy Optimization (QaRL): sequence ratios, responses outside their band masked."""
+    seq_clip_ratio_low: float = 3e-4
+    """Lower end of PPO's clip of the sequence ratio; never binds in TBPO (positive advantages are
+    bounded above only, negative ones by the neg_ band), kept to match the paper's configuration."""
+    seq_clip_ratio_high: float = 4e-4
+    """Positive advantages: a response with s_i > 1 + seq_clip_ratio_high is masked out."""
+    neg_seq_clip_ratio_low: float = 3e-4
+    """Negative advantages: a response with s_i < 1 − neg_seq_clip_ratio_low is masked out."""
+    neg_seq_clip_ratio_high: float = 7e-4
+    """Negative advantages (dual clip): a response with s_i > 1 + neg_seq_clip_ratio_high is masked out."""
+    seq_tis_imp_ratio_cap: float = 2.0
+    """C: the sequence mismatch weight exp(mean_t(log π_old − log μ)) is clamped to [1/C, C]."""
+
+    def __post_init__(self):
+        if self.type != "tbpo":
+            raise ValueError(f"loss.type: got {self.type!r} for TBPOConfig")
+        self._check("tbpo")
+        if self.is_level != "none":
+            raise ValueError(f"loss.is_level: got {self.is_level!r}; TBPO has its own sequence mismatch weight "
+                             "(loss.seq_tis_imp_ratio_cap), so is_level must be 'none'")
+        for name in ("seq_clip_ratio_low", "seq_clip_ratio_high", "neg_seq_clip_ratio_low", "neg_seq_clip_ratio_high"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v > 0):
+                raise ValueError(f"loss.{name}: got {v}, expected a finite number > 0")
+        c = self.seq_tis_imp_ratio_cap
+        if not (math.isfinite(c) and c >= 1):
+            raise ValueError(f"loss.seq_tis_imp_ratio_cap: got {c}, expected a finite number >= 1")
+
+    def build(self, **inputs) -> TBPOObjective:
+        return TBPOObjective(self, **inputs)
+
+
+class TBPOObjective(PolicyObjective):
+    """The TBPO loss over one minibatch (see the module docstring); needs rollout_logprobs."""
+
+    def __init__(self, config: TBPOConfig, *, rollout_logprobs=None, **inputs):
+        if rollout_logprobs is None:
+            raise ValueError("rollout_logprobs: TBPO's mismatch weight needs the sampler's log-probs")
+        super().__init__(config, rollout_logprobs=rollout_logprobs, **inputs)
+
+    # the per-token KL/entropy weights 1/(N |y_i|) and the block term Σ c·log π + extras are GSPO's
+    token_coefficients = GSPOObjective.token_coefficients
+    block_loss = GSPOObjective.block_loss
+
+    def setup(self, logprobs: list[Tensor] | None) -> None:
+        logprobs = self.current(logprobs)
+        if logprobs is None:
+            raise ValueError("TBPO: needs the prefill's log-probs for its sequence ratios (do not pass kv=, "
+                             "or pass old_is_current=True with old_logprobs at the current weights)")
+        cfg = self.cfg
+        cur = torch.cat([x.detach().double().cpu().reshape(-1) for x in logprobs])
+        old_given = self.old_flat is not None
+        old = self.old_flat if old_given else cur
+        pg_mask = self.pg_mask()
+        flat = (self.offsets, self.lengths, pg_mask)
+        log_s = sequence_log_ratios(cur, old, *flat, reduce="mean", names=("prefill log-probs", "old_logprobs"))
+        log_w = sequence_log_ratios(old, self.rollout_flat, *flat, reduce="mean",
+                                    names=("old_logprobs" if old_given else "prefill log-probs", "rollout_logprobs"))
+        log_c = math.log(cfg.seq_tis_imp_ratio_cap)
+        self.pg_flat = torch.zeros_like(cur)
+        rows = []  # per response with a policy term: (A, s, w, capped, M)
+        for i, m in enumerate(pg_mask):
+            if not m.any():
+                continue
+            o, L, A = self.offsets[i], self.lengths[i], float(self.adv[i])
+            s = math.exp(float(log_s[i])) if old_given else 1.0
+            lw = float(log_w[i])
+            w = math.exp(min(max(lw, -log_c), log_c))
+            if A > 0:
+                inside = s <= 1 + cfg.seq_clip_ratio_high
+            else:
+                inside = 1 - cfg.neg_seq_clip_ratio_low <= s <= 1 + cfg.neg_seq_clip_ratio_high
+            M = float(inside)
+            self.pg_flat[o:o + L][m] = -M * w * A * s / (self.n_seq * self.n_tok[i])
+            rows.append((A, s, w, abs(lw) > log_c, M))
+        self._add("policy", sum(-M * w * s * A for A, s, w, _, M in rows) / self.n_seq)
+        if rows:
+            n = len(rows)
+            self._add("ratio_mean", sum(r[1] for r in rows) / n)
+            self._add("tbpo/masked_frac", sum(r[4] == 0 for r in rows) / n)
+            self._add("tbpo/masked_pos", sum(r[4] == 0 and r[0] > 0 for r in rows) / n)
+            self._add("tbpo/masked_neg", sum(r[4] == 0 and r[0] < 0 for r in rows) / n)
+            self._add("tbpo/weight_mean", sum(r[2] for r in rows) / n)
+            self._add("tbpo/weight_capped_frac", sum(r[3] for r in rows) / n)
