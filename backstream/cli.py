@@ -8,6 +8,11 @@
                                                      (default, a folder, a Hub id or a model_type such as llama;
                                                      config.json only) exit 0 exact, 1 refused,
                                                      2 could not build, 3 wrong or error
+    backstream export RUN_DIR --quant w8a8|w4a16|fp8 [--out DIR] [--group-size N] [--overwrite]
+                                                     the latest intact checkpoint, quantized as the learner's
+                                                     forward quantizes it, as a compressed-tensors folder
+                                                     that vLLM loads (needs no GPU; loading it needs
+                                                     compressed-tensors)
 """
 
 from __future__ import annotations
@@ -66,6 +71,14 @@ def cmd_verify(args) -> int:
     return VERIFY_EXIT[report.kind]
 
 
+def cmd_export(args) -> int:
+    from backstream.export import export  # noqa: PLC0415
+
+    out = export(args.run_dir, args.quant, out=args.out, group_size=args.group_size, overwrite=args.overwrite)
+    print(f"exported: {out}")
+    return 0
+
+
 def _has_matplotlib() -> bool:
     try:
         import matplotlib  # noqa: F401, PLC0415
@@ -120,6 +133,16 @@ def main(argv=None) -> int:
                    "or a transformers model_type such as llama")
     v.add_argument("--seed", type=int, default=0, help="seed of the random weights and token tree")
     v.set_defaults(fn=cmd_verify)
+    e = sub.add_parser("export", help="write a run's latest checkpoint, quantized as its learner computes it, "
+                       "in the compressed-tensors layout vLLM loads")
+    e.add_argument("run_dir", metavar="RUN_DIR")
+    e.add_argument("--quant", required=True, metavar="w8a8|w4a16|fp8", help="the format (int8 weights and "
+                   "activations; int4 weights in groups; e4m3 weights and activations)")
+    e.add_argument("--out", metavar="DIR", help="the folder to write (default RUN_DIR/export-QUANT-step-N)")
+    e.add_argument("--group-size", type=int, metavar="N", help="w4a16: inputs per weight scale, 32, 64 or 128 "
+                   "(default the run's quant.group_size)")
+    e.add_argument("--overwrite", action="store_true", help="--out holds files: move it aside (to DIR.old-TIME)")
+    e.set_defaults(fn=cmd_export)
     args = ap.parse_args(argv)
     try:
         return args.fn(args)

@@ -1,0 +1,346 @@
+"""Export a run's policy as the quantized model a sampler serves (DESIGN §6, QaRL).
+
+`export(RUN_DIR, "w4a16")` takes the run's latest intact checkpoint, quantizes it as the learner's
+forward does (`quantize_model` with the run's [quant] targets; the weight codes and scales written
+are `QuantLinear.qweight()`'s tensors, bit for bit) and writes a Hugging Face folder in the
+compressed-tensors layout that vLLM (and transformers, with compressed-tensors installed) loads:
+
+  format  compressed-tensors  tensors of each quantized linear [N out, K in]         activations
+  w8a8    int-quantized       weight int8 [N,K], weight_scale f32 [N,1]              dynamic per-token int8
+  fp8     float-quantized     weight float8_e4m3fn [N,K], weight_scale f32 [N,1]     dynamic per-token fp8
+  w4a16   pack-quantized      weight_packed int32 [N,K/8], weight_scale f32 [N,K/g], the model dtype
+                              weight_shape int64 [2] = (N, K)
+
+Every other tensor (embeddings, norms, biases, lm_head, the layers [quant].targets leaves out)
+stays in the run's dtype; the layers not quantized are listed in `ignore`, so the
+config's `targets = ["Linear"]` minus `ignore` is exactly the set `quantize_model` replaced. The
+folder also holds the tokenizer, the generation config, and `backstream_export.json` (which run,
+step and format). A LoRA run keeps its adapter in full precision over the quantized base layers, as
+the learner does: the base (`model.name`) is exported quantized and the checkpoint's adapter is
+copied unchanged into OUT/adapter/ (vLLM: `--enable-lora` and a LoRARequest on that folder).
+
+What the runtimes do with it (read 2026-11): vLLM keeps w8a8/fp8 weight scales in float32 and
+quantizes activations as our learner does (DESIGN §6); it holds w4a16 scales in the model dtype,
+which `quantize_weight` already rounds them to for a 16-bit model (checked here: a scale that would
+round is warned about). transformers (compressed-tensors installed) decompresses the weights to
+dense ones on the first forward, bit for bit codes · scale, and fake-quantizes w8a8/fp8 activations
+with compressed-tensors' formula, not vLLM's: int8 scale absmax/127.5 (so its w8a8 logits are an
+approximation of the sampler's: 0.2-0.7% of the largest logit on tiny models), fp8 a division by
+absmax/448 (the same e4m3 codes but within an ulp of a tie). w4a16 through transformers is the
+learner's forward exactly. tests/test_export.py checks each.
+
+Refused, before anything is written: MoE models (transformers 5 keeps experts as fused 3-D weights,
+which the learner does not quantize; transformers cannot load such a folder with dense experts), a
+[quant].targets that quantizes part of a group vLLM fuses (q/k/v, gate/up), a LoRA run whose learner
+quantized adapter layers. The folder is written under a temporary name beside OUT and renamed into
+place when complete.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import time
+import warnings
+
+import torch
+from torch import nn
+
+from backstream import checkpoint
+from backstream.adapter import base_model
+from backstream.checks import choice
+from backstream.quant import FORMATS, GROUP_SIZES, quant_linears, quantize_model
+
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+RECORD = "backstream_export.json"
+# vLLM runs these HF projections as one fused layer; its shards must all be quantized or all not
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+# ---- int4 packing (compressed-tensors' pack-quantized layout, read from compressed_tensors 0.20,
+# compressors/pack_quantized/helpers.py, and vLLM's uint4b8 weight type) -------------------------
+
+def pack_int4(codes_NK: torch.Tensor) -> torch.Tensor:
+    """int8 codes in [-8, 7], [N, K] → int32 words [N, K/8]. Code k of a row is stored offset by +8
+    (0..15, vLLM's "uint4b8") in bits 4·(k mod 8) .. 4·(k mod 8)+3 of word k // 8: little-endian
+    nibbles along K, so word j holds codes 8j..8j+7, the first in its lowest bits. K must be a
+    multiple of 8 (vLLM allocates K/8 words, no padding)."""
+    if codes_NK.dtype != torch.int8 or codes_NK.dim() != 2:
+        raise ValueError(f"pack_int4: expected 2-D int8 codes, got {codes_NK.dtype} of shape {tuple(codes_NK.shape)}")
+    N, K = codes_NK.shape
+    if K % 8:
+        raise ValueError(f"pack_int4: in_features {K} is not a multiple of 8; the pack-quantized layout vLLM "
+                         "loads stores 8 codes per int32 word without padding")
+    lo, hi = (int(codes_NK.min()), int(codes_NK.max())) if codes_NK.numel() else (0, 0)
+    if lo < -8 or hi > 7:
+        raise ValueError(f"pack_int4: codes must lie in [-8, 7], got [{lo}, {hi}]")
+    nibbles = (codes_NK.to(torch.int64) + 8).view(N, K // 8, 8)
+    shifts = torch.arange(0, 32, 4, device=codes_NK.device, dtype=torch.int64)
+    words = (nibbles << shifts).sum(-1)  # disjoint bits: the sum is the bitwise or, < 2**32
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # the same 32 bits, signed
+
+
+def unpack_int4(words_NW: torch.Tensor) -> torch.Tensor:
+    """The inverse of `pack_int4`: int32 [N, K/8] → int8 codes [N, K]."""
+    N, W = words_NW.shape
+    shifts = torch.arange(0, 32, 4, device=words_NW.device, dtype=torch.int64)
+    nibbles = ((words_NW.to(torch.int64) & 0xFFFFFFFF)[..., None] >> shifts) & 0xF
+    return (nibbles - 8).to(torch.int8).view(N, W * 8)
+
+
+# ---- the compressed-tensors config ---------------------------------------------------------------
+
+def _args(bits: int, kind: str, strategy: str, *, dynamic: bool = False, group_size: int | None = None) -> dict:
+    return {"num_bits": bits, "type": kind, "symmetric": True, "strategy": strategy, "dynamic": dynamic,
+            "group_size": group_size, "actorder": None, "block_structure": None}
+
+
+def quantization_config(fmt: str, group_size: int, ignore: list[str]) -> dict:
+    """config.json's `quantization_config` for `fmt`: compressed-tensors' W8A8 (INT8), FP8_DYNAMIC
+    and W4A16 presets (quant_scheme.py), targets every `Linear` but `ignore`."""
+    if fmt == "w8a8":
+        form = "int-quantized"
+        scheme = {"weights": _args(8, "int", "channel"), "input_activations": _args(8, "int", "token", dynamic=True)}
+    elif fmt == "fp8":
+        form = "float-quantized"
+        scheme = {"weights": _args(8, "float", "channel"),
+                  "input_activations": _args(8, "float", "token", dynamic=True)}
+    else:
+        form = "pack-quantized"
+        scheme = {"weights": _args(4, "int", "group", group_size=group_size), "input_activations": None}
+    scheme = {"targets": ["Linear"], **scheme, "output_activations": None, "format": form}
+    return {"quant_method": "compressed-tensors", "format": form, "quantization_status": "compressed",
+            "config_groups": {"group_0": scheme}, "ignore": ignore, "kv_cache_scheme": None,
+            "global_compression_ratio": None}
+
+
+def _is_linear(module: nn.Module) -> bool:
+    """What compressed-tensors' and vLLM's target "Linear" matches: a class named Linear in the MRO."""
+    return any(c.__name__ == "Linear" for c in type(module).__mro__)
+
+
+# ---- the policy, as the learner computes it -------------------------------------------------------
+
+def _run_config(run_dir: str):
+    from backstream import config as cfgmod  # noqa: PLC0415
+
+    path = os.path.join(run_dir, "config.toml")
+    if not os.path.isfile(path):
+        raise ValueError(f"export: {run_dir} is not a run folder (no config.toml)")
+    return cfgmod.load(path)
+
+
+def _learner(cfg, ckpt: str, quant_cfg):
+    """(model, tokenizer): the run's policy at checkpoint `ckpt`, quantized by `quant_cfg`, built as
+    the trainer builds it (`model.build`, LoRA, then `quantize_model`). A full fine-tune loads the
+    checkpoint folder itself (a `save_pretrained` folder: its safetensors hold the master weights);
+    a LoRA run loads the base `model.name` and the checkpoint's adapter."""
+    mc = cfg.model
+    if mc.lora_r == 0:
+        model, tok = dataclasses.replace(mc, name=ckpt).build()
+        quantize_model(model, quant_cfg)
+        return model, tok
+    from peft import set_peft_model_state_dict  # noqa: PLC0415
+    from safetensors.torch import load_file  # noqa: PLC0415
+
+    model, tok = mc.build()
+    quantize_model(model, quant_cfg)  # after LoRA: the base layers, as the trainer does
+    misfit = (f"export: the adapter in {ckpt} does not fit the model {mc.name!r} that the run's config.toml "
+              "names (was the run trained on a model object passed in?)")
+    try:
+        res = set_peft_model_state_dict(model, load_file(os.path.join(ckpt, "adapter_model.safetensors")))
+    except RuntimeError as e:  # a shape mismatch
+        raise ValueError(f"{misfit}: {e}") from None
+    unexpected = getattr(res, "unexpected_keys", [])
+    if unexpected:
+        raise ValueError(f"{misfit}: unexpected keys {unexpected[:3]}")
+    return model, tok
+
+
+def _fused_split(quantized: set[str], linears: list[str]) -> list[str]:
+    """Fused groups (q/k/v, gate/up) of which some shards are quantized and some not."""
+    bad = []
+    for name in linears:
+        parent, _, leaf = name.rpartition(".")
+        for shards in FUSED.values():
+            if leaf == shards[0]:
+                present = [f"{parent}.{s}" for s in shards if f"{parent}.{s}" in linears]
+                if len({n in quantized for n in present}) > 1:
+                    bad.append(f"{parent}.{{{','.join(shards)}}}")
+    return bad
+
+
+# ---- export ---------------------------------------------------------------------------------------
+
+def _check_out(out: str, overwrite: bool) -> None:
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ValueError(f"export: --out {out} is a file, not a folder")
+    if os.path.isdir(out) and os.listdir(out) and not overwrite:
+        raise ValueError(f"export: --out {out} exists and is not empty; choose another --out or pass "
+                         "--overwrite to move the old folder aside")
+
+
+def _move_aside(path: str) -> str:
+    aside = f"{path.rstrip(os.sep)}.old-{time.strftime('%Y%m%d-%H%M%S')}"
+    n = 1
+    while os.path.exists(aside):
+        aside, n = f"{aside.rsplit('~', 1)[0]}~{n}", n + 1
+    os.rename(path, aside)
+    return aside
+
+
+def export(run_dir: str, quant: str, out: str | None = None, group_size: int | None = None,
+           overwrite: bool = False) -> str:
+    """Write RUN_DIR's latest intact checkpoint, quantized to `quant` (w8a8, w4a16 or fp8) as the
+    learner's forward quantizes it, as a compressed-tensors model folder; returns the folder.
+    `out`: default RUN_DIR/export-QUANT-step-N; an existing non-empty folder is refused unless
+    `overwrite` (it is then moved aside to OUT.old-TIME, never deleted). `group_size` (w4a16 only):
+    default the run's quant.group_size. Every check runs before anything is written."""
+    choice("export: --quant", quant, list(FORMATS))
+    cfg = _run_config(run_dir)
+    ckpt = checkpoint.latest_intact(run_dir)
+    if ckpt is None:
+        raise ValueError(f"export: {run_dir} holds no intact checkpoint (checkpoints/step-N); train it first, "
+                         "or keep the run going until it saves one")
+    if group_size is not None and quant != "w4a16":
+        raise ValueError(f"export: --group-size applies to w4a16 only; {quant} has one scale per output channel")
+    gs = cfg.quant.group_size if group_size is None else group_size
+    choice("export: --group-size", gs, list(GROUP_SIZES))
+    with open(os.path.join(ckpt, checkpoint.MANIFEST)) as f:
+        step = json.load(f)["step"]
+    out = out or os.path.join(run_dir, f"export-{quant}-step-{step}")
+    _check_out(out, overwrite)
+    run_q = cfg.quant
+    if run_q.rollout not in ("none", quant) or (run_q.rollout == "w4a16" == quant and gs != run_q.group_size):
+        trained = run_q.rollout + (f" (group {run_q.group_size})" if run_q.rollout == "w4a16" else "")
+        warnings.warn(f"export: the run sampled with {trained}; this {quant} export is a quantization of its "
+                      "weights that the run never saw", stacklevel=2)
+    qcfg = dataclasses.replace(run_q, rollout=quant, group_size=gs)
+
+    model, tok = _learner(cfg, ckpt, qcfg)
+    lora = cfg.model.lora_r > 0
+    tensors, ignore, dtype = _compress(model, quant, gs, lora)
+    if quant == "w4a16" and dtype in (torch.bfloat16, torch.float16):
+        _warn_scale_rounding(tensors, dtype)
+    if lora:
+        model = model.unload()  # the transformers model, its quantized layers in place of PEFT's wrappers
+    base = base_model(model)
+    record = {"run_dir": os.path.abspath(run_dir), "checkpoint": os.path.abspath(ckpt), "step": step,
+              "format": quant, "group_size": gs if quant == "w4a16" else None,
+              "quantized_modules": len({k.rsplit(".", 1)[0] for k in tensors if k.endswith("weight_scale")}),
+              "adapter": "adapter" if lora else None}
+
+    parent = os.path.dirname(os.path.abspath(out))
+    os.makedirs(parent, exist_ok=True)
+    tmp = os.path.join(parent, f".{os.path.basename(os.path.abspath(out))}.tmp-export-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    aside = None
+    try:
+        _write(tmp, base, tok, tensors, quantization_config(quant, gs, ignore), record)
+        if lora:
+            os.makedirs(os.path.join(tmp, "adapter"))
+            for name in ADAPTER_FILES:  # the learner's adapter, byte for byte
+                shutil.copyfile(os.path.join(ckpt, name), os.path.join(tmp, "adapter", name))
+        if os.path.isdir(out) and os.listdir(out):
+            aside = _move_aside(out)
+        elif os.path.isdir(out):
+            os.rmdir(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if aside is not None and not os.path.exists(out):
+            os.rename(aside, out)  # the old folder back where it was
+        raise
+    if aside is not None:
+        print(f"backstream: moved the earlier {out} aside to {aside}")
+    return out
+
+
+def _compress(model: nn.Module, fmt: str, group_size: int, lora: bool):
+    """The compressed tensors of every quantized linear, by checkpoint name, and the names of the
+    Linear modules left unquantized (the config's `ignore`). Refuses what vLLM could not load."""
+    base = base_model(model)
+    experts = [n for n, p in base.named_parameters() if p.dim() > 2]
+    if experts:
+        raise ValueError(f"export: {type(base).__name__} keeps MoE experts as fused 3-D weights ({experts[0]}, ...), "
+                         "which the learner leaves in full precision; transformers cannot load a compressed-tensors "
+                         "folder whose experts are dense beside quantized linears, and vLLM applies the 'Linear' "
+                         "scheme to fused experts. Export supports dense (non-MoE) models")
+    qlins = quant_linears(base)
+    if not qlins:
+        raise ValueError("export: quantize_model replaced no layer; check quant.targets in the run's config.toml")
+    names = {}
+    for name, mod in qlins.items():
+        if lora and ".lora_" in name:
+            raise ValueError(f"export: {name} is a LoRA adapter layer quantized by the learner; the export keeps "
+                             "adapters in full precision, so it would not be the learner's model")
+        names[name] = name.removesuffix(".base_layer") if lora else name
+    hf = {n: m for n, m in base.named_modules() if ".lora_" not in n}
+    linears = [n.removesuffix(".base_layer") for n, m in hf.items()
+               if (_is_linear(m) or n in qlins) and not (lora and n + ".base_layer" in hf)]
+    quantized = set(names.values())
+    split = _fused_split(quantized, linears)
+    if split:
+        raise ValueError(f"export: vLLM fuses {split[0]} into one layer and needs all of its parts quantized or "
+                         f"none; quant.targets quantizes only some ({len(split)} such groups). Retrain with "
+                         "targets that take whole groups, or export from a run that did")
+    shared = {}
+    for p_name, p in base.named_parameters(remove_duplicate=False):
+        shared.setdefault(p.data_ptr(), []).append(p_name)
+    tensors = {}
+    dtype = next(base.parameters()).dtype
+    with torch.no_grad():
+        for name, mod in qlins.items():
+            out_name = names[name]
+            if len(shared.get(mod.weight.data_ptr(), [])) > 1:
+                raise ValueError(f"export: {out_name}'s weight is tied to {shared[mod.weight.data_ptr()]}; a tied "
+                                 "weight cannot be stored both quantized and not; leave it out of quant.targets")
+            qw = mod.qweight()
+            N, K = mod.out_features, mod.in_features
+            assert qw.fmt == fmt, (name, qw.fmt, fmt)
+            codes, scale = qw.codes.detach().cpu().contiguous(), qw.scale.detach().cpu().contiguous()
+            assert codes.shape == (N, K) and scale.dtype == torch.float32, (name, codes.shape, scale.dtype)
+            if fmt == "w4a16":
+                assert scale.shape == (N, K // group_size) and codes.dtype == torch.int8, (name, scale.shape)
+                tensors[f"{out_name}.weight_packed"] = pack_int4(codes)
+                tensors[f"{out_name}.weight_shape"] = torch.tensor([N, K], dtype=torch.int64)
+            else:
+                assert scale.shape == (N, 1), (name, scale.shape)
+                assert codes.dtype == (torch.int8 if fmt == "w8a8" else torch.float8_e4m3fn), (name, codes.dtype)
+                tensors[f"{out_name}.weight"] = codes
+            tensors[f"{out_name}.weight_scale"] = scale
+            if mod.bias is not None:
+                tensors[f"{out_name}.bias"] = mod.bias.detach().cpu()
+    ignore = [n for n in linears if n not in quantized]
+    return tensors, ignore, dtype
+
+
+def _write(tmp: str, base: nn.Module, tok, tensors: dict, qconfig: dict, record: dict) -> None:
+    quantized = {k.rsplit(".", 1)[0] for k in tensors}
+    state = {k: v for k, v in base.state_dict().items() if k.rsplit(".", 1)[0] not in quantized}
+    state.update(tensors)
+    old = getattr(base.config, "quantization_config", None)
+    base.config.quantization_config = qconfig
+    try:
+        base.save_pretrained(tmp, state_dict=state)  # drops tied copies (lm_head), shards, generation config
+    finally:
+        if old is None:
+            del base.config.quantization_config
+        else:
+            base.config.quantization_config = old
+    if tok is not None:
+        tok.save_pretrained(tmp)
+    with open(os.path.join(tmp, RECORD), "w") as f:
+        json.dump(record, f, indent=1)
+
+
+def _warn_scale_rounding(tensors: dict, dtype: torch.dtype) -> None:
+    scales = [v for k, v in tensors.items() if k.endswith("weight_scale")]
+    rounded = sum(int((s.to(dtype).float() != s).sum()) for s in scales)
+    if rounded:
+        total = sum(s.numel() for s in scales)
+        warnings.warn(f"export: vLLM holds w4a16 scales in the model dtype ({dtype}); {rounded} of {total} float32 "
+                      "scales round in it, so the sampler's weights will differ slightly from the learner's",
+                      stacklevel=3)
