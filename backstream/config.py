@@ -5,8 +5,8 @@ Each component owns a small `@dataclass(kw_only=True)` beside its code, document
 checks names and types with errors that name the key, the value and the allowed values, and renders
 `backstream train --help` from the same docstrings. The resolved config is saved with the run.
 The sections and where they live: model (model.py), data (data.py), rollout (rollout.py), reward
-(rewards.py), loss (losses.py: one type per variant, picked by its `type` key), optim (optim.py);
-the trainer's own algorithm, engine and train below.
+(rewards.py), loss (losses.py and tbpo.py: one type per variant, picked by its `type` key), optim
+(optim.py), quant (quant.py); the trainer's own algorithm, engine and train below.
 """
 
 from __future__ import annotations
@@ -26,8 +26,10 @@ from backstream.data import DataConfig
 from backstream.losses import LOSS_TYPES, LossConfig, PPOClipConfig
 from backstream.model import ModelConfig
 from backstream.optim import OptimConfig
+from backstream.quant import QuantConfig
 from backstream.rewards import RewardConfig
 from backstream.rollout import SamplingConfig
+from backstream.tbpo import TBPOConfig
 
 
 @dataclass(kw_only=True)
@@ -110,12 +112,12 @@ class TrainConfig:
         at_least("train.keep_checkpoints", self.keep_checkpoints, 1)
 
 
-LOSSES = LOSS_TYPES  # [loss] is the variant its `type` key names
+LOSSES = {**LOSS_TYPES, "tbpo": TBPOConfig}  # [loss] is the variant its `type` key names
 
 SECTIONS: dict[str, type] = {
     "model": ModelConfig, "data": DataConfig, "rollout": SamplingConfig, "reward": RewardConfig,
     "algorithm": AlgorithmConfig, "loss": PPOClipConfig, "optim": OptimConfig, "engine": EngineConfig,
-    "train": TrainConfig,
+    "train": TrainConfig, "quant": QuantConfig,
 }
 
 
@@ -131,10 +133,11 @@ class RunConfig:
     rollout: SamplingConfig = field(default_factory=lambda: SamplingConfig(group_size=8, max_new_tokens=8))
     reward: RewardConfig = field(default_factory=RewardConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
-    loss: LossConfig = field(default_factory=PPOClipConfig)
+    loss: LossConfig | TBPOConfig = field(default_factory=PPOClipConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    quant: QuantConfig = field(default_factory=QuantConfig)
 
     def to_dict(self) -> dict:
         return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
@@ -145,6 +148,10 @@ class RunConfig:
         if ec.reuse_rollout_kv and ac.epochs * ac.minibatches != 1:
             raise ValueError("engine.reuse_rollout_kv: the rollout's K/V are stale after the first optimizer step; "
                              "it needs algorithm.epochs = algorithm.minibatches = 1")
+        if ec.reuse_rollout_kv and self.quant.enabled and not self.quant.aligned:
+            raise ValueError(f"engine.reuse_rollout_kv: the rollout's K/V come from the {self.quant.rollout} sampler "
+                             "but the learner runs in full precision (quant.aligned = false), so they are not the "
+                             "learner's; set quant.aligned = true or engine.reuse_rollout_kv = false")
         if loss.router_aux_coef > 0 and ec.reuse_rollout_kv:
             raise ValueError("loss.router_aux_coef > 0 needs the prefill's routing counts; "
                              "set engine.reuse_rollout_kv = false")

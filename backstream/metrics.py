@@ -102,9 +102,12 @@ class Logger:
         t = m.get("time/step", 0.0)
         phases = ("time/rollout", "time/reward", "time/prefill", "time/backward")
         split = " ".join(f"{k.split('/')[1]} {m[k]:.1f}s" for k in phases if k in m)
+        # sampler/learner mismatch: k3 KL(sampler‖learner) per token, and the share of error-token responses
+        mm = (f" | mismatch kl {m['mismatch/kl']:.1e} err {m.get('mismatch/error_token_share', 0.0):.2f}"
+              if "mismatch/kl" in m else "")
         return (f"step {m['step']}{total} | reward {m['reward/mean']:.3f} | len {m['response_length/mean']:.1f} | "
                 f"{m.get('throughput/tokens_per_s', 0):.0f} tok/s | {t:.1f}s ({split}) | "
-                f"peak {m.get('memory/peak_mib', 0):.0f} MiB")
+                f"peak {m.get('memory/peak_mib', 0):.0f} MiB{mm}")
 
     def close(self) -> None:
         self.file.close()

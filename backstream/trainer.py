@@ -37,6 +37,8 @@ from backstream.adapter import base_model
 from backstream.engine import StreamResult, logprobs as engine_logprobs, stream_backward
 from backstream.losses import build_objective, drgrpo_advantages, grpo_advantages, rloo_advantages
 from backstream.metrics import Logger, check_backends
+from backstream.offpolicy import error_token_share, mismatch_metrics
+from backstream.quant import quantize_model, quantized
 from backstream.reference import reference_backward
 from backstream.router import moe_spec
 from backstream.rewards import Rewards
@@ -209,6 +211,8 @@ class Trainer:
         cfg.validate()
         check_backends(tc.log_tensorboard, tc.log_wandb)
         self.model, self.tok = cfg.model.build(model, tokenizer)
+        if cfg.quant.enabled:  # after LoRA: the base layers are quantized, the adapters stay in full precision
+            quantize_model(self.model, cfg.quant)
         if cfg.loss.router_aux_coef > 0:
             moe_spec(self.model, "loss.router_aux_coef")
         if cfg.engine.verify and cfg.engine.backward == "stream":
@@ -266,6 +270,8 @@ class Trainer:
             ref = copy.deepcopy(self.model)  # before any update: the initial policy
         else:
             ref, _ = dataclasses.replace(self.cfg.model, lora_r=0).build()
+            if self.cfg.quant.enabled:  # the reference is the initial policy as the learner computes it
+                quantize_model(ref, self.cfg.quant)
         return ref.requires_grad_(False)
 
     # -- checkpoints ----------------------------------------------------------------------------
@@ -321,8 +327,9 @@ class Trainer:
         """G samples for each of the next `n_prompts` prompts of the data stream."""
         idx = self.stream.take(n_prompts)
         self.model.eval()
-        r = generate(self.model, [self.prompts[i] for i in idx], self.cfg.rollout, eos_token_id=self.eos,
-                     tokenizer=self.tok, generator=self.gen, return_kv=self.cfg.engine.reuse_rollout_kv)
+        with quantized(self.model, self.cfg.quant.enabled):  # the sampler runs the rollout format
+            r = generate(self.model, [self.prompts[i] for i in idx], self.cfg.rollout, eos_token_id=self.eos,
+                         tokenizer=self.tok, generator=self.gen, return_kv=self.cfg.engine.reuse_rollout_kv)
         r.prompt_index = [idx[j] for j in r.prompt_index]
         return r
 
@@ -364,25 +371,35 @@ class Trainer:
         """Per-sample advantages from the group rewards (algorithm.advantage)."""
         return self.advantage_fn(rewards, self.cfg.rollout.group_size)
 
-    def update(self, batch: Rollout, adv: Tensor) -> tuple[dict[str, list[float]], list[Tensor]]:
+    def update(self, batch: Rollout, adv: Tensor) -> tuple[dict[str, list[float]], dict[str, float]]:
         """`epochs` × `minibatches` optimizer steps on the collected samples, each over one
         group-aligned minibatch: its objective, the backward chosen at construction, a clipped step.
-        Returns each step's loss metrics and, from the first epoch, the sampler/learner log-prob gaps."""
+        The learner runs the rollout's quantized forward when `quant.aligned`, full precision else.
+        Returns each step's loss metrics and the sampler/learner mismatch of the first epoch."""
+        with quantized(self.model, self.cfg.quant.aligned):
+            return self._update(batch, adv)
+
+    def _update(self, batch: Rollout, adv: Tensor) -> tuple[dict[str, list[float]], dict[str, float]]:
         ac = self.cfg.algorithm
         seqs, mask, sampler_lp = batch.sequences(), batch.completion_mask(), batch.aligned_logprobs()
         old, ref = self.policy_logprobs(seqs, mask, sampler_lp)
         logged: dict[str, list[float]] = {}
-        mismatch: list[Tensor] = []
+        learner_lp: list[Tensor | None] = [None] * len(seqs)  # at the weights that sampled, first epoch
+        gaps: list[Tensor] = []
         for epoch in range(ac.epochs):
             for rows in minibatches(len(batch) // batch.group_size, ac.minibatches, batch.group_size):
                 obj = build_objective(self.cfg.loss, sequences=take(seqs, rows), completion_mask=take(mask, rows),
-                                      advantages=adv[rows], old_logprobs=take(old, rows), ref_logprobs=take(ref, rows))
+                                      advantages=adv[rows], old_logprobs=take(old, rows), ref_logprobs=take(ref, rows),
+                                      rollout_logprobs=take(sampler_lp, rows),
+                                      old_is_current=self.cfg.engine.reuse_rollout_kv)
                 self.model.train(False)  # no dropout: the backward must be that of the sampled policy
                 res = self.engine.backward(self.model, take(seqs, rows), obj, kv=take(batch.kv, rows))
                 self.times["prefill"] += res.stats.prefill_s
                 self.times["backward"] += res.stats.backward_s
                 if epoch == 0:  # sampler/learner agreement on the tokens the learner computed
-                    mismatch += logprob_gaps(res.logprobs, take(sampler_lp, rows), take(mask, rows))
+                    gaps += logprob_gaps(res.logprobs, take(sampler_lp, rows), take(mask, rows))
+                    for r, lp in zip(rows, res.logprobs):
+                        learner_lp[r] = lp
                 step = obj.metrics()
                 with self._timed("optim"):
                     grad_norm = self._optimizer_step(loss_finite=all(math.isfinite(v) for v in step.values()))
@@ -391,6 +408,12 @@ class Trainer:
                 step["grad_norm"] = grad_norm
                 for k, v in step.items():
                     logged.setdefault(k, []).append(v)
+        # the learner's log-probs before the update: π_old when it was computed up front (several
+        # optimizer steps), else the engine's own at the first (and only) step's weights
+        before = old if old is not None and not self.cfg.engine.reuse_rollout_kv else learner_lp
+        mismatch = mismatch_metrics(before, sampler_lp, mask)
+        if gaps:
+            mismatch["mismatch/logprob_abs"] = float(torch.stack(gaps).mean())
         return logged, mismatch
 
     def policy_logprobs(self, seqs: list[Tensor], mask: list[Tensor], sampler_lp: list[Tensor]):
@@ -409,7 +432,7 @@ class Trainer:
                 ref = self._ref_logprobs(seqs, mask)
         return old, ref
 
-    def metrics(self, batch: Batch, adv: Tensor, logged: dict[str, list[float]], mismatch: list[Tensor],
+    def metrics(self, batch: Batch, adv: Tensor, logged: dict[str, list[float]], mismatch: dict[str, float],
                 step_time: float) -> dict:
         """The step's line: rewards as scored, lengths, the loss terms averaged over the optimizer
         steps, sampler/learner mismatch, time per phase, throughput, learning rate, peak memory."""
@@ -418,10 +441,11 @@ class Trainer:
              "response_length/mean": float(sum(len(c) for c in batch.rollout.completion_ids) / n),
              "batch/groups": n // batch.rollout.group_size, "batch/zero_adv_frac": float((adv == 0).float().mean())}
         m.update({f"reward/{k}": float(v.mean()) for k, v in batch.scored_by_fn.items()})
-        m.update({"optim/grad_norm" if k == "grad_norm" else f"loss/{k}": float(sum(v) / len(v))
+        # loss terms as loss/…; an objective's own groups (is/…, tbpo/…) keep their names
+        m.update({"optim/grad_norm" if k == "grad_norm" else k if "/" in k else f"loss/{k}": float(sum(v) / len(v))
                   for k, v in logged.items()})
-        if mismatch:
-            m["mismatch/logprob_abs"] = float(torch.stack(mismatch).mean())
+        m.update(mismatch)
+        m["mismatch/error_token_share"] = error_token_share(batch.rollout.completion_ids)
         tokens = sum(len(p) + len(c) for p, c in zip(batch.rollout.prompt_ids, batch.rollout.completion_ids))
         m["optim/skipped_nonfinite"] = self.skipped_nonfinite
         m.update({f"time/{k}": v for k, v in self.times.items()})
