@@ -38,7 +38,7 @@ from backstream.engine import StreamResult, logprobs as engine_logprobs, stream_
 from backstream.losses import build_objective, drgrpo_advantages, grpo_advantages, rloo_advantages
 from backstream.metrics import Logger, check_backends
 from backstream.offpolicy import error_token_share, mismatch_metrics
-from backstream.quant import quantize_model, quantized
+from backstream.quant import quant_linears, quantize_model, quantized
 from backstream.reference import reference_backward
 from backstream.router import moe_spec
 from backstream.rewards import Rewards
@@ -213,6 +213,7 @@ class Trainer:
         self.model, self.tok = cfg.model.build(model, tokenizer)
         if cfg.quant.enabled:  # after LoRA: the base layers are quantized, the adapters stay in full precision
             quantize_model(self.model, cfg.quant)
+        self.quantized_layers = list(quant_linears(self.model).values())
         if cfg.loss.router_aux_coef > 0:
             moe_spec(self.model, "loss.router_aux_coef")
         if cfg.engine.verify and cfg.engine.backward == "stream":
@@ -472,6 +473,8 @@ class Trainer:
             return gn
         self.nonfinite_in_a_row = 0
         self.opt.step()
+        for m in self.quantized_layers:  # new master weights: new codes (a fused optimizer may not bump versions)
+            m.invalidate()
         self.sched.step()
         self.opt.zero_grad(set_to_none=True)
         return gn

@@ -126,3 +126,12 @@ def test_quantized_run_checkpoints_master_weights_and_resumes(tmp_path):
     saved = load_file(os.path.join(checkpoint.latest(run_dir), "model.safetensors"))
     assert all(v.dtype == torch.float32 for v in saved.values())
     assert "model.layers.0.self_attn.q_proj.weight" in saved
+
+
+def test_codes_follow_the_master_weights_after_each_optimizer_step(tmp_path):
+    from backstream.quant import quantize_weight
+
+    t, _ = _run(tmp_path, "codes", 'quant.rollout="w8a8"', "quant.aligned=true")
+    for name, m in quant_linears(t.model).items():
+        q, ref = m.qweight(), quantize_weight(m.weight, "w8a8")
+        assert torch.equal(q.codes, ref.codes) and torch.equal(q.scale, ref.scale), name
