@@ -1,0 +1,73 @@
+"""Run a function in N gloo processes (the CPU stand-in for N GPUs under torchrun) and collect what
+each rank returns. Tests only.
+
+    results = dist.run(module_level_fn, 2, arg1, arg2)   # [rank 0's return value, rank 1's, ...]
+
+The function must live at module level in an importable module (processes are spawned, not forked:
+a fork after torch's OpenMP threads started can hang). Each process gets torchrun's environment
+(RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT), one thread, and an initialised gloo process group;
+a rank that raises makes `run` raise with that rank's traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import traceback
+
+import torch
+import torch.distributed as torch_dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def env(rank: int, world: int, port: int) -> dict[str, str]:
+    """torchrun's environment for one rank of a single-node job."""
+    return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world)}
+
+
+def _worker(rank: int, world: int, port: int, fn, args, out_dir: str, init: bool) -> None:
+    import sys
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    os.environ.update(env(rank, world, port))
+    torch.set_num_threads(1)
+    try:
+        if init:
+            torch_dist.init_process_group("gloo", rank=rank, world_size=world)
+        result = fn(*args)
+        torch.save({"ok": result}, os.path.join(out_dir, f"{rank}.pt"))
+    except BaseException:
+        torch.save({"error": traceback.format_exc()}, os.path.join(out_dir, f"{rank}.pt"))
+        raise
+    finally:
+        if torch_dist.is_initialized():
+            torch_dist.destroy_process_group()
+
+
+def run(fn, world: int, *args, init: bool = True) -> list:
+    """fn(*args) on `world` ranks; their return values (torch.save-able), by rank. `init=False`
+    leaves the process group to the code under test (it reads torchrun's environment)."""
+    with tempfile.TemporaryDirectory() as d:
+        try:
+            mp.start_processes(_worker, args=(world, free_port(), fn, args, d, init), nprocs=world,
+                               start_method="spawn")
+        except mp.ProcessRaisedException:
+            pass  # the rank's own traceback is in its file
+        results = []
+        for rank in range(world):
+            path = os.path.join(d, f"{rank}.pt")
+            results.append(torch.load(path, weights_only=False) if os.path.exists(path) else
+                           {"error": "no result (killed when another rank failed)"})
+        # a rank's own traceback first: the others were only stopped because of it
+        for rank, res in sorted(enumerate(results), key=lambda x: "no result" in x[1].get("error", "")):
+            if "error" in res:
+                raise RuntimeError(f"rank {rank} failed:\n{res['error']}")
+        return [res["ok"] for res in results]
