@@ -13,7 +13,8 @@ import torch
 from torch import Tensor, nn
 
 from backstream.adapter import takes_logits_to_keep
-from backstream.engine import StreamResult, StreamStats, _objective_from, validate_sequences, validate_weights
+from backstream.engine import (FSDPCall, StreamResult, StreamStats, _objective_from, fsdp_units, validate_sequences,
+                               validate_weights)
 from backstream.objective import BlockView, Objective, flat_offsets
 from backstream.router import load_balancing_loss, router_term
 
@@ -38,11 +39,23 @@ def reference_backward(model: nn.Module, sequences: list[Tensor], weights: list[
     engine's prefill provides), then each sequence is one view. With `objective.router_aux_coef`
     > 0, every sequence is forwarded whole, the router logits of all of them are concatenated into
     the textbook load-balancing loss, and one backward runs over everything.
+    Under FSDP2 the per-sequence backwards accumulate unreduced and every rank joins one reduction at
+    the end, as in `stream_backward` (see backstream.engine).
     """
-    validate_sequences(model, sequences)
+    units = fsdp_units(model)
+    validate_sequences(model, sequences, allow_empty=bool(units))
     obj = _objective_from(weights, objective)
     if weights is not None:
         validate_weights(sequences, weights)
+    if not units:
+        return _reference(model, sequences, obj)
+    with FSDPCall(units, backward=True) as call:
+        result = _reference(model, sequences, obj) if sequences else StreamResult(logprobs=[])
+        call.reduce(model)
+    return result
+
+
+def _reference(model, sequences, obj) -> StreamResult:
     device = next(model.parameters()).device
     dtype = torch.promote_types(next(model.parameters()).dtype, torch.float32)
     active = [a.to("cpu", torch.bool) for a in obj.active(sequences)]

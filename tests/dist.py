@@ -15,6 +15,7 @@ import os
 import socket
 import tempfile
 import traceback
+from datetime import timedelta
 
 import torch
 import torch.distributed as torch_dist
@@ -41,7 +42,7 @@ def _worker(rank: int, world: int, port: int, fn, args, out_dir: str, init: bool
     torch.set_num_threads(1)
     try:
         if init:
-            torch_dist.init_process_group("gloo", rank=rank, world_size=world)
+            torch_dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
         result = fn(*args)
         torch.save({"ok": result}, os.path.join(out_dir, f"{rank}.pt"))
     except BaseException:
