@@ -96,7 +96,7 @@ def compare(a) -> dict:
 
     def mean(rows, key):
         vals = [r[key] for r in rows if key in r]
-        return sum(vals) / len(vals) if vals else float("nan")
+        return sum(vals) / len(vals) if vals else None  # (JSON has no NaN)
 
     table = {name: {"reward_first5": mean(rows[:5], "reward/mean"), "reward_last5": mean(rows[-5:], "reward/mean"),
                     "mismatch_kl_mean": mean(rows, "mismatch/kl"),
