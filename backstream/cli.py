@@ -2,6 +2,8 @@
 
     backstream demo [--steps N] [--output DIR]      the built-in default: tiny model, arith task
     backstream train CONFIG.toml [--set section.key=value ...] [--resume RUN_DIR] [--overwrite]
+    torchrun --nproc_per_node N -m backstream train CONFIG.toml ...
+                                                     the same on N processes (GPUs), data parallel (FSDP2)
     backstream train --help                          every config key, its default and meaning
     backstream plot RUN_DIR                          PNG curves of a run
     backstream verify MODEL                          is the streamed gradient exact on MODEL's architecture?
@@ -23,10 +25,14 @@ import sys
 
 
 def cmd_train(args) -> int:
-    from backstream import trainer  # noqa: PLC0415
+    from backstream import distributed, trainer  # noqa: PLC0415
 
-    run_dir = trainer.train(args.config, args.set or [], resume=args.resume, overwrite=args.overwrite)
-    print(f"run folder: {run_dir}")
+    try:
+        run_dir = trainer.train(args.config, args.set or [], resume=args.resume, overwrite=args.overwrite)
+        if distributed.is_main():
+            print(f"run folder: {run_dir}")
+    finally:
+        distributed.shutdown()  # under torchrun: leave the process group this run started
     return 0
 
 

@@ -6,7 +6,8 @@ checks names and types with errors that name the key, the value and the allowed 
 `backstream train --help` from the same docstrings. The resolved config is saved with the run.
 The sections and where they live: model (model.py), data (data.py), rollout (rollout.py), reward
 (rewards.py), loss (losses.py and tbpo.py: one type per variant, picked by its `type` key), optim
-(optim.py), quant (quant.py); the trainer's own algorithm, engine and train below.
+(optim.py), quant (quant.py), distributed (distributed.py: only what torchrun's environment does not
+say); the trainer's own algorithm, engine and train below.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 
 from backstream.checks import at_least, choice
 from backstream.data import DataConfig
+from backstream.distributed import DistributedConfig
 from backstream.losses import LOSS_TYPES, LossConfig, PPOClipConfig
 from backstream.model import ModelConfig
 from backstream.optim import OptimConfig
@@ -86,7 +88,9 @@ class TrainConfig:
     steps: int = 40
     """RL steps: one rollout batch each (and epochs × minibatches optimizer steps)."""
     prompts_per_step: int = 8
-    """Prompts sampled per step (each gets rollout.group_size completions)."""
+    """Prompts sampled per step (each gets rollout.group_size completions). Under torchrun, the global
+    number: each rank samples and trains an equal share of whole groups, so it must divide by the world
+    size × algorithm.minibatches."""
     seed: int = 0
     """Seeds data order, sampling and initialisation."""
     output_dir: str = "runs/demo"
@@ -117,7 +121,7 @@ LOSSES = {**LOSS_TYPES, "tbpo": TBPOConfig}  # [loss] is the variant its `type` 
 SECTIONS: dict[str, type] = {
     "model": ModelConfig, "data": DataConfig, "rollout": SamplingConfig, "reward": RewardConfig,
     "algorithm": AlgorithmConfig, "loss": PPOClipConfig, "optim": OptimConfig, "engine": EngineConfig,
-    "train": TrainConfig, "quant": QuantConfig,
+    "train": TrainConfig, "quant": QuantConfig, "distributed": DistributedConfig,
 }
 
 
@@ -138,12 +142,14 @@ class RunConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     quant: QuantConfig = field(default_factory=QuantConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
     def to_dict(self) -> dict:
         return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
 
-    def validate(self) -> None:
-        """Raise a ValueError naming the keys when two sections ask for things that cannot go together."""
+    def validate(self, world_size: int | None = None) -> None:
+        """Raise a ValueError naming the keys when two sections ask for things that cannot go together.
+        `world_size`: the number of ranks under torchrun (1 included), None in a plain process."""
         ac, ec, loss = self.algorithm, self.engine, self.loss
         if ec.reuse_rollout_kv and ac.epochs * ac.minibatches != 1:
             raise ValueError("engine.reuse_rollout_kv: the rollout's K/V are stale after the first optimizer step; "
@@ -168,6 +174,26 @@ class RunConfig:
         if self.train.prompts_per_step % ac.minibatches:
             raise ValueError(f"algorithm.minibatches: {ac.minibatches} does not divide "
                              f"train.prompts_per_step={self.train.prompts_per_step}")
+        if world_size is not None:
+            self._validate_distributed(world_size)
+
+    def _validate_distributed(self, world: int) -> None:
+        """What torchrun with `world` ranks cannot do with this config."""
+        ac, P = self.algorithm, self.train.prompts_per_step
+        unit = world * ac.minibatches
+        if P % unit:
+            raise ValueError(f"train.prompts_per_step: {P} prompts per step (the global batch) do not split into "
+                             f"whole prompt groups over {world} ranks x {ac.minibatches} minibatch(es); set it to a "
+                             f"multiple of {unit} (e.g. {max(unit, P // unit * unit)}), or start another number of "
+                             "processes (torchrun --nproc_per_node x --nnodes), or change algorithm.minibatches")
+        if self.loss.router_aux_coef > 0:
+            raise ValueError("loss.router_aux_coef > 0 under torchrun: the MoE load-balancing loss couples the "
+                             "routing counts of every token of the minibatch across ranks, which is not implemented; "
+                             "set loss.router_aux_coef = 0 or train in one process")
+        if ac.dynamic_sampling and self.engine.reuse_rollout_kv:
+            raise ValueError("algorithm.dynamic_sampling with engine.reuse_rollout_kv under torchrun: the groups "
+                             "kept after a refill may train on another rank than the one that sampled them, and their "
+                             "K/V do not travel; set engine.reuse_rollout_kv = false")
 
 
 def _coerce(key: str, value, hint):

@@ -10,7 +10,8 @@ Token-level PPO-clip (covers GRPO, DAPO, Dr.GRPO through the aggregation):
   ℓ_t = −min(ρ_t A, clip(ρ_t, 1−ε_low, 1+ε_high) A)        (DAPO clip-higher: ε_high > ε_low)
   dual clip (Ye et al. 2020), A < 0:  ℓ_t = min(ℓ_t, −c·A)
   + kl_coef · KL_t (k1: log π − log π_ref; k3: e^{ref−log π} − (ref − log π) − 1) − entropy_coef · H_t
-Aggregation (normalisers over the whole minibatch, fixed before any block runs):
+Aggregation (normalisers over the whole minibatch, fixed before any block runs; under data
+parallelism the minibatch is the GLOBAL one, its counts passed in as `Normalisers`):
   token-mean               Σ_{i,t} ℓ / Σ_i |y_i|
   seq-mean-token-mean      (1/N) Σ_i (1/|y_i|) Σ_t ℓ
   seq-mean-token-sum-norm  (1/N) Σ_i Σ_t ℓ / L_max          (Dr.GRPO; L_max = max_len_norm)
@@ -53,6 +54,28 @@ AGGREGATIONS: dict[str, Callable[[int, int, int, int], float]] = {
     "seq-mean-token-mean": lambda n_i, n_total, n_seq, lmax: 1.0 / (n_seq * max(1, n_i)),
     "seq-mean-token-sum-norm": lambda n_i, n_total, n_seq, lmax: 1.0 / (n_seq * lmax),
 }
+
+
+@dataclass(frozen=True)
+class Normalisers:
+    """The counts of a minibatch that normalise the loss and its metrics, fixed before any block
+    runs. By default those of the sequences the objective is built on; under data parallelism the
+    trainer passes those of the GLOBAL minibatch (every rank's share), so that the sum over ranks of
+    each rank's gradient (and metric) is the one of a single process on the whole minibatch."""
+
+    n_seq: int  # N: sequences
+    n_tok: int  # Σ_i |y_i|: completion tokens
+    lmax: int  # the longest completion (≥ 1): L_max of seq-mean-token-sum-norm when max_len_norm is None
+    n_pg_seq: int  # sequences with a policy-gradient term (advantage ≠ 0, ≥ 1 completion token)
+    n_pg_tok: int  # completion tokens of the sequences with advantage ≠ 0
+
+    @staticmethod
+    def of(completion_mask: list[Tensor], advantages) -> Normalisers:
+        n_tok = [int(m.sum()) for m in completion_mask]
+        adv = torch.as_tensor(advantages, dtype=torch.float64).flatten().cpu()
+        return Normalisers(n_seq=len(n_tok), n_tok=sum(n_tok), lmax=max(max(n_tok, default=0), 1),
+                           n_pg_seq=sum(1 for n, a in zip(n_tok, adv) if n > 0 and a != 0),
+                           n_pg_tok=sum(n for n, a in zip(n_tok, adv) if a != 0))
 
 
 def _groups(rewards: Tensor, group_size: int) -> Tensor:
@@ -212,7 +235,7 @@ class PolicyObjective(Objective):
     """Shared bookkeeping: per-token statistics in the flat layout, normalisers, metrics."""
 
     def __init__(self, config, *, sequences, completion_mask, advantages, old_logprobs=None, ref_logprobs=None,
-                 rollout_logprobs=None, old_is_current=False):
+                 rollout_logprobs=None, old_is_current=False, normalisers: Normalisers | None = None):
         n = len(sequences)
         if old_is_current and old_logprobs is None:
             raise ValueError("old_is_current: needs old_logprobs (the log-probs at the current weights)")
@@ -237,6 +260,8 @@ class PolicyObjective(Objective):
         self.adv = torch.as_tensor(advantages, dtype=torch.float64).flatten().cpu()
         self.n_seq = n
         self.n_tok = [int(m.sum()) for m in self.mask]
+        # the loss's denominators: this minibatch's counts, or the global minibatch's (data parallel)
+        self.norm = normalisers if normalisers is not None else Normalisers.of(self.mask, self.adv)
         self.adv_flat = torch.cat([torch.full((L,), float(a), dtype=torch.float64)
                                    for L, a in zip(self.lengths, self.adv)])
         cat = lambda xs: torch.cat([x.detach().double().cpu().reshape(-1) for x in xs])  # noqa: E731
@@ -279,8 +304,13 @@ class PolicyObjective(Objective):
         self.is_flat, m = mismatch_weights(old, self.rollout_flat, self.offsets, self.lengths, self.pg_mask(),
                                            level=cfg.is_level, mode=cfg.is_mode, cap_low=cfg.is_cap_low,
                                            cap_high=cfg.is_cap_high)
+        # the metrics are means over this minibatch's weighted units; as shares of the global count
+        # they add up over ranks (a factor of exactly 1 in one process)
+        units = [int(x.sum()) for x in self.pg_mask()]
+        local, total = ((sum(units), self.norm.n_pg_tok) if cfg.is_level == "token"
+                        else (sum(u > 0 for u in units), self.norm.n_pg_seq))
         for k, v in m.items():
-            self._add(k, v)
+            self._add(k, v * local / max(1, total) if local != total else v)
 
     def active(self, sequences):
         reads_all = self.cfg.kl_coef > 0 or self.cfg.entropy_coef > 0
@@ -301,7 +331,7 @@ class PolicyObjective(Objective):
 
     def _tokw(self, view) -> Tensor:
         """Metric weights: 1 / (total completion tokens), so sums over blocks are token means."""
-        return torch.full_like(view.flat_N, 1.0, dtype=torch.float64) / max(1, sum(self.n_tok))
+        return torch.full_like(view.flat_N, 1.0, dtype=torch.float64) / max(1, self.norm.n_tok)
 
     def _add(self, key: str, value) -> None:
         self._sums[key] = self._sums.get(key, 0.0) + float(value)
@@ -318,9 +348,10 @@ class PPOClipObjective(PolicyObjective):
     def token_coefficients(self) -> Tensor:
         weight = AGGREGATIONS[self.cfg.aggregation]
         out = torch.zeros(len(self.adv_flat), dtype=torch.float64)
-        n_total, lmax = sum(self.n_tok), self.cfg.max_len_norm or max(max(self.n_tok), 1)
+        nm = self.norm
+        n_total, lmax = nm.n_tok, self.cfg.max_len_norm or nm.lmax
         for i, (o, L) in enumerate(zip(self.offsets, self.lengths)):
-            out[o:o + L] = weight(self.n_tok[i], n_total, self.n_seq, lmax)
+            out[o:o + L] = weight(self.n_tok[i], n_total, nm.n_seq, lmax)
         return out
 
     def block_loss(self, view: BlockView) -> Tensor:
@@ -338,7 +369,7 @@ class PPOClipObjective(PolicyObjective):
         if self.is_flat is not None:  # decoupled PPO: the detached mismatch weight, PG term only
             loss_t = self.is_flat.to(dev, dt)[view.flat_N] * loss_t
         # ratio statistics over the tokens with a policy-gradient term (as GSPO's and the is/ ones)
-        w = (A != 0).double() / max(1, sum(n for n, a in zip(self.n_tok, self.adv) if a != 0))
+        w = (A != 0).double() / max(1, self.norm.n_pg_tok)
         r = ratio.detach()
         self._add("clip_frac_low", (((r < 1 - cfg.eps_low) & (A < 0)).double() * w).sum())
         self._add("clip_frac_high", (((r > 1 + cfg.eps_high) & (A > 0)).double() * w).sum())
@@ -359,7 +390,7 @@ class GSPOObjective(PolicyObjective):
         # KL / entropy per token: sequence mean of token means
         out = torch.zeros(len(self.adv_flat), dtype=torch.float64)
         for i, (o, L) in enumerate(zip(self.offsets, self.lengths)):
-            out[o:o + L] = 1.0 / (self.n_seq * max(1, self.n_tok[i]))
+            out[o:o + L] = 1.0 / (self.norm.n_seq * max(1, self.n_tok[i]))
         return out
 
     def setup(self, logprobs):
@@ -386,11 +417,12 @@ class GSPOObjective(PolicyObjective):
             lo, hi = 1 - cfg.eps_low, 1 + cfg.eps_high
             unclipped = s * A <= min(max(s, lo), hi) * A
             g = -A if unclipped else 0.0
-            self.pg_flat[o:o + L][m] = w * g * s / (self.n_seq * self.n_tok[i])
-            self._add("ratio_mean", s / len(pg))
-            self._add("clip_frac_low", float(not unclipped and s < lo) / len(pg))
-            self._add("clip_frac_high", float(not unclipped and s > hi) / len(pg))
-            self._add("policy", -w * min(s * A, min(max(s, lo), hi) * A) / self.n_seq)
+            n_seq, n_pg = self.norm.n_seq, self.norm.n_pg_seq
+            self.pg_flat[o:o + L][m] = w * g * s / (n_seq * self.n_tok[i])
+            self._add("ratio_mean", s / n_pg)
+            self._add("clip_frac_low", float(not unclipped and s < lo) / n_pg)
+            self._add("clip_frac_high", float(not unclipped and s > hi) / n_pg)
+            self._add("policy", -w * min(s * A, min(max(s, lo), hi) * A) / n_seq)
 
     def block_loss(self, view: BlockView) -> Tensor:
         logp, ent = _logp_entropy(view, self.cfg.temperature, self.cfg.entropy_coef > 0)
@@ -401,7 +433,8 @@ class GSPOObjective(PolicyObjective):
 
 
 def build_objective(config, *, sequences, completion_mask, advantages, old_logprobs=None,
-                    ref_logprobs=None, rollout_logprobs=None, old_is_current=False) -> PolicyObjective:
+                    ref_logprobs=None, rollout_logprobs=None, old_is_current=False,
+                    normalisers: Normalisers | None = None) -> PolicyObjective:
     """The objective of `config` (a loss config: PPOClipConfig, GSPOConfig, tbpo.TBPOConfig) over
     one minibatch; each config builds its own objective (`config.build`), so variants defined
     elsewhere need no entry here. Per sequence, aligned to it (NaN at the prompt tokens):
@@ -410,13 +443,16 @@ def build_objective(config, *, sequences, completion_mask, advantages, old_logpr
     rollout_logprobs  the sampler's μ (needed by loss.is_level != 'none' and by TBPO, ignored else);
     old_is_current  old_logprobs are at the current weights and numerics (the aligned sampler's, when
                     the engine takes the rollout's K/V and runs no prefill): the sequence ratios
-                    (GSPO, TBPO) are then 1 without a prefill."""
+                    (GSPO, TBPO) are then 1 without a prefill;
+    normalisers   the counts the loss is divided by (`Normalisers`); None = those of these sequences.
+                  Data parallelism passes the global minibatch's, so that the gradients of the ranks
+                  sum to the single-process one."""
     if not isinstance(config, _Common):
         raise TypeError(f"config: expected a loss config (PPOClipConfig, GSPOConfig, TBPOConfig), "
                         f"got {type(config).__name__}")
     return config.build(sequences=sequences, completion_mask=completion_mask, advantages=advantages,
                         old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, rollout_logprobs=rollout_logprobs,
-                        old_is_current=old_is_current)
+                        old_is_current=old_is_current, normalisers=normalisers)
 
 
 def _naive_mismatch_weight(config, old: Tensor, rollout: Tensor) -> Tensor:

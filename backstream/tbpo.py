@@ -127,11 +127,11 @@ class TBPOObjective(PolicyObjective):
             else:
                 inside = 1 - cfg.neg_seq_clip_ratio_low <= s <= 1 + cfg.neg_seq_clip_ratio_high
             M = float(inside)
-            self.pg_flat[o:o + L][m] = -M * w * A * s / (self.n_seq * self.n_tok[i])
+            self.pg_flat[o:o + L][m] = -M * w * A * s / (self.norm.n_seq * self.n_tok[i])
             rows.append((A, s, w, abs(lw) > log_c, M))
-        self._add("policy", sum(-M * w * s * A for A, s, w, _, M in rows) / self.n_seq)
+        self._add("policy", sum(-M * w * s * A for A, s, w, _, M in rows) / self.norm.n_seq)
         if rows:
-            n = len(rows)
+            n = self.norm.n_pg_seq  # len(rows) in one process; the global count under data parallelism
             self._add("ratio_mean", sum(r[1] for r in rows) / n)
             self._add("tbpo/masked_frac", sum(r[4] == 0 for r in rows) / n)
             self._add("tbpo/masked_pos", sum(r[4] == 0 and r[0] > 0 for r in rows) / n)

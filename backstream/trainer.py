@@ -13,7 +13,13 @@ One step (`Trainer.train_step`), in the stages of DESIGN §1:
               when there is a single update per rollout, else from one no-grad pass up front;
   metrics     one line: rewards, lengths, loss terms, sampler/learner mismatch, time per phase.
 The policy, the data and the optimizer are built by their configs (model.py, data.py, optim.py).
-Simplified on purpose: one process (no data parallelism yet); rollout and learner share weights.
+
+Under torchrun (`distributed.py`, DESIGN §6c) the same loop runs on every rank: the policy is sharded
+with FSDP2, each rank samples and trains whole prompt groups of the global batch, the rollouts are
+gathered so that rewards, advantages, normalisers and metrics are those of the global batch, and the
+gradients are summed over ranks; only rank 0 writes the run folder (checkpoints are collective).
+Simplified on purpose: rollout and learner share weights (and, under torchrun, the rollout runs on
+the learner's ranks with the parameters gathered).
 """
 
 from __future__ import annotations
@@ -32,10 +38,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from backstream import checkpoint, config as cfgmod, data as datamod, runfolder
+from backstream import checkpoint, config as cfgmod, data as datamod, distributed, runfolder
 from backstream.adapter import base_model
 from backstream.engine import StreamResult, logprobs as engine_logprobs, stream_backward
-from backstream.losses import build_objective, drgrpo_advantages, grpo_advantages, rloo_advantages
+from backstream.losses import Normalisers, build_objective, drgrpo_advantages, grpo_advantages, rloo_advantages
 from backstream.metrics import Logger, check_backends
 from backstream.offpolicy import error_token_share, mismatch_metrics
 from backstream.quant import quant_linears, quantize_model, quantized
@@ -120,7 +126,7 @@ class ReferenceBackward:
     def logprobs(self, model, sequences: list[Tensor], mask: list[Tensor]) -> list[Tensor]:
         """Plain full-sequence forwards, no grad; NaN outside `mask`."""
         out = []
-        with torch.no_grad():
+        with torch.no_grad(), distributed.gathered(model):  # no per-forward all-gather under FSDP
             for s, m in zip(sequences, mask):
                 logits = model(input_ids=s[None].to(self.device)).logits[0, :-1]
                 logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
@@ -178,6 +184,16 @@ def logprob_gaps(learner: list[Tensor], sampler: list[Tensor], mask: list[Tensor
     return out
 
 
+class _NoLogger:
+    """The logger of the ranks other than 0 under torchrun: the Logger's methods, doing nothing."""
+
+    def log(self, metrics: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 class NonFiniteError(ValueError):
     """Training produced NaN/inf (gradients or weights): the run stops before writing from them."""
 
@@ -196,8 +212,9 @@ class Batch:
 
 
 class Trainer:
-    """One run in one process: built from a RunConfig (policy, prompts, rewards, optimizer, the
-    backward), then `train_step` after `train_step`; checkpoints and resume."""
+    """One run: built from a RunConfig (policy, prompts, rewards, optimizer, the backward), then
+    `train_step` after `train_step`; checkpoints and resume. In one process, or on every rank of a
+    torchrun job (see the module docstring)."""
 
     def __init__(self, cfg: cfgmod.RunConfig, run_dir: str | None = None, resume: bool = False,
                  model=None, tokenizer=None, overwrite: bool = False):
@@ -208,8 +225,9 @@ class Trainer:
         tc = cfg.train
         torch.manual_seed(tc.seed)
         self.device = cfg.model.torch_device()
-        cfg.validate()
+        cfg.validate(world_size=distributed.requested_world())  # None in a plain process
         check_backends(tc.log_tensorboard, tc.log_wandb)
+        self.distributed = distributed.init(cfg.distributed, self.device)
         self.model, self.tok = cfg.model.build(model, tokenizer)
         if cfg.quant.enabled:  # after LoRA: the base layers are quantized, the adapters stay in full precision
             quantize_model(self.model, cfg.quant)
@@ -220,8 +238,11 @@ class Trainer:
             verify_engine(self.model)
         self._load_prompts()
         self.rewards = Rewards(cfg.reward)
+        self.ref = self._reference_policy(copy_of_given=model is not None)  # a whole copy, before sharding
+        if self.distributed:  # after LoRA and quantization; the optimizer then holds the shards
+            distributed.check_same_weights(self.model)
+            distributed.shard(self.model, cfg.distributed, self.device)
         self.opt, self.sched = cfg.optim.build(self.model.parameters())
-        self.ref = self._reference_policy(copy_of_given=model is not None)
         stream = cfg.engine.backward == "stream"
         self.engine = StreamedBackward(cfg.engine) if stream else ReferenceBackward(self.device)
         self.advantage_fn = ADVANTAGES[cfg.algorithm.advantage]
@@ -233,20 +254,26 @@ class Trainer:
         self.times = dict.fromkeys(PHASES, 0.0)
         self.run_dir = run_dir or tc.output_dir
         self.eos = self.tok.eos_token_id
-        self.lock = runfolder.claim(self.run_dir, resume=resume, overwrite=overwrite)
+        # rank 0 owns the run folder (lock, config, metrics); its errors stop every rank
+        self.lock = distributed.on_main(lambda: runfolder.claim(self.run_dir, resume=resume, overwrite=overwrite))
         try:
             if resume:
                 self._resume()
             else:
-                with open(os.path.join(self.run_dir, "config.toml"), "w") as f:
-                    f.write(to_toml(cfg.to_dict()))
-            self.logger = Logger(self.run_dir, progress=tc.progress, tensorboard=tc.log_tensorboard,
-                                 wandb=tc.log_wandb, config=cfg.to_dict(), total_steps=tc.steps, append=resume,
-                                 wandb_project=tc.wandb_project, start_step=self.step)
+                distributed.on_main(self._write_config)
+            self.logger = distributed.on_main(lambda: Logger(
+                self.run_dir, progress=tc.progress, tensorboard=tc.log_tensorboard, wandb=tc.log_wandb,
+                config=cfg.to_dict(), total_steps=tc.steps, append=resume, wandb_project=tc.wandb_project,
+                start_step=self.step)) or _NoLogger()
         except BaseException:
-            self.lock.release()
+            if self.lock is not None:
+                self.lock.release()
             raise
         self._stop = False
+
+    def _write_config(self) -> None:
+        with open(os.path.join(self.run_dir, "config.toml"), "w") as f:
+            f.write(to_toml(self.cfg.to_dict()))
 
     def _load_prompts(self) -> None:
         """The examples, their prompts' token ids and text; a prompt whose completion could run
@@ -277,32 +304,25 @@ class Trainer:
 
     # -- checkpoints ----------------------------------------------------------------------------
     def state(self) -> dict:
-        return {"step": self.step, "optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict(),
+        """What a checkpoint holds beside the weights; the optimizer itself (checkpoint.save takes
+        its state_dict in one process, its shards under torchrun)."""
+        return {"step": self.step, "optimizer": self.opt, "scheduler": self.sched.state_dict(),
                 "rng": checkpoint.rng_state(self.gen), "data_position": self.stream.position}
 
     def save(self) -> str:
+        """A checkpoint of the current step (collective under torchrun: every rank calls it)."""
         self._check_finite_weights()
-        return checkpoint.save(self.run_dir, self.step, self.model, self.tok, self.state(),
-                               self.cfg.train.keep_checkpoints)
+        with distributed.clear_failures(f"the checkpoint of step {self.step}", self.cfg.distributed.timeout_s):
+            return checkpoint.save(self.run_dir, self.step, self.model, self.tok, self.state(),
+                                   self.cfg.train.keep_checkpoints)
 
     def _resume(self) -> None:
-        path = checkpoint.latest_intact(self.run_dir)
+        """Weights, optimizer, schedule, RNG, data position and step of the latest intact checkpoint
+        (written by any number of ranks: DCP reshards)."""
+        path = distributed.broadcast(checkpoint.latest_intact(self.run_dir) if distributed.is_main() else None)
         if path is None:
             raise ValueError(f"--resume: {self.run_dir} holds no complete checkpoint")
-        from safetensors.torch import load_file  # noqa: PLC0415
-
-        if self.cfg.model.lora_r > 0:
-            from peft import set_peft_model_state_dict  # noqa: PLC0415
-
-            set_peft_model_state_dict(self.model, load_file(os.path.join(path, "adapter_model.safetensors")))
-        else:
-            weights = load_file(os.path.join(path, "model.safetensors"))
-            missing, unexpected = self.model.load_state_dict(weights, strict=False)
-            assert not unexpected, unexpected
-            self.model.tie_weights()
-        st = checkpoint.load_state(path)
-        self.opt.load_state_dict(st["optimizer"])
-        self.sched.load_state_dict(st["scheduler"])
+        st = checkpoint.restore(path, self.model, self.opt, self.sched)
         checkpoint.restore_rng(st["rng"], self.gen)
         self.stream.position = st["data_position"]
         self.step = st["step"]
@@ -312,11 +332,12 @@ class Trainer:
         """One RL step (DESIGN §1): collect → advantages → update → metrics; returns the metrics."""
         t0 = time.perf_counter()
         self.times = dict.fromkeys(PHASES, 0.0)
-        batch = self.collect()
-        adv = self.advantages(batch.rewards) * batch.keep
-        logged, mismatch = self.update(batch.rollout, adv)
-        self.step += 1
-        return self.metrics(batch, adv, logged, mismatch, time.perf_counter() - t0)
+        with distributed.clear_failures(f"step {self.step + 1}", self.cfg.distributed.timeout_s):
+            batch = self.collect()  # the global batch (on every rank under torchrun)
+            adv = self.advantages(batch.rewards) * batch.keep
+            logged, mismatch = self.update(batch.rollout, adv)
+            self.step += 1
+            return self.metrics(batch, adv, logged, mismatch, time.perf_counter() - t0)
 
     @contextlib.contextmanager
     def _timed(self, phase: str):
@@ -325,14 +346,59 @@ class Trainer:
         self.times[phase] += time.perf_counter() - t
 
     def rollout_round(self, n_prompts: int) -> Rollout:
-        """G samples for each of the next `n_prompts` prompts of the data stream."""
-        idx = self.stream.take(n_prompts)
+        """G samples for each of the next `n_prompts` prompts of the data stream. Under torchrun,
+        this rank's share of them (`distributed.round_share`), each group drawn with its own
+        generator (`distributed.group_generator`), and `prompt_index` holds the groups' indices in
+        the round in `round_groups`."""
+        start, idx = self.stream.position, self.stream.take(n_prompts)
+        kw = dict(eos_token_id=self.eos, tokenizer=self.tok, return_kv=self.cfg.engine.reuse_rollout_kv)
         self.model.eval()
-        with quantized(self.model, self.cfg.quant.enabled):  # the sampler runs the rollout format
-            r = generate(self.model, [self.prompts[i] for i in idx], self.cfg.rollout, eos_token_id=self.eos,
-                         tokenizer=self.tok, generator=self.gen, return_kv=self.cfg.engine.reuse_rollout_kv)
-        r.prompt_index = [idx[j] for j in r.prompt_index]
+        # the sampler runs the rollout format; under FSDP with the parameters gathered once
+        with quantized(self.model, self.cfg.quant.enabled), distributed.gathered(self.model):
+            if not self.distributed:
+                r = generate(self.model, [self.prompts[i] for i in idx], self.cfg.rollout, generator=self.gen, **kw)
+                r.prompt_index = [idx[j] for j in r.prompt_index]
+                return r
+            mine = distributed.round_share(n_prompts, self.cfg.algorithm.minibatches, distributed.world(),
+                                           distributed.rank())
+            parts = [generate(self.model, [self.prompts[idx[j]]], self.cfg.rollout,
+                              generator=distributed.group_generator(self.cfg.train.seed, start + j), **kw)
+                     for j in mine]
+        r = Rollout.concat(parts) if parts else _empty_rollout(self.cfg.rollout.group_size, kw["return_kv"])
+        r.prompt_index = [idx[j] for j in mine for _ in range(r.group_size)]
+        self.round_groups = mine
         return r
+
+    def sample_and_score(self, n_prompts: int) -> tuple[Rollout, Tensor, dict[str, Tensor]]:
+        """One rollout round and its rewards (total, per function), over the whole round: under
+        torchrun each rank samples and scores its share, then every rank gets every share (without
+        the K/V, which stay on the rank that computed them), in the round's order."""
+        with self._timed("rollout"):
+            r = self.rollout_round(n_prompts)
+        with self._timed("reward"):
+            total, per_fn = self.score(r) if len(r) else (torch.zeros(0), {})
+        if not self.distributed:
+            return r, total, per_fn
+        light = dataclasses.replace(r, kv=None)
+        parts = distributed.gather((self.round_groups, light, total, per_fn))
+        G, me = r.group_size, distributed.rank()
+        where = {j: (k, g) for k, (groups, *_) in enumerate(parts) for g, j in enumerate(groups)}
+        rows = [(where[j], i) for j in range(n_prompts) for i in range(G)]  # ((part, group), sample)
+        pick = lambda k, g, i: g * G + i  # noqa: E731
+        out = Rollout(
+            prompt_index=[parts[k][1].prompt_index[pick(k, g, i)] for (k, g), i in rows],
+            prompt_ids=[parts[k][1].prompt_ids[pick(k, g, i)] for (k, g), i in rows],
+            completion_ids=[parts[k][1].completion_ids[pick(k, g, i)] for (k, g), i in rows],
+            logprobs=[parts[k][1].logprobs[pick(k, g, i)] for (k, g), i in rows],
+            finish_reason=[parts[k][1].finish_reason[pick(k, g, i)] for (k, g), i in rows],
+            # this rank's samples keep their K/V (engine.reuse_rollout_kv), the others' are not here
+            kv=None if r.kv is None else [r.kv[pick(k, g, i)] if k == me else None for (k, g), i in rows],
+            group_size=G)
+        total = torch.stack([parts[k][2][pick(k, g, i)] for (k, g), i in rows])
+        keys = [key for _, _, _, fns in parts for key in fns]
+        per_fn = {key: torch.stack([parts[k][3][key][pick(k, g, i)] for (k, g), i in rows])
+                  for key in dict.fromkeys(keys)}
+        return out, total, per_fn
 
     def score(self, r: Rollout) -> tuple[Tensor, dict[str, Tensor]]:
         """Total reward per sample and each reward function's, given the prompts and the columns."""
@@ -351,10 +417,7 @@ class Trainer:
             need = self.cfg.train.prompts_per_step - sum(len(r) for r, _, _ in kept) // G
             if need <= 0:
                 break
-            with self._timed("rollout"):
-                r = self.rollout_round(need)
-            with self._timed("reward"):
-                total, per_fn = self.score(r)
+            r, total, per_fn = self.sample_and_score(need)
             scored.append(total)
             for k, v in per_fn.items():
                 by_fn.setdefault(k, []).append(v)
@@ -375,33 +438,48 @@ class Trainer:
     def update(self, batch: Rollout, adv: Tensor) -> tuple[dict[str, list[float]], dict[str, float]]:
         """`epochs` × `minibatches` optimizer steps on the collected samples, each over one
         group-aligned minibatch: its objective, the backward chosen at construction, a clipped step.
-        The learner runs the rollout's quantized forward when `quant.aligned`, full precision else.
-        Returns each step's loss metrics and the sampler/learner mismatch of the first epoch."""
+        Under torchrun `batch` is the global batch and this rank trains its own groups of each
+        minibatch, normalised by the global minibatch's counts. The learner runs the rollout's
+        quantized forward when `quant.aligned`, full precision else. Returns each step's loss
+        metrics (summed over ranks) and the sampler/learner mismatch of the first epoch."""
         with quantized(self.model, self.cfg.quant.aligned):
             return self._update(batch, adv)
 
     def _update(self, batch: Rollout, adv: Tensor) -> tuple[dict[str, list[float]], dict[str, float]]:
         ac = self.cfg.algorithm
+        G, n_groups = batch.group_size, len(batch) // batch.group_size
         seqs, mask, sampler_lp = batch.sequences(), batch.completion_mask(), batch.aligned_logprobs()
-        old, ref = self.policy_logprobs(seqs, mask, sampler_lp)
+        # per minibatch, its rows in the batch (the global minibatch's, normalising) and this rank's
+        # (one process: the same); `mine` = this rank's rows, `at` their place in the local lists
+        glob = minibatches(n_groups, ac.minibatches, G)
+        groups = distributed.rank_groups(n_groups, ac.minibatches, distributed.world(), distributed.rank())
+        mine = [g * G + i for g in groups for i in range(G)]
+        owned = set(mine)
+        local = [[r for r in rows if r in owned] for rows in glob]
+        at = {r: k for k, r in enumerate(mine)}
+        seqs_l, mask_l, sampler_l = take(seqs, mine), take(mask, mine), take(sampler_lp, mine)
+        kv_l = take(batch.kv, mine)
+        old, ref = self.policy_logprobs(seqs_l, mask_l, sampler_l)
+        norms = [Normalisers.of(take(mask, rows), adv[rows]) for rows in glob]
         logged: dict[str, list[float]] = {}
-        learner_lp: list[Tensor | None] = [None] * len(seqs)  # at the weights that sampled, first epoch
+        learner_lp: list[Tensor | None] = [None] * len(mine)  # at the weights that sampled, first epoch
         gaps: list[Tensor] = []
         for epoch in range(ac.epochs):
-            for rows in minibatches(len(batch) // batch.group_size, ac.minibatches, batch.group_size):
-                obj = build_objective(self.cfg.loss, sequences=take(seqs, rows), completion_mask=take(mask, rows),
-                                      advantages=adv[rows], old_logprobs=take(old, rows), ref_logprobs=take(ref, rows),
-                                      rollout_logprobs=take(sampler_lp, rows),
-                                      old_is_current=self.cfg.engine.reuse_rollout_kv)
+            for rows_g, norm in zip(local, norms):
+                rows = [at[r] for r in rows_g]
+                obj = build_objective(self.cfg.loss, sequences=take(seqs_l, rows), completion_mask=take(mask_l, rows),
+                                      advantages=adv[rows_g], old_logprobs=take(old, rows),
+                                      ref_logprobs=take(ref, rows), rollout_logprobs=take(sampler_l, rows),
+                                      old_is_current=self.cfg.engine.reuse_rollout_kv, normalisers=norm)
                 self.model.train(False)  # no dropout: the backward must be that of the sampled policy
-                res = self.engine.backward(self.model, take(seqs, rows), obj, kv=take(batch.kv, rows))
+                res = self.engine.backward(self.model, take(seqs_l, rows), obj, kv=take(kv_l, rows))
                 self.times["prefill"] += res.stats.prefill_s
                 self.times["backward"] += res.stats.backward_s
                 if epoch == 0:  # sampler/learner agreement on the tokens the learner computed
-                    gaps += logprob_gaps(res.logprobs, take(sampler_lp, rows), take(mask, rows))
+                    gaps += logprob_gaps(res.logprobs, take(sampler_l, rows), take(mask_l, rows))
                     for r, lp in zip(rows, res.logprobs):
                         learner_lp[r] = lp
-                step = obj.metrics()
+                step = distributed.sum_metrics(obj.metrics())  # additive: the normalisers are global
                 with self._timed("optim"):
                     grad_norm = self._optimizer_step(loss_finite=all(math.isfinite(v) for v in step.values()))
                 if res.stats.router_aux_loss is not None:
@@ -412,7 +490,16 @@ class Trainer:
         # the learner's log-probs before the update: π_old when it was computed up front (several
         # optimizer steps), else the engine's own at the first (and only) step's weights
         before = old if old is not None and not self.cfg.engine.reuse_rollout_kv else learner_lp
-        mismatch = mismatch_metrics(before, sampler_lp, mask)
+        if self.distributed:  # the mismatch of the global batch: every rank's rows, in the batch's order
+            parts = distributed.gather((mine, before, gaps))
+            before = [None] * len(batch)
+            for rows, lps, _ in parts:
+                for r, lp in zip(rows, lps):
+                    before[r] = lp
+            gaps = [g for _, _, gs in parts for g in gs]
+            mismatch = mismatch_metrics(before, sampler_lp, mask)
+        else:
+            mismatch = mismatch_metrics(before, sampler_l, mask_l)
         if gaps:
             mismatch["mismatch/logprob_abs"] = float(torch.stack(gaps).mean())
         return logged, mismatch
@@ -426,7 +513,7 @@ class Trainer:
         if self.cfg.engine.reuse_rollout_kv:
             old = sampler_lp
         elif ac.epochs * ac.minibatches > 1:
-            with self._timed("prefill"):
+            with self._timed("prefill"), distributed.gathered(self.model):
                 old = self.engine.logprobs(self.model, seqs, mask)
         if ac.kl_reference:
             with self._timed("prefill"):
@@ -449,21 +536,18 @@ class Trainer:
         m["mismatch/error_token_share"] = error_token_share(batch.rollout.completion_ids)
         tokens = sum(len(p) + len(c) for p, c in zip(batch.rollout.prompt_ids, batch.rollout.completion_ids))
         m["optim/skipped_nonfinite"] = self.skipped_nonfinite
-        m.update({f"time/{k}": v for k, v in self.times.items()})
+        m.update({f"time/{k}": v for k, v in self.times.items()})  # rank 0's, under torchrun
         m.update({"time/step": step_time, "throughput/tokens_per_s": tokens / step_time,
-                  "optim/lr": self.sched.get_last_lr()[0], "memory/peak_mib": peak_mib(self.device)})
+                  "optim/lr": self.sched.get_last_lr()[0],
+                  "memory/peak_mib": distributed.max_over_ranks(peak_mib(self.device))})  # the fullest rank's
         return m
 
     def _optimizer_step(self, loss_finite: bool = True) -> float:
         """Clip and step; a NaN/inf loss term or gradient norm skips the step instead, and
         `optim.max_nonfinite_steps` of them in a row stop the run."""
         params = [p for p in self.model.parameters() if p.requires_grad]
-        mx = self.cfg.optim.max_grad_norm
-        if mx > 0:
-            gn = float(torch.nn.utils.clip_grad_norm_(params, mx))
-        else:
-            norms = [p.grad.norm() for p in params if p.grad is not None]
-            gn = float(torch.norm(torch.stack(norms))) if norms else 0.0  # no gradient: every advantage was 0
+        distributed.reshard(self.model)  # no gathered copy outlives the step (the next forward re-gathers)
+        gn = distributed.grad_norm(params, self.cfg.optim.max_grad_norm)  # global: every rank decides alike
         if not (math.isfinite(gn) and loss_finite):
             self.opt.zero_grad(set_to_none=True)
             self.skipped_nonfinite += 1
@@ -488,7 +572,7 @@ class Trainer:
                 "returning NaN/inf")
 
     def _check_finite_weights(self) -> None:
-        bad = [n for n, p in self.model.named_parameters() if not bool(torch.isfinite(p).all())]
+        bad = distributed.nonfinite_params(self.model)  # over every rank's shards
         if bad:
             raise NonFiniteError(f"train: parameters {bad[:3]}{' …' if len(bad) > 3 else ''} hold NaN/inf at step "
                                  f"{self.step}; no checkpoint is written from them. Last good checkpoint: "
@@ -497,7 +581,7 @@ class Trainer:
     def _ref_logprobs(self, seqs, mask):
         if self.ref is not None:
             return self.engine.logprobs(self.ref, seqs, mask)
-        with self.model.disable_adapter():  # LoRA: the base model is the reference
+        with self.model.disable_adapter(), distributed.gathered(self.model):  # LoRA: the base model is the reference
             return self.engine.logprobs(self.model, seqs, mask)
 
     def _signal(self, signum, frame):
@@ -507,18 +591,29 @@ class Trainer:
         tc = self.cfg.train
         old = {s: signal.signal(s, self._signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
-            while self.step < tc.steps and not self._stop:
+            # a signal may reach one rank only: every rank stops at the same step boundary
+            while self.step < tc.steps and not distributed.any_rank(self._stop):
                 m = self.train_step()
                 self.logger.log(m)
                 if tc.save_every and self.step % tc.save_every == 0:
                     self.save()
             self.save()
+        except BaseException:
+            distributed.abandon()  # the other ranks' collectives fail now rather than at the timeout
+            raise
         finally:
             for s, h in old.items():
                 signal.signal(s, h)
             self.logger.close()
-            self.lock.release()
+            if self.lock is not None:
+                self.lock.release()
         return self.run_dir
+
+
+def _empty_rollout(group_size: int, with_kv: bool) -> Rollout:
+    """A rank's share of a round too small to reach it (a DAPO refill of fewer groups than ranks)."""
+    return Rollout(prompt_index=[], prompt_ids=[], completion_ids=[], logprobs=[], finish_reason=[],
+                   kv=[] if with_kv else None, group_size=group_size)
 
 
 def to_toml(d: dict) -> str:

@@ -1,0 +1,10 @@
+"""`python -m backstream ...` is the `backstream` command; under torchrun too:
+
+    torchrun --nproc_per_node 8 -m backstream train run.toml
+"""
+
+import sys
+
+from backstream.cli import main
+
+sys.exit(main())

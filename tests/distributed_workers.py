@@ -1,0 +1,194 @@
+"""What tests/test_distributed.py runs on each rank of a torchrun-like job (tests/dist.py spawns the
+processes with torchrun's environment and `init=False`, so the trainer starts the process group
+itself) and, for the single-process reference, in the test process with a process group of one.
+
+The model is a tiny float64 Qwen3 with exact norms, the same on every rank (seeded); the runs are
+`trainer.train` with the config of `run_cfg`, as a user's would be.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+from models import exact_norms
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from backstream import config, distributed, trainer
+from backstream.default_model import build_tokenizer
+
+warnings.filterwarnings("ignore", category=FutureWarning)
+STEPS = 2
+
+# name → overrides: the runs compared with the single-process reference; between them every loss
+# normaliser that must be global (Σ|y_i| of token-mean, N of GSPO/TBPO, L_max of Dr.GRPO), DAPO refills
+# (rank 1 samples nothing in a refill of one group), the rollout's K/V reused, the KL reference
+CASES = {
+    "stream": ['engine.backward="stream"', "train.save_every=1"],
+    "reference": ['engine.backward="reference"', 'loss.type="gspo"'],
+    # KL to the base model under the adapters (a full copy of a model passed in would share the
+    # exact_norms patch of the tests' model, hence of the sharded one)
+    "lora": ['engine.backward="stream"', "model.lora_r=4", "model.lora_alpha=8", "engine.reuse_rollout_kv=true",
+             "algorithm.kl_reference=true", "loss.kl_coef=0.1"],
+    "epochs_minibatches": ['engine.backward="stream"', "algorithm.epochs=2", "algorithm.minibatches=2",
+                           "train.prompts_per_step=4", 'loss.aggregation="seq-mean-token-sum-norm"'],
+    # QaRL: the quantized layers hold the master weights FSDP shards; codes from the gathered weights
+    "quant": ['engine.backward="stream"', 'quant.rollout="w8a8"', "quant.aligned=true"],
+    "dapo_tbpo": ['engine.backward="stream"', "algorithm.dynamic_sampling=true", "algorithm.max_refills=3",
+                  'loss.type="tbpo"', "reward.functions=['distributed_workers:flat_for_half']"],
+}
+
+
+def tiny(seed: int = 0):
+    tok = build_tokenizer()
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
+                      tie_word_embeddings=True, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    return exact_norms(Qwen3ForCausalLM(cfg).to(torch.float64).eval()), tok
+
+
+def run_cfg(out: str, *extra):
+    return config.load(None, [
+        'model.dtype="float64"', f"train.steps={STEPS}", "train.prompts_per_step=2", "rollout.group_size=4",
+        "rollout.max_new_tokens=5", "data.num_examples=32", "optim.lr=1e-2", "train.progress=false",
+        "engine.block_size=3", "distributed.timeout_s=60", "reward.functions=['rewards_for_tests:count_digits']",
+        f'train.output_dir="{out}"', *extra])
+
+
+def full_weights(model) -> dict[str, torch.Tensor]:
+    """The whole weights (DTensor shards gathered: a collective), float64, on the CPU."""
+    out = {}
+    for k, v in model.state_dict().items():
+        v = v.full_tensor() if hasattr(v, "full_tensor") else v
+        out[k] = v.detach().to("cpu", torch.float64).clone()
+    return out
+
+
+class Counter:
+    """Counts FSDP's gradient reductions (reduce-scatters) and parameter all-gathers of this rank."""
+
+    def __init__(self):
+        self.n = {"reduce_scatter": 0, "all_gather": 0}
+        self.real = (dist.reduce_scatter_single, dist.all_gather_single)
+
+    def __enter__(self):
+        rs, ag = self.real
+
+        def reduce_scatter(*a, **kw):
+            self.n["reduce_scatter"] += 1
+            return rs(*a, **kw)
+
+        def all_gather(*a, **kw):
+            self.n["all_gather"] += 1
+            return ag(*a, **kw)
+
+        dist.reduce_scatter_single, dist.all_gather_single = reduce_scatter, all_gather
+        return self
+
+    def __exit__(self, *exc):
+        dist.reduce_scatter_single, dist.all_gather_single = self.real
+
+
+def _train(out: str, overrides: list[str], resume: str | None = None):
+    model, tok = tiny()
+    if resume:
+        t = trainer.Trainer(config.load(os.path.join(resume, "config.toml"), overrides), run_dir=resume,
+                            resume=True, model=model, tokenizer=tok)
+    else:
+        t = trainer.Trainer(run_cfg(out, *overrides), model=model, tokenizer=tok)
+    t.run()
+    return t
+
+
+def ranks_job(tmp: str) -> dict:
+    """Every check that needs the 2-rank job, in one launch (each launch costs seconds of imports)."""
+    res: dict = {"rank": int(os.environ["RANK"])}
+    # 1. a global batch that does not split over the ranks: refused before the group or the folder exist
+    try:
+        _train(os.path.join(tmp, "bad"), ["train.prompts_per_step=3"])
+    except ValueError as e:
+        res["bad_input"] = str(e)
+    res["bad_written"] = os.path.exists(os.path.join(tmp, "bad"))
+    res["group_started"] = distributed.active()
+    # 2. the runs compared with one process; the reductions counted
+    for name, extra in CASES.items():
+        with Counter() as c:
+            t = _train(os.path.join(tmp, name), extra)
+        res[name] = {"weights": full_weights(t.model), "counts": dict(c.n), "units": _trainable_units(t.model),
+                     "optimizer_steps": STEPS * t.cfg.algorithm.epochs * t.cfg.algorithm.minibatches,
+                     "prompts_drawn": t.stream.position}
+    # 3. resume on 2 ranks from the checkpoint of step 1 of "stream" (step 2's removed): step 2 again
+    src, split = os.path.join(tmp, "stream"), os.path.join(tmp, "resumed")
+    if distributed.is_main():
+        shutil.copytree(src, split)
+        shutil.rmtree(os.path.join(split, "checkpoints", f"step-{STEPS}"))
+    dist.barrier()
+    t = _train(split, [], resume=split)
+    res["resumed"] = full_weights(t.model)
+    # 4. a rank that fails mid-step (rank 1's reward function raises at step 2): every rank stops with
+    # a message, in seconds, and no checkpoint of that step is written. Last: it ends the group.
+    t0 = time.perf_counter()
+    try:
+        _train(os.path.join(tmp, "fails"), ["train.save_every=1",
+                                            "reward.functions=['distributed_workers:fails_on_rank_1']"])
+    except Exception as e:  # noqa: BLE001
+        res["failure"] = f"{type(e).__name__}: {e}"
+    res["failure_s"] = time.perf_counter() - t0
+    return res
+
+
+_CALLS = [0]
+
+
+def fails_on_rank_1(completions, **kw):
+    """A reward function that breaks on rank 1 at its second call (step 2)."""
+    _CALLS[0] += 1
+    if os.environ.get("RANK") == "1" and _CALLS[0] == 2:
+        raise RuntimeError("reward server unreachable")
+    return [sum(ch.isdigit() for ch in c) / max(1, len(c)) for c in completions]
+
+
+def flat_for_half(completions, prompts, **kw):
+    """No signal in the groups of about half the prompts (dynamic sampling drops and refills them);
+    elsewhere a reward that differs between almost any two completions (a function of the sample
+    alone: a rank scores only its share)."""
+    return [0.5 if sum(map(ord, p)) % 2 else sum(map(ord, c)) % 7 / 7 for c, p in zip(completions, prompts)]
+
+
+def _trainable_units(model) -> int:
+    """FSDP units that own a parameter that requires grad: each reduces once per optimizer step."""
+    n = 0
+    for u in distributed.units(model):
+        groups = u._get_fsdp_state()._fsdp_param_groups
+        n += any(p.sharded_param.requires_grad for g in groups for p in g.fsdp_params)
+    return n
+
+
+def single_process_reference(tmp: str, names: list[str], store: str) -> dict:
+    """The same runs in one process, in distributed mode with a process group of one (the same
+    per-group sampling as N ranks; a plain process samples from one generator instead), and the
+    resume of the 2-rank checkpoint of step 1 on this one rank."""
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each rank runs (2 threads of tiny matmuls only contend on a busy machine)
+    try:
+        out = {}
+        for name in names:
+            t = _train(os.path.join(tmp, "one-" + name), CASES[name])
+            out[name] = full_weights(t.model)
+            out[name + "/prompts_drawn"] = t.stream.position
+        src = os.path.join(tmp, "stream")
+        dst = os.path.join(tmp, "one-from-two")
+        shutil.copytree(src, dst)
+        shutil.rmtree(os.path.join(dst, "checkpoints", f"step-{STEPS}"))
+        t = _train(dst, [], resume=dst)
+        out["from_two"] = full_weights(t.model)
+        return out
+    finally:
+        torch.set_num_threads(threads)
+        dist.destroy_process_group()
