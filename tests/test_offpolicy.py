@@ -242,6 +242,24 @@ def grads_of(model, fn, seqs, obj, **kw):
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def assert_streamed_equals_reference(model, cfg, seqs, **kw) -> dict:
+    """The streamed backward (blocks of 3) against the naive one, each with its own objective of
+    `cfg` over `kw`: every gradient within 1e-10 relative, the same metrics; returns the metrics."""
+    obj = build_objective(cfg, sequences=seqs, **kw)
+    g_ref = grads_of(model, reference_backward, seqs, obj)
+    obj2 = build_objective(cfg, sequences=seqs, **kw)
+    g = grads_of(model, stream_backward, seqs, obj2, block_size=3)
+    assert g.keys() == g_ref.keys() and g
+    floor = 1e-3 * max(float(x.norm()) for x in g_ref.values())
+    for n in g_ref:
+        err = (g[n] - g_ref[n]).norm() / max(float(g_ref[n].norm()), floor)
+        assert err <= 1e-10, f"{n}: relative error {err:.3g}"
+    m = obj2.metrics()
+    for k, v in obj.metrics().items():
+        assert abs(v - m[k]) < 1e-9, k
+    return m
+
+
 ENGINE_CONFIGS = [
     PPOClipConfig(is_level="token", is_cap_low=0.8, is_cap_high=1.25),
     PPOClipConfig(is_level="token", is_mode="mask", is_cap_low=0.8, is_cap_high=1.25),
@@ -267,21 +285,10 @@ def test_stream_backward_matches_reference(cfg):
             noise = torch.randn(len(b), generator=gen, dtype=torch.float64) * 0.3
             noise[m] -= noise[m].mean()  # Σ over the completion: exactly the shift
             mu.append(torch.where(m, b - shift / int(m.sum()) - noise, NAN))
-        kw = dict(sequences=seqs, completion_mask=mask, advantages=adv, old_logprobs=old, rollout_logprobs=mu)
-        obj = build_objective(cfg, **kw)
-        g_ref = grads_of(model, reference_backward, seqs, obj)
-        obj2 = build_objective(cfg, **kw)
-        g = grads_of(model, stream_backward, seqs, obj2, block_size=3)
-        assert g.keys() == g_ref.keys() and g
-        floor = 1e-3 * max(float(x.norm()) for x in g_ref.values())
-        for n in g_ref:
-            err = (g[n] - g_ref[n]).norm() / max(float(g_ref[n].norm()), floor)
-            assert err <= 1e-10, f"{n}: relative error {err:.3g}"
-        m = obj2.metrics()
+        m = assert_streamed_equals_reference(model, cfg, seqs, completion_mask=mask, advantages=adv,
+                                             old_logprobs=old, rollout_logprobs=mu)
         share = m.get("is/truncated_frac", 0.0) + m.get("is/token_masked_frac", 0.0) + m.get("is/seq_masked_frac", 0.0)
         assert 0 < share < 1, m  # some weights inside the caps, some outside
-        for k, v in obj.metrics().items():
-            assert abs(v - m[k]) < 1e-9, k
 
 
 # --- telemetry -----------------------------------------------------------------------------------

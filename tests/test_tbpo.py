@@ -9,9 +9,8 @@ import pytest
 import torch
 from models import make
 from test_losses import current_logprobs
-from test_offpolicy import engine_problem, grads_of, streamed_total
+from test_offpolicy import assert_streamed_equals_reference, engine_problem, streamed_total
 
-from backstream import reference_backward, stream_backward
 from backstream.engine import logprobs as engine_logprobs
 from backstream.losses import build_objective
 from backstream.tbpo import TBPOConfig, TBPOObjective
@@ -164,21 +163,9 @@ def test_stream_backward_matches_reference(extra):
     mu = [o - gm for o, gm in zip(old, (1.0, 0.0, 0.0, -1.0, 0.2))]
     ref = [c + 0.2 * torch.randn(len(c), generator=gen, dtype=torch.float64) for c in cur]
     cfg = TBPOConfig(**extra)
-    kw = dict(sequences=seqs, completion_mask=mask, advantages=adv, old_logprobs=old, rollout_logprobs=mu,
-              ref_logprobs=ref if cfg.kl_coef else None)
-    obj = build_objective(cfg, **kw)
-    g_ref = grads_of(model, reference_backward, seqs, obj)
-    obj2 = build_objective(cfg, **kw)
-    g = grads_of(model, stream_backward, seqs, obj2, block_size=3)
-    assert g.keys() == g_ref.keys() and g
-    floor = 1e-3 * max(float(x.norm()) for x in g_ref.values())
-    for n in g_ref:
-        err = (g[n] - g_ref[n]).norm() / max(float(g_ref[n].norm()), floor)
-        assert err <= 1e-10, f"{n}: relative error {err:.3g}"
-    m = obj2.metrics()
+    m = assert_streamed_equals_reference(model, cfg, seqs, completion_mask=mask, advantages=adv, old_logprobs=old,
+                                         rollout_logprobs=mu, ref_logprobs=ref if cfg.kl_coef else None)
     assert m["tbpo/masked_pos"] == 0.25 and m["tbpo/masked_neg"] == 0.25 and m["tbpo/weight_capped_frac"] == 0.5
-    for k, v in obj.metrics().items():
-        assert abs(v - m[k]) < 1e-9, k
 
 
 @pytest.mark.parametrize("kwargs, match", [
