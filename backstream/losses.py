@@ -44,6 +44,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from backstream.checks import choice
 from backstream.objective import BlockView, Objective, flat_offsets
 from backstream.offpolicy import IS_LEVELS, IS_MODES, mismatch_weights
 
@@ -76,6 +77,12 @@ class Normalisers:
         return Normalisers(n_seq=len(n_tok), n_tok=sum(n_tok), lmax=max(max(n_tok, default=0), 1),
                            n_pg_seq=sum(1 for n, a in zip(n_tok, adv) if n > 0 and a != 0),
                            n_pg_tok=sum(n for n, a in zip(n_tok, adv) if a != 0))
+
+
+def flat(per_sequence: list[Tensor]) -> Tensor:
+    """Per-sequence tensors (log-probs aligned to each sequence) as one detached float64 CPU tensor in
+    the flat per-token layout (`objective.flat_offsets`)."""
+    return torch.cat([x.detach().double().cpu().reshape(-1) for x in per_sequence])
 
 
 def _groups(rewards: Tensor, group_size: int) -> Tensor:
@@ -138,10 +145,8 @@ class _Common:
             raise ValueError(f"loss.router_aux_coef: got {self.router_aux_coef}, expected a finite number >= 0")
         if not self.temperature > 0:
             raise ValueError(f"loss.temperature: got {self.temperature}, expected > 0")
-        if self.is_level not in IS_LEVELS:
-            raise ValueError(f"loss.is_level: got {self.is_level!r}, expected one of {IS_LEVELS}")
-        if self.is_mode not in IS_MODES:
-            raise ValueError(f"loss.is_mode: got {self.is_mode!r}, expected one of {IS_MODES}")
+        choice("loss.is_level", self.is_level, list(IS_LEVELS))
+        choice("loss.is_mode", self.is_mode, list(IS_MODES))
         lo, hi = self.is_cap_low, self.is_cap_high
         if not (math.isfinite(lo) and math.isfinite(hi) and 0 <= lo < hi):
             raise ValueError(f"loss.is_cap_low / loss.is_cap_high: expected finite 0 <= low < high, got {lo}, {hi}")
@@ -264,10 +269,9 @@ class PolicyObjective(Objective):
         self.norm = normalisers if normalisers is not None else Normalisers.of(self.mask, self.adv)
         self.adv_flat = torch.cat([torch.full((L,), float(a), dtype=torch.float64)
                                    for L, a in zip(self.lengths, self.adv)])
-        cat = lambda xs: torch.cat([x.detach().double().cpu().reshape(-1) for x in xs])  # noqa: E731
-        self.old_flat = None if old_logprobs is None else cat(old_logprobs)
-        self.ref_flat = None if ref_logprobs is None else cat(ref_logprobs)
-        self.rollout_flat = None if rollout_logprobs is None else cat(rollout_logprobs)
+        self.old_flat = None if old_logprobs is None else flat(old_logprobs)
+        self.ref_flat = None if ref_logprobs is None else flat(ref_logprobs)
+        self.rollout_flat = None if rollout_logprobs is None else flat(rollout_logprobs)
         self.old_is_current = old_is_current
         if config.is_level != "none" and old_logprobs is None:
             self.needs_prefill_logprobs = True  # π_old of the mismatch weight is the prefill's
@@ -299,7 +303,7 @@ class PolicyObjective(Objective):
             if logprobs is None:
                 raise ValueError("loss.is_level: the mismatch weight needs π_old: pass old_logprobs, or let the "
                                  "engine run its prefill (no kv=)")
-            old = torch.cat([x.detach().double().cpu().reshape(-1) for x in logprobs])
+            old = flat(logprobs)
         cfg = self.cfg
         self.is_flat, m = mismatch_weights(old, self.rollout_flat, self.offsets, self.lengths, self.pg_mask(),
                                            level=cfg.is_level, mode=cfg.is_mode, cap_low=cfg.is_cap_low,

@@ -47,7 +47,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from backstream.losses import GSPOObjective, PolicyObjective, _Common
+from backstream.losses import GSPOObjective, PolicyObjective, _Common, flat
 from backstream.offpolicy import sequence_log_ratios
 
 
@@ -104,13 +104,13 @@ class TBPOObjective(PolicyObjective):
             raise ValueError("TBPO: needs the prefill's log-probs for its sequence ratios (do not pass kv=, "
                              "or pass old_is_current=True with old_logprobs at the current weights)")
         cfg = self.cfg
-        cur = torch.cat([x.detach().double().cpu().reshape(-1) for x in logprobs])
+        cur = flat(logprobs)
         old_given = self.old_flat is not None
         old = self.old_flat if old_given else cur
         pg_mask = self.pg_mask()
-        flat = (self.offsets, self.lengths, pg_mask)
-        log_s = sequence_log_ratios(cur, old, *flat, reduce="mean", names=("prefill log-probs", "old_logprobs"))
-        log_w = sequence_log_ratios(old, self.rollout_flat, *flat, reduce="mean",
+        layout = (self.offsets, self.lengths, pg_mask)
+        log_s = sequence_log_ratios(cur, old, *layout, reduce="mean", names=("prefill log-probs", "old_logprobs"))
+        log_w = sequence_log_ratios(old, self.rollout_flat, *layout, reduce="mean",
                                     names=("old_logprobs" if old_given else "prefill log-probs", "rollout_logprobs"))
         log_c = math.log(cfg.seq_tis_imp_ratio_cap)
         self.pg_flat = torch.zeros_like(cur)
