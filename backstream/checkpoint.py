@@ -170,11 +170,16 @@ def _save_sharded(run_dir: str, step: int, model, tokenizer, state: dict, keep: 
             manifest = {"step": step, "world_size": world}
             _seal(tmp, {**manifest, "optimizer_empty": True} if empty else manifest)
 
-    agree(fresh_folder)
-    empty = agree(shards)
-    full, states = agree(gather)
-    agree(export)
-    agree(lambda: rank == 0 and _publish(run_dir, tmp, final, keep))
+    try:
+        agree(fresh_folder)
+        empty = agree(shards)
+        full, states = agree(gather)
+        agree(export)
+        agree(lambda: rank == 0 and _publish(run_dir, tmp, final, keep))
+    except BaseException:
+        if rank == 0:  # also when a rank died mid-write and the collectives themselves failed
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return final
 
 

@@ -24,8 +24,9 @@ token (or deadlock).
 
 Rank 0 alone writes the run folder (lock, config.toml, metrics.jsonl, progress); checkpoints are
 written by every rank together (checkpoint.save: DCP shards + a Hugging Face export) and a run resumes
-on any number of ranks. A rank that raises leaves the process group at once, so the others stop with
-an error that says so (gloo: at once; nccl: within `timeout_s`) instead of hanging.
+on any number of ranks. A rank that raises leaves the process group at once, and a rank killed
+outright closes its connections, so the others stop with an error that says so (gloo: at once;
+nccl: within `timeout_s`) instead of hanging; torchrun then ends the job.
 
 No `reshard_after_forward` key: every phase keeps the whole model gathered for its duration (the
 rollout here, each engine call in engine.FSDPCall), so FSDP's per-layer resharding never applies.

@@ -72,3 +72,38 @@ def run(fn, world: int, *args, init: bool = True) -> list:
             if "error" in res:
                 raise RuntimeError(f"rank {rank} failed:\n{res['error']}")
         return [res["ok"] for res in results]
+
+
+# -- whole jobs under torchrun -------------------------------------------------------------------
+
+
+def torchrun(argv: list[str], nproc: int = 2):
+    """`python -m torch.distributed.run --standalone --nproc_per_node nproc -m backstream ARGV`, started
+    (a Popen with text stdout/stderr pipes), each rank on one thread."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+           "-m", "backstream", *argv]
+    return subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def ranks_of(agent_pid: int) -> dict[int, int]:
+    """{rank: pid} of the worker processes torchrun's agent `agent_pid` started (Linux /proc)."""
+    found = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            if ppid != agent_pid:
+                continue
+            with open(f"/proc/{d}/environ", "rb") as f:
+                env = dict(x.split(b"=", 1) for x in f.read().split(b"\0") if b"=" in x)
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile
+        if b"RANK" in env:
+            found[int(env[b"RANK"])] = int(d)
+    return found

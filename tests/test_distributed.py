@@ -11,13 +11,15 @@ Few launches on purpose: each costs seconds of imports per rank.
 
 import json
 import os
-import subprocess
-import sys
+import re
+import signal
+import time
 
 import dist
 import distributed_workers as workers
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from backstream import checkpoint
 
@@ -116,21 +118,82 @@ def test_a_process_group_that_cannot_start(monkeypatch):
     assert not distributed.active()
 
 
+def _train_sets(out, steps: int) -> list[str]:
+    sets = [f"train.steps={steps}", "train.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=4",
+            "train.progress=false", "data.num_examples=16", f'train.output_dir="{out}"', "train.save_every=1"]
+    return ["train"] + [a for s in sets for a in ("--set", s)]
+
+
+def _finish(p, timeout=300) -> tuple[int, str, str]:
+    out, err = p.communicate(timeout=timeout)
+    return p.returncode, out, "\n".join(x for x in err.splitlines() if "Writing model shards" not in x)
+
+
 def test_torchrun_end_to_end(tmp_path):
     """`python -m torch.distributed.run --nproc_per_node 2 -m backstream train` on the built-in model."""
     out = tmp_path / "run"
-    sets = ["train.steps=2", "train.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=4",
-            "train.progress=false", "data.num_examples=16", f'train.output_dir="{out}"']
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "backstream", "train"] + [a for s in sets for a in ("--set", s)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    log = "\n".join(x for x in res.stderr.splitlines() if "Writing model shards" not in x)  # no progress bars
-    assert res.returncode == 0, log[-4000:]
-    assert res.stdout.count("run folder:") == 1  # rank 0 only
+    code, stdout, log = _finish(dist.torchrun(_train_sets(out, 2)))
+    assert code == 0, log[-4000:]
+    assert stdout.count("run folder:") == 1  # rank 0 only
     rows = [json.loads(x) for x in open(out / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [1, 2] and all("reward/mean" in r for r in rows)
     assert (out / "config.toml").exists() and not (out / ".lock").exists()
     from transformers import AutoModelForCausalLM
 
     assert AutoModelForCausalLM.from_pretrained(checkpoint.latest(str(out))) is not None
+
+
+def _kill_while_writing(p, run, step: int, victims) -> float:
+    """Wait until the checkpoint of `step` is being written (or was just published), then SIGKILL
+    victims(p) at once; returns the time of the kill."""
+    ckpts = run / "checkpoints"
+    deadline = time.time() + 240
+    while not ((ckpts / f".tmp-step-{step}").exists() or (ckpts / f"step-{step}").exists()):
+        assert p.poll() is None, _finish(p)[2][-4000:]
+        assert time.time() < deadline, "the job never reached its checkpoint"
+        time.sleep(0.002)
+    for pid in victims(p):
+        os.kill(pid, signal.SIGKILL)
+    return time.time()
+
+
+def test_resume_after_kills_on_two_ranks(tmp_path):
+    """A 4-step job on 2 ranks with a checkpoint per step, killed twice and resumed on 2 ranks each time:
+    - SIGKILL of rank 1 while the checkpoint of step 2 is written: rank 0 stops within seconds with an
+      error that says so (not after distributed.timeout_s), torchrun ends the job;
+    - SIGKILL of the whole job (torchrun's agent and both ranks at once: a lost node) while step 3's is
+      written, which leaves a stale lock and possibly a half-written checkpoint folder.
+    Neither leaves a checkpoint that resume would take for complete, and after the second resume the
+    weights are bitwise those of a job never killed, with one metrics line per step."""
+    straight, run = tmp_path / "straight", tmp_path / "killed"
+    ref = dist.torchrun(_train_sets(straight, 4))  # alongside the first killed job (imports dominate)
+
+    p = dist.torchrun(_train_sets(run, 4))
+    t_kill = _kill_while_writing(p, run, 2, lambda p: [dist.ranks_of(p.pid)[1]])
+    code, _, log = _finish(p)
+    stopped = time.time() - t_kill
+    assert code != 0
+    assert re.search(r"rank 0 of 2 stopped during (step 3|the checkpoint of step 2): another rank failed", log), \
+        log[-4000:]
+    assert stopped < 60, stopped  # gloo sees the closed connection at once; torchrun then ends the job
+    assert checkpoint.latest_intact(str(run)) == checkpoint.latest(str(run))
+
+    p = dist.torchrun(["train", "--resume", str(run)])
+    _kill_while_writing(p, run, 3, lambda p: [p.pid, *dist.ranks_of(p.pid).values()])
+    _finish(p)
+    assert (run / ".lock").exists()  # the killed rank 0's: stale now
+    assert checkpoint.latest_intact(str(run)) == checkpoint.latest(str(run))
+    assert int(os.path.basename(checkpoint.latest(str(run)))[5:]) in (2, 3)
+
+    code, _, log = _finish(dist.torchrun(["train", "--resume", str(run)]))
+    assert code == 0, log[-4000:]
+    code, _, log = _finish(ref)
+    assert code == 0, log[-4000:]
+    a = load_file(str(run / "checkpoints" / "step-4" / "model.safetensors"))
+    b = load_file(str(straight / "checkpoints" / "step-4" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    first = load_file(str(tmp_path / "straight" / "checkpoints" / "step-3" / "model.safetensors"))
+    assert not all(torch.equal(a[k], first[k]) for k in a)  # the last step did change the weights
+    assert [json.loads(x)["step"] for x in open(run / "metrics.jsonl")] == [1, 2, 3, 4]
+    assert not (run / ".lock").exists()
+    assert sorted(os.listdir(run / "checkpoints")) == ["step-3", "step-4"]  # no partial folder left
