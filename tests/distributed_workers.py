@@ -38,18 +38,22 @@ CASES = {
                            "train.prompts_per_step=4", 'loss.aggregation="seq-mean-token-sum-norm"'],
     # QaRL: the quantized layers hold the master weights FSDP shards; codes from the gathered weights
     "quant": ['engine.backward="stream"', 'quant.rollout="w8a8"', "quant.aligned=true"],
+    # float32 (the model is cast by model.dtype): the same update up to float32 rounding
+    "float32": ['engine.backward="stream"', 'model.dtype="float32"'],
     "dapo_tbpo": ['engine.backward="stream"', "algorithm.dynamic_sampling=true", "algorithm.max_refills=3",
                   'loss.type="tbpo"', "reward.functions=['distributed_workers:flat_for_half']"],
 }
 
 
-def tiny(seed: int = 0):
+def tiny(seed: int = 0, exact: bool = True):
+    """The float64 model (norms in float64 with `exact`; a float32 run needs HF's own norms)."""
     tok = build_tokenizer()
     torch.manual_seed(seed)
     cfg = Qwen3Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
                       tie_word_embeddings=True, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    return exact_norms(Qwen3ForCausalLM(cfg).to(torch.float64).eval()), tok
+    model = Qwen3ForCausalLM(cfg).to(torch.float64).eval()
+    return exact_norms(model) if exact else model, tok
 
 
 def run_cfg(out: str, *extra):
@@ -95,7 +99,7 @@ class Counter:
 
 
 def _train(out: str, overrides: list[str], resume: str | None = None):
-    model, tok = tiny()
+    model, tok = tiny(exact='model.dtype="float32"' not in overrides)
     if resume:
         t = trainer.Trainer(config.load(os.path.join(resume, "config.toml"), overrides), run_dir=resume,
                             resume=True, model=model, tokenizer=tok)
