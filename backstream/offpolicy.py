@@ -18,6 +18,7 @@ with log r_t = log π_learner,t − log μ_t (tokens sampled from μ):
   mismatch/kl                 mean_t k3 = mean_t (r_t − 1 − log r_t), an unbiased, non-negative
                               estimate of KL(μ‖π_learner) per token (E_μ[r] = 1)
   mismatch/abs_log_ratio/mean mean_t |log r_t|
+  mismatch/logprob_abs        the same per response, then averaged over responses (each counts once)
   mismatch/ratio/max          max_t r_t
   mismatch/tokens             how many tokens the above are over
 and the share of responses holding "error tokens" (QaRL §3.2: a long response whose tail turns
@@ -128,12 +129,15 @@ def mismatch_metrics(learner: list[Tensor | None], sampler: list[Tensor], mask: 
         if a is None:
             continue
         log_r = (a.detach().double().cpu() - b.detach().double().cpu())[m.cpu().bool()]
-        parts.append(log_r[torch.isfinite(log_r)])
-    log_r = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
-    if len(log_r) == 0:
+        log_r = log_r[torch.isfinite(log_r)]
+        if len(log_r):
+            parts.append(log_r)
+    if not parts:
         return {"mismatch/tokens": 0.0}
+    log_r = torch.cat(parts)
     k3 = torch.expm1(log_r) - log_r  # e^x − 1 − x, without the cancellation of exp(x) − 1 near 0
     return {"mismatch/kl": float(k3.mean()), "mismatch/abs_log_ratio/mean": float(log_r.abs().mean()),
+            "mismatch/logprob_abs": float(torch.stack([x.abs().mean() for x in parts]).mean()),
             "mismatch/ratio/max": math.exp(min(float(log_r.max()), 709.0)), "mismatch/tokens": float(len(log_r))}
 
 

@@ -172,18 +172,6 @@ def take(xs: list | None, rows: list[int]) -> list | None:
     return None if xs is None else [xs[i] for i in rows]
 
 
-def logprob_gaps(learner: list[Tensor], sampler: list[Tensor], mask: list[Tensor]) -> list[Tensor]:
-    """Per sample, the mean |learner − sampler| log-prob over the completion tokens both computed
-    (the learner leaves NaN where no target was active); a sample with none is left out."""
-    out = []
-    for a, b, m in zip(learner, sampler, mask):
-        d = (a.double() - b.double())[m]
-        d = d[~torch.isnan(d)]
-        if len(d):
-            out.append(d.abs().mean())
-    return out
-
-
 class _NoLogger:
     """The logger of the ranks other than 0 under torchrun: the Logger's methods, doing nothing."""
 
@@ -379,26 +367,21 @@ class Trainer:
             total, per_fn = self.score(r) if len(r) else (torch.zeros(0), {})
         if not self.distributed:
             return r, total, per_fn
-        light = dataclasses.replace(r, kv=None)
-        parts = distributed.gather((self.round_groups, light, total, per_fn))
-        G, me = r.group_size, distributed.rank()
-        where = {j: (k, g) for k, (groups, *_) in enumerate(parts) for g, j in enumerate(groups)}
-        rows = [(where[j], i) for j in range(n_prompts) for i in range(G)]  # ((part, group), sample)
-        pick = lambda k, g, i: g * G + i  # noqa: E731
-        out = Rollout(
-            prompt_index=[parts[k][1].prompt_index[pick(k, g, i)] for (k, g), i in rows],
-            prompt_ids=[parts[k][1].prompt_ids[pick(k, g, i)] for (k, g), i in rows],
-            completion_ids=[parts[k][1].completion_ids[pick(k, g, i)] for (k, g), i in rows],
-            logprobs=[parts[k][1].logprobs[pick(k, g, i)] for (k, g), i in rows],
-            finish_reason=[parts[k][1].finish_reason[pick(k, g, i)] for (k, g), i in rows],
-            # this rank's samples keep their K/V (engine.reuse_rollout_kv), the others' are not here
-            kv=None if r.kv is None else [r.kv[pick(k, g, i)] if k == me else None for (k, g), i in rows],
-            group_size=G)
-        total = torch.stack([parts[k][2][pick(k, g, i)] for (k, g), i in rows])
-        keys = [key for _, _, _, fns in parts for key in fns]
-        per_fn = {key: torch.stack([parts[k][3][key][pick(k, g, i)] for (k, g), i in rows])
-                  for key in dict.fromkeys(keys)}
-        return out, total, per_fn
+        parts = distributed.gather((self.round_groups, dataclasses.replace(r, kv=None), total, per_fn))
+        me = distributed.rank()
+        # this rank's samples keep their K/V (engine.reuse_rollout_kv); the others' are not here
+        joined = Rollout.concat([p if r.kv is None else dataclasses.replace(p, kv=r.kv if k == me else [None] * len(p))
+                                 for k, (_, p, _, _) in enumerate(parts)])
+        offsets = [0]
+        for _, p, _, _ in parts:
+            offsets.append(offsets[-1] + len(p) // r.group_size)
+        where = {j: offsets[k] + g for k, (groups, *_) in enumerate(parts) for g, j in enumerate(groups)}
+        order = [where[j] for j in range(n_prompts)]  # the round's order
+        rows = torch.tensor(joined.group_rows(order), dtype=torch.long)
+        total = torch.cat([t for _, p, t, _ in parts])[rows]
+        keys = dict.fromkeys(key for *_, fns in parts for key in fns)  # a rank that sampled nothing has none
+        per_fn = {key: torch.cat([fns.get(key, torch.zeros(len(p))) for _, p, _, fns in parts])[rows] for key in keys}
+        return joined.select(order), total, per_fn
 
     def score(self, r: Rollout) -> tuple[Tensor, dict[str, Tensor]]:
         """Total reward per sample and each reward function's, given the prompts and the columns."""
@@ -463,7 +446,6 @@ class Trainer:
         norms = [Normalisers.of(take(mask, rows), adv[rows]) for rows in glob]
         logged: dict[str, list[float]] = {}
         learner_lp: list[Tensor | None] = [None] * len(mine)  # at the weights that sampled, first epoch
-        gaps: list[Tensor] = []
         for epoch in range(ac.epochs):
             for rows_g, norm in zip(local, norms):
                 rows = [at[r] for r in rows_g]
@@ -476,7 +458,6 @@ class Trainer:
                 self.times["prefill"] += res.stats.prefill_s
                 self.times["backward"] += res.stats.backward_s
                 if epoch == 0:  # sampler/learner agreement on the tokens the learner computed
-                    gaps += logprob_gaps(res.logprobs, take(sampler_l, rows), take(mask_l, rows))
                     for r, lp in zip(rows, res.logprobs):
                         learner_lp[r] = lp
                 step = distributed.sum_metrics(obj.metrics())  # additive: the normalisers are global
@@ -491,18 +472,13 @@ class Trainer:
         # optimizer steps), else the engine's own at the first (and only) step's weights
         before = old if old is not None and not self.cfg.engine.reuse_rollout_kv else learner_lp
         if self.distributed:  # the mismatch of the global batch: every rank's rows, in the batch's order
-            parts = distributed.gather((mine, before, gaps))
+            parts = distributed.gather((mine, before))
             before = [None] * len(batch)
-            for rows, lps, _ in parts:
+            for rows, lps in parts:
                 for r, lp in zip(rows, lps):
                     before[r] = lp
-            gaps = [g for _, _, gs in parts for g in gs]
-            mismatch = mismatch_metrics(before, sampler_lp, mask)
-        else:
-            mismatch = mismatch_metrics(before, sampler_l, mask_l)
-        if gaps:
-            mismatch["mismatch/logprob_abs"] = float(torch.stack(gaps).mean())
-        return logged, mismatch
+            return logged, mismatch_metrics(before, sampler_lp, mask)
+        return logged, mismatch_metrics(before, sampler_l, mask_l)
 
     def policy_logprobs(self, seqs: list[Tensor], mask: list[Tensor], sampler_lp: list[Tensor]):
         """(π_old, π_ref) log-probs where the objective needs them up front, else None. π_old: the

@@ -307,6 +307,7 @@ def test_mismatch_metrics_by_hand():
     assert m["mismatch/tokens"] == 3
     assert abs(m["mismatch/kl"] - sum(k3) / 3) < 1e-7  # float32 inputs
     assert abs(m["mismatch/abs_log_ratio/mean"] - 2 * LN(2) / 3) < 1e-7
+    assert abs(m["mismatch/logprob_abs"] - (LN(2) / 2 + LN(2)) / 2) < 1e-7  # per response, then over responses
     assert abs(m["mismatch/ratio/max"] - 2.0) < 1e-6
     assert mismatch_metrics([None], sampler[:1], mask[:1]) == {"mismatch/tokens": 0.0}
     same = mismatch_metrics(sampler[:1], sampler[:1], mask[:1])
