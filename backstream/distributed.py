@@ -324,6 +324,9 @@ def shard(model: nn.Module, cfg: DistributedConfig, device: torch.device) -> nn.
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)  # the root, as FSDP itself sets it
+    from backstream.engine import FSDPCall  # noqa: PLC0415
+
+    FSDPCall.check_supported([m for m in model.modules() if isinstance(m, FSDPModule)])
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)

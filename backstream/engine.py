@@ -345,6 +345,27 @@ class FSDPCall:
     GROUP = ("reduce_grads", "all_reduce_grads", "reshard_after_backward", "reduce_scatter_unused_params",
              "post_forward_mesh_info")
 
+    SETTERS = ("set_reshard_after_forward", "set_reshard_after_backward", "set_requires_gradient_sync",
+               "set_reduce_scatter_unused_params", "set_gradient_divide_factor", "set_force_sum_reduction_for_comms",
+               "unshard", "reshard", "reset_iter_state")
+    STATE = ("_is_root", "_lazy_init", "_fsdp_param_groups", "_auto_reshard_after_forward")
+
+    @classmethod
+    def check_supported(cls, units: list) -> None:
+        """A clear error, at sharding time, when this torch's FSDP2 lacks what the engine relies on
+        (the setters above and the internals they write), instead of an AttributeError mid-step."""
+        missing = [f"{type(m).__name__}.{a}" for m in units[:1] for a in cls.SETTERS if not hasattr(m, a)]
+        for m in units[:1]:
+            state = m._get_fsdp_state() if hasattr(m, "_get_fsdp_state") else None
+            missing += ["_get_fsdp_state"] if state is None else [f"FSDPState.{a}" for a in cls.STATE
+                                                                   if not hasattr(state, a)]
+            for g in getattr(state, "_fsdp_param_groups", None) or []:
+                missing += [f"FSDPParamGroup.{a}" for a in cls.GROUP if not hasattr(g, a)]
+        if missing:
+            raise RuntimeError(f"torchrun: this torch ({torch.__version__}) has an FSDP2 without "
+                               f"{sorted(set(missing))}, which the streamed backward under FSDP relies on; "
+                               "install the torch version backstream is tested with (2.13) or train in one process")
+
     def __init__(self, units: list, backward: bool):
         self.units, self.backward = units, backward
         self.states = list({id(s): s for s in (m._get_fsdp_state() for m in units)}.values())
