@@ -33,8 +33,9 @@ rollout here, each engine call in engine.FSDPCall), so FSDP's per-layer reshardi
 Quantized layers (quant.py) hold the Linear's own Parameters, so FSDP shards them with their layer
 and the codes are computed from the gathered weights. The KL reference policy of a full fine-tune is
 a whole frozen copy on every rank (with LoRA it is the base model under the adapters).
-Refused under torchrun (RunConfig.validate): the MoE router loss (its routing counts would have to
-be global), and DAPO refills with the rollout's K/V (a kept group may train on another rank).
+The MoE router load-balancing loss takes its routing counts and N from the whole minibatch: one
+all-reduce inside the engine call, before any block runs (router.py). Refused under torchrun
+(RunConfig.validate): DAPO refills with the rollout's K/V (a kept group may train on another rank).
 
 In a plain process (no torchrun, no process group) every helper is trivial: rank 0 of 1, gathers
 return [x], nothing is sharded, and the trainer runs exactly as it does without this module.
@@ -218,6 +219,15 @@ def any_rank(flag: bool) -> bool:
     t = torch.tensor([int(bool(flag))], dtype=torch.int64, device=_comm_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())
+
+
+def sum_over_ranks(t: Tensor) -> Tensor:
+    """The element-wise sum of `t` over every rank (`t` itself in one process), on t's device."""
+    if not active():
+        return t
+    out = t.to(_comm_device()).clone()
+    dist.all_reduce(out, op=dist.ReduceOp.SUM)
+    return out.to(t.device)
 
 
 def max_over_ranks(x: float) -> float:

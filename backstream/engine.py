@@ -581,14 +581,21 @@ def _run(model, sequences, obj, *, units, **kw) -> StreamResult:
     if not units:
         return _run_local(model, sequences, obj, **kw)
     with FSDPCall(units, kw["backward"]) as call:
-        result = _run_local(model, sequences, obj, **kw) if sequences else StreamResult(logprobs=[])
+        if sequences:
+            result = _run_local(model, sequences, obj, across_ranks=True, **kw)
+        else:  # nothing here; the router term's counts are still summed with the other ranks'
+            result = StreamResult(logprobs=[])
+            router = router_term(model, obj, across_ranks=True) if kw["backward"] else None
+            if router is not None:
+                router.setup(None)
+                result.stats.router_aux_loss = router.value
         if kw["backward"]:
             call.reduce(model)
     return result
 
 
 def _run_local(model, sequences, obj, *, block_size, batch_tokens, memory_budget, kv, kernel,
-               backward) -> StreamResult:
+               backward, across_ranks: bool = False) -> StreamResult:
     from backstream.planner import plan  # noqa: PLC0415  (planner imports engine stats)
 
     for name, val in (("block_size", block_size), ("batch_tokens", batch_tokens), ("memory_budget", memory_budget)):
@@ -601,7 +608,7 @@ def _run_local(model, sequences, obj, *, block_size, batch_tokens, memory_budget
         raise ValueError("objective.active: must return one bool tensor per sequence, of the sequence's shape")
     if any(bool(a[0]) for a in active):
         raise ValueError("objective.active: index 0 has no prediction and cannot be active")
-    router = router_term(model, obj) if backward else None
+    router = router_term(model, obj, across_ranks) if backward else None
     if router is not None:
         if kv is not None:
             raise ValueError("kv: the router load-balancing loss needs the routing counts of every token, which "

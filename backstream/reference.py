@@ -16,7 +16,7 @@ from backstream.adapter import takes_logits_to_keep
 from backstream.engine import (FSDPCall, StreamResult, StreamStats, _objective_from, fsdp_units, validate_sequences,
                                validate_weights)
 from backstream.objective import BlockView, Objective, flat_offsets
-from backstream.router import load_balancing_loss, router_term
+from backstream.router import load_balancing_loss, load_balancing_sums, router_term
 
 
 def _sequence_view(logits_LV: Tensor, seq: Tensor, act: Tensor, i: int, offset: int) -> BlockView | None:
@@ -50,12 +50,17 @@ def reference_backward(model: nn.Module, sequences: list[Tensor], weights: list[
     if not units:
         return _reference(model, sequences, obj)
     with FSDPCall(units, backward=True) as call:
-        result = _reference(model, sequences, obj) if sequences else StreamResult(logprobs=[])
+        if sequences:
+            result = _reference(model, sequences, obj, across_ranks=True)
+        else:  # nothing here; the router term's counts are still summed with the other ranks'
+            result, term = StreamResult(logprobs=[]), router_term(model, obj)
+            if term is not None:
+                _, result.stats.router_aux_loss = load_balancing_sums((), term.E, term.k, term.coef)
         call.reduce(model)
     return result
 
 
-def _reference(model, sequences, obj) -> StreamResult:
+def _reference(model, sequences, obj, across_ranks: bool = False) -> StreamResult:
     device = next(model.parameters()).device
     dtype = torch.promote_types(next(model.parameters()).dtype, torch.float32)
     active = [a.to("cpu", torch.bool) for a in obj.active(sequences)]
@@ -63,7 +68,7 @@ def _reference(model, sequences, obj) -> StreamResult:
     logprobs = [torch.full((len(s),), math.nan, dtype=dtype) for s in sequences]
 
     keep_arg = takes_logits_to_keep(model)
-    term = router_term(model, obj)  # validated as the engine validates it; computed the textbook way below
+    term = router_term(model, obj)  # validated as the engine validates it; computed the naive way below
     router = (term.E, term.k) if term is not None else None
     router_logits: list[tuple[Tensor, ...]] = []
 
@@ -101,9 +106,12 @@ def _reference(model, sequences, obj) -> StreamResult:
     stats = StreamStats(sequences=len(sequences), input_tokens=tokens, backward_tokens=tokens)
     if router:
         per_layer = tuple(torch.cat(layer, dim=0) for layer in zip(*router_logits))
-        aux = load_balancing_loss(per_layer, *router)
-        stats.router_aux_loss = float(aux.detach())
-        loss = term.coef * aux + sum(total)
+        if across_ranks:  # f_e and N of every rank's rows (the same loss, summed form: router.py)
+            aux_term, stats.router_aux_loss = load_balancing_sums(per_layer, *router, term.coef)
+        else:
+            aux = load_balancing_loss(per_layer, *router)
+            aux_term, stats.router_aux_loss = term.coef * aux, float(aux.detach())
+        loss = aux_term + sum(total)
         if loss.requires_grad:
             loss.backward()
     return StreamResult(logprobs=logprobs, stats=stats)

@@ -11,6 +11,12 @@ its prefill, where a token of a shared prefix stands for every sequence that con
 (multiplicity m_t), exactly as the per-sequence computation counts it once per sequence.
 
 `load_balancing_loss` is the naive reference: concatenate the rows, softmax, one-hot, mean.
+
+Under torchrun (FSDP) the tokens of one minibatch are spread over the ranks, and f_e, P_e and N are
+those of the whole minibatch: each rank sums its routing counts, probability mass and rows, one
+all-reduce sums them over the ranks (`across_ranks`), and each rank's gradient term is
+(E·f_e / (L·N)) Σ_{its l,t} ∂p_{l,t,e}. FSDP then sums the gradients over the ranks: the update of
+one process on the whole minibatch. `load_balancing_sums` is that form for the naive reference.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import math
 import torch
 from torch import Tensor, nn
 
+from backstream import distributed
 from backstream.adapter import base_model
 from backstream.objective import BlockView, Objective
 
@@ -50,17 +57,39 @@ def load_balancing_loss(router_logits: tuple[Tensor, ...] | list[Tensor], num_ex
     return num_experts * (tokens_per_expert * prob_per_expert[None]).sum()
 
 
+def load_balancing_sums(router_logits, num_experts: int, top_k: int, coef: float) -> tuple[Tensor, float]:
+    """The naive loss in its summed form, over every rank's rows (`distributed.sum_over_ranks`; in
+    one process, the textbook value): (coef · E · Σ_e f_e · Σ_{these rows} p_e / N, with gradient
+    through p; the loss value over all ranks, E · Σ_e f_e P_e). Every rank must call it, also one
+    without rows (pass an empty sequence)."""
+    probs = [torch.softmax(x.to(torch.promote_types(x.dtype, torch.float32)), dim=-1) for x in router_logits]
+    counts = torch.zeros(num_experts, dtype=torch.float64)
+    prob_sum = torch.zeros(num_experts, dtype=torch.float64)
+    for p in probs:
+        counts += torch.bincount(torch.topk(p, top_k, dim=-1).indices.reshape(-1).cpu(), minlength=num_experts)
+        prob_sum += p.detach().double().sum(0).cpu()
+    rows = float(sum(len(p) for p in probs))
+    total = distributed.sum_over_ranks(torch.cat([counts, prob_sum, torch.tensor([rows], dtype=torch.float64)]))
+    f, P, n = total[:num_experts] / total[-1], total[num_experts:-1], total[-1]
+    value = float(num_experts * (f * P / n).sum())
+    if not probs:
+        return torch.zeros(()), value
+    mass = torch.cat(probs).sum(0)  # [E], with gradient
+    return coef * num_experts * (f.to(mass) * mass).sum() / float(n), value
+
+
 class RouterAux(Objective):
     """The load-balancing loss as an objective term (streamed form). The prefill hook `observe`
     counts every view's routing (f_e, no gradient) and probability mass; `setup` fixes the
-    per-expert coefficients; `block_loss` is the view's Σ_e c_e·p_e, each token weighed by the
-    number of sequences that contain it."""
+    per-expert coefficients (over every rank's tokens with `across_ranks`: a collective, which
+    every rank must reach, also one without sequences); `block_loss` is the view's Σ_e c_e·p_e,
+    each token weighed by the number of sequences that contain it."""
 
     needs_prefill_logprobs = False
     needs_router_logits = True
 
-    def __init__(self, coef: float, num_experts: int, top_k: int):
-        self.coef, self.E, self.k = coef, num_experts, top_k
+    def __init__(self, coef: float, num_experts: int, top_k: int, across_ranks: bool = False):
+        self.coef, self.E, self.k, self.across_ranks = coef, num_experts, top_k, across_ranks
         self.counts = torch.zeros(num_experts, dtype=torch.float64)
         self.prob_sum = torch.zeros(num_experts, dtype=torch.float64)
         self.rows = 0.0  # Σ over layers of Σ m_t
@@ -92,9 +121,13 @@ class RouterAux(Objective):
             self.rows += float(m.sum())
 
     def setup(self, logprobs) -> None:
-        f = self.counts / self.rows
-        self.value = float(self.E * (f * self.prob_sum / self.rows).sum())
-        self.token_coef = self.coef * self.E * f / self.rows
+        counts, prob_sum, rows = self.counts, self.prob_sum, self.rows
+        if self.across_ranks:
+            total = distributed.sum_over_ranks(torch.cat([counts, prob_sum, torch.tensor([rows], dtype=torch.float64)]))
+            counts, prob_sum, rows = total[:self.E], total[self.E:-1], float(total[-1])
+        f = counts / rows
+        self.value = float(self.E * (f * prob_sum / rows).sum())
+        self.token_coef = self.coef * self.E * f / rows
 
     def block_loss(self, view: BlockView) -> Tensor:
         out = None
@@ -106,12 +139,13 @@ class RouterAux(Objective):
         return out
 
 
-def router_term(model: nn.Module, objective: Objective) -> RouterAux | None:
+def router_term(model: nn.Module, objective: Objective, across_ranks: bool = False) -> RouterAux | None:
     """The router term an objective asks for with `router_aux_coef` (validated here, once, for the
-    engine and the reference alike), or None when it is 0."""
+    engine and the reference alike), or None when it is 0. `across_ranks`: the counts of the whole
+    minibatch, summed over the ranks of an FSDP model."""
     coef = getattr(objective, "router_aux_coef", 0.0)
     if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not math.isfinite(coef) or coef < 0:
         raise ValueError(f"objective.router_aux_coef: expected a finite number >= 0, got {coef!r}")
     if coef == 0:
         return None
-    return RouterAux(float(coef), *moe_spec(model, "objective.router_aux_coef"))
+    return RouterAux(float(coef), *moe_spec(model, "objective.router_aux_coef"), across_ranks=across_ranks)

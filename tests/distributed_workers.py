@@ -16,7 +16,7 @@ import warnings
 import torch
 import torch.distributed as dist
 from models import exact_norms
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from backstream import config, distributed, trainer
 from backstream.default_model import build_tokenizer
@@ -40,6 +40,8 @@ CASES = {
     "quant": ['engine.backward="stream"', 'quant.rollout="w8a8"', "quant.aligned=true"],
     # float32 (the model is cast by model.dtype): the same update up to float32 rounding
     "float32": ['engine.backward="stream"', 'model.dtype="float32"'],
+    # the MoE load-balancing loss: routing counts of the whole minibatch, summed over the ranks
+    "moe_router": ['engine.backward="stream"', "loss.router_aux_coef=0.05"],
     "dapo_tbpo": ['engine.backward="stream"', "algorithm.dynamic_sampling=true", "algorithm.max_refills=3",
                   'loss.type="tbpo"', "reward.functions=['distributed_workers:flat_for_half']"],
 }
@@ -54,6 +56,18 @@ def tiny(seed: int = 0, exact: bool = True):
                       tie_word_embeddings=True, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     model = Qwen3ForCausalLM(cfg).to(torch.float64).eval()
     return exact_norms(model) if exact else model, tok
+
+
+def tiny_moe(seed: int = 0):
+    """A float64 Qwen3-MoE of the same size (4 experts, top 2) with exact norms."""
+    tok = build_tokenizer()
+    torch.manual_seed(seed)
+    cfg = Qwen3MoeConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=32, moe_intermediate_size=16,
+                         num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
+                         tie_word_embeddings=True, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    cfg._experts_implementation = "eager"  # grouped_mm has no float64 CPU kernel
+    return exact_norms(Qwen3MoeForCausalLM(cfg).to(torch.float64).eval()), tok
 
 
 def run_cfg(out: str, *extra):
@@ -99,7 +113,10 @@ class Counter:
 
 
 def _train(out: str, overrides: list[str], resume: str | None = None):
-    model, tok = tiny(exact='model.dtype="float32"' not in overrides)
+    if any(o.startswith("loss.router_aux_coef") for o in overrides):
+        model, tok = tiny_moe()
+    else:
+        model, tok = tiny(exact='model.dtype="float32"' not in overrides)
     if resume:
         t = trainer.Trainer(config.load(os.path.join(resume, "config.toml"), overrides), run_dir=resume,
                             resume=True, model=model, tokenizer=tok)

@@ -71,9 +71,36 @@ def objective(use_lora: bool, rank: int, idle: bool = False) -> Objective:
     return ppo_objective(rank, idle) if use_lora else TokenWeights(token_weights(rank, idle))
 
 
-def model(use_lora: bool, dtype=torch.float64) -> torch.nn.Module:
-    m = make("llama", dtype)
+def model(use_lora: bool, dtype=torch.float64, family: str = "llama") -> torch.nn.Module:
+    m = make(family, dtype)
     return lora(m) if use_lora else m
+
+
+MOE_COEF = 0.7
+
+
+def router_objective(rank: int, empty: bool = False) -> TokenWeights:
+    """The token weights plus the MoE load-balancing loss (whose f_e and N span both ranks)."""
+    return TokenWeights([] if empty else token_weights(rank), router_aux_coef=MOE_COEF)
+
+
+def single_process_router() -> dict[str, tuple[dict[str, torch.Tensor], float]]:
+    """The MoE model's gradients and load-balancing loss in one process: on both ranks' sequences
+    ("both"), on rank 0's alone ("alone"), and the sum of the two ranks' calls each with its own
+    counts ("per_rank": what a rank-local loss would give)."""
+    m = model(False, family="qwen3-moe")
+    out = {}
+    for name, seqs, w in (("both", share(0)[0] + share(1)[0], token_weights(0) + token_weights(1)),
+                          ("alone", share(0)[0], token_weights(0))):
+        m.zero_grad(set_to_none=True)
+        r = stream_backward(m, seqs, objective=TokenWeights(w, router_aux_coef=MOE_COEF), block_size=BLOCK)
+        out[name] = ({n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None},
+                     r.stats.router_aux_loss)
+    m.zero_grad(set_to_none=True)
+    for rank in (0, 1):
+        stream_backward(m, share(rank)[0], objective=router_objective(rank), block_size=BLOCK)
+    out["per_rank"] = ({n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}, None)
+    return out
 
 
 def single_process_grads(use_lora: bool, dtype=torch.float64) -> tuple[dict[str, torch.Tensor],
@@ -119,8 +146,8 @@ class Collectives:
         return out
 
 
-def sharded(use_lora: bool, reshard: bool, dtype=torch.float64) -> torch.nn.Module:
-    m = model(use_lora, dtype)
+def sharded(use_lora: bool, reshard: bool, dtype=torch.float64, family: str = "llama") -> torch.nn.Module:
+    m = model(use_lora, dtype, family)
     for layer in base_model(m).model.layers:
         fully_shard(layer, reshard_after_forward=reshard)
     fully_shard(m, reshard_after_forward=reshard)
@@ -230,6 +257,17 @@ def run_all() -> dict:
             stream_backward(m, seqs, objective=objective(use_lora, rank), block_size=BLOCK)
             reference_backward(m, seqs, objective=objective(use_lora, rank))
         record("empty")
+
+    # the MoE router loss: routing counts and N summed over the ranks before any block runs, each
+    # rank's gradient term over its own tokens; then rank 1 holds no sequence and still joins the sums
+    m = sharded(False, True, family="qwen3-moe")
+    for name, fn, kw in (("stream", stream_backward, {"block_size": BLOCK}), ("reference", reference_backward, {})):
+        r = fn(m, seqs, objective=router_objective(rank), **kw)
+        g = full_grads(m)
+        out["moe", name] = (g if rank == 0 else None, r.stats.router_aux_loss)
+        r = fn(m, [] if rank == 1 else seqs, objective=router_objective(rank, empty=rank == 1), **kw)
+        g = full_grads(m)
+        out["moe", name, "empty"] = (g if rank == 0 else None, r.stats.router_aux_loss)
 
     # float32: the divide-factor settings above work on gloo too
     m = sharded(False, True, torch.float32)

@@ -41,16 +41,19 @@ def job(tmp_path_factory):
 def test_two_ranks_give_the_single_process_update(job):
     """float64, 2 steps: stream and reference backward, full fine-tuning and LoRA (with the rollout's
     K/V and a KL term), token-mean, GSPO, TBPO, 2 epochs x 2 minibatches with Dr.GRPO's L_max, DAPO
-    refills, w8a8 QaRL: the weights are the same on both ranks and equal those of one process on the
-    same global batch (measured: ≤ 1e-15 relative); in float32 to rounding (measured 3e-7)."""
+    refills, w8a8 QaRL, a MoE with the router load-balancing loss: the weights are the same on both
+    ranks and equal those of one process on the same global batch (measured: ≤ 1e-15 relative); in
+    float32 to rounding (measured 3e-7)."""
     tmp, ranks, one = job
     start = workers.full_weights(workers.tiny()[0])
     for name in workers.CASES:
         w0, w1 = ranks[0][name]["weights"], ranks[1][name]["weights"]
         assert all(torch.equal(w0[k], w1[k]) for k in w0), name
         assert rel(w0, one[name]) <= (1e-5 if name == "float32" else 1e-10), name  # measured 3e-7 / ≤ 1e-15
-        if name != "lora":  # LoRA's weights carry the adapters: compared with the start via the base below
+        if name not in ("lora", "moe_router"):  # LoRA's carry the adapters (checked below); MoE: another model
             assert rel(w0, start) > 1e-3, name  # it did train
+    moe = ranks[0]["moe_router"]["weights"]
+    assert rel(moe, workers.full_weights(workers.tiny_moe()[0])) > 1e-3
     lora = ranks[0]["lora"]["weights"]
     assert any(float(v.abs().sum()) > 0 for k, v in lora.items() if "lora_B" in k)
     # the run folders: rank 0 wrote one line per step, and every metric but time and memory is the one
@@ -65,6 +68,8 @@ def test_two_ranks_give_the_single_process_update(job):
                 if not k.startswith(("time/", "throughput/", "memory/")):
                     tol = 1e-4 if name == "float32" else 1e-9
                     assert a[k] == pytest.approx(b[k], rel=tol, abs=tol * 1e-3), (name, k)
+    # the router loss's value is that of the whole minibatch (per-rank counts would differ by ~1e-4)
+    assert all(r["loss/router_aux"] > 1.0 for r in map(json.loads, open(tmp / "moe_router" / "metrics.jsonl")))
     # DAPO: the groups without signal were dropped and refilled, the same on 2 ranks as on one
     drawn = ranks[0]["dapo_tbpo"]["prompts_drawn"]
     assert drawn > 2 * workers.STEPS

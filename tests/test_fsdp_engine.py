@@ -103,6 +103,23 @@ def test_fsdp_float32_sum_reduction_on_gloo(ranks):
         assert (got[n] - both[n]).norm() <= 1e-5 * both[n].norm() + 1e-7, n
 
 
+def test_fsdp_router_loss_counts_every_rank(ranks):
+    """The MoE load-balancing loss under FSDP: f_e and N over both ranks' tokens (one all-reduce), so
+    the summed gradients and the loss value are those of one process on all the sequences, with the
+    streamed and the reference backward; a rank without sequences still joins the sums."""
+    want = fw.single_process_router()
+    for name in ("stream", "reference"):
+        (grads, aux), (_, aux1) = ranks[0]["moe", name], ranks[1]["moe", name]
+        assert_close(grads, want["both"][0], f"router loss, {name}")
+        assert abs(aux - want["both"][1]) <= 1e-12 and aux1 == aux  # the global value, on every rank
+        (grads, aux), (_, aux1) = ranks[0]["moe", name, "empty"], ranks[1]["moe", name, "empty"]
+        assert_close(grads, want["alone"][0], f"router loss, {name}, rank 1 empty")
+        assert abs(aux - want["alone"][1]) <= 1e-12 and aux1 == aux
+    # not vacuous: each rank with its own counts would give another gradient
+    with pytest.raises(AssertionError, match="relative error"):
+        assert_close(want["per_rank"][0], want["both"][0], "per-rank counts")
+
+
 def test_an_fsdp2_without_what_the_engine_needs_is_refused():
     """An older torch's FSDP2 (here: no force-sum reduction, no auto-reshard flag) is refused when the
     model is sharded, naming what is missing, rather than failing mid-step."""

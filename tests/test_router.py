@@ -8,7 +8,7 @@ from test_engine import group_batch
 from transformers.models.qwen3_moe import modeling_qwen3_moe
 
 from backstream import TokenWeights, reference_backward, stream_backward
-from backstream.router import load_balancing_loss
+from backstream.router import load_balancing_loss, load_balancing_sums
 
 TOL = 1e-10
 
@@ -44,6 +44,31 @@ def test_naive_loss_is_transformers_loss():
     assert abs(float(ours) - float(theirs)) <= 1e-6 * float(theirs)
     assert abs(float(ours) - float(padded)) <= 1e-5 * float(theirs)
     assert float(ours) > 1.0  # E·Σ f·P ≥ top_k·… > 1 unless perfectly balanced: a real value, not 0
+
+
+def test_summed_form_is_the_naive_loss_in_one_process():
+    """load_balancing_sums (the form whose counts an all-reduce can sum over ranks) gives, in one
+    process, the naive loss's value and gradient; with no rows it contributes nothing."""
+    model = make("qwen3-moe")
+    gen = torch.Generator().manual_seed(4)
+    seqs = [torch.randint(0, VOCAB, (n,), generator=gen) for n in (9, 5, 11)]
+    grads = []
+    for form in ("naive", "sums"):
+        model.zero_grad(set_to_none=True)
+        per_seq = [model(input_ids=s[None], output_router_logits=True).router_logits for s in seqs]
+        cat = tuple(torch.cat(layer) for layer in zip(*per_seq))
+        if form == "naive":
+            loss = 0.7 * load_balancing_loss(cat, 4, 2)
+            value = float(loss) / 0.7
+        else:
+            loss, got = load_balancing_sums(cat, 4, 2, 0.7)
+            assert abs(got - value) <= 1e-14 * value and abs(float(loss) - 0.7 * value) <= 1e-14
+        loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert_close(grads[1], grads[0], 1e-12)
+    assert any("gate" in n for n in grads[0])
+    empty, _ = load_balancing_sums((), 4, 2, 0.7)
+    assert float(empty) == 0.0
 
 
 @pytest.mark.parametrize("family", MOE)
