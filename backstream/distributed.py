@@ -31,8 +31,9 @@ nccl: within `timeout_s`) instead of hanging; torchrun then ends the job.
 No `reshard_after_forward` key: every phase keeps the whole model gathered for its duration (the
 rollout here, each engine call in engine.FSDPCall), so FSDP's per-layer resharding never applies.
 Quantized layers (quant.py) hold the Linear's own Parameters, so FSDP shards them with their layer
-and the codes are computed from the gathered weights. The KL reference policy of a full fine-tune is
-a whole frozen copy on every rank (with LoRA it is the base model under the adapters).
+and the codes are computed from the gathered weights. The frozen KL reference policy of a full fine-tune is
+sharded the same way (1/N of a copy per rank, gathered once per log-prob pass); with LoRA it is the
+base model under the adapters.
 The MoE router load-balancing loss takes its routing counts and N from the whole minibatch: one
 all-reduce inside the engine call, before any block runs (router.py). Refused under torchrun
 (RunConfig.validate): DAPO refills with the rollout's K/V (a kept group may train on another rank).

@@ -230,6 +230,8 @@ class Trainer:
         if self.distributed:  # after LoRA and quantization; the optimizer then holds the shards
             distributed.check_same_weights(self.model)
             distributed.shard(self.model, cfg.distributed, self.device)
+            if self.ref is not None:  # the frozen KL reference too: 1/N of a copy per rank, gathered per pass
+                distributed.shard(self.ref, cfg.distributed, self.device)
         self.opt, self.sched = cfg.optim.build(self.model.parameters())
         stream = cfg.engine.backward == "stream"
         self.engine = StreamedBackward(cfg.engine) if stream else ReferenceBackward(self.device)

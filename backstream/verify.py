@@ -34,6 +34,7 @@ import copy
 import math
 import os
 import time
+import types
 from dataclasses import dataclass, field
 
 import torch
@@ -88,14 +89,18 @@ def exact_norms(model):
         if name.endswith("RMSNorm") or name.endswith("TopKRouter"):
             if getattr(mod.forward, "_keeps_float64", False):
                 continue
-
-            def forward(*args, _orig=mod.forward, **kwargs):
-                with keep_float64():
-                    return _orig(*args, **kwargs)
-
-            forward._keeps_float64 = True
-            mod.forward = forward
+            mod._forward_before_float64 = mod.__dict__.get("forward")  # an earlier per-instance patch, if any
+            mod.forward = types.MethodType(_float64_forward, mod)  # bound: a deepcopy binds to the copy
     return model
+
+
+def _float64_forward(self, *args, **kwargs):
+    inner = self._forward_before_float64 or types.MethodType(type(self).forward, self)
+    with keep_float64():
+        return inner(*args, **kwargs)
+
+
+_float64_forward._keeps_float64 = True
 
 
 # ---------------------------------------------------------------------------------------------

@@ -30,10 +30,11 @@ STEPS = 2
 CASES = {
     "stream": ['engine.backward="stream"', "train.save_every=1"],
     "reference": ['engine.backward="reference"', 'loss.type="gspo"'],
-    # KL to the base model under the adapters (a full copy of a model passed in would share the
-    # exact_norms patch of the tests' model, hence of the sharded one)
+    # KL to the base model under the adapters
     "lora": ['engine.backward="stream"', "model.lora_r=4", "model.lora_alpha=8", "engine.reuse_rollout_kv=true",
              "algorithm.kl_reference=true", "loss.kl_coef=0.1"],
+    # full fine-tuning with a KL term: the frozen reference (a copy of the model passed in) is sharded too
+    "kl_full": ['engine.backward="stream"', "algorithm.kl_reference=true", "loss.kl_coef=0.5"],
     "epochs_minibatches": ['engine.backward="stream"', "algorithm.epochs=2", "algorithm.minibatches=2",
                            "train.prompts_per_step=4", 'loss.aggregation="seq-mean-token-sum-norm"'],
     # QaRL: the quantized layers hold the master weights FSDP shards; codes from the gathered weights
@@ -141,6 +142,7 @@ def ranks_job(tmp: str) -> dict:
         with Counter() as c:
             t = _train(os.path.join(tmp, name), extra)
         res[name] = {"weights": full_weights(t.model), "counts": dict(c.n), "units": _trainable_units(t.model),
+                     "ref_units": len(distributed.units(t.ref)) if t.ref is not None else 0,
                      "optimizer_steps": STEPS * t.cfg.algorithm.epochs * t.cfg.algorithm.minibatches,
                      "prompts_drawn": t.stream.position}
     # 3. resume on 2 ranks from the checkpoint of step 1 of "stream" (step 2's removed): step 2 again

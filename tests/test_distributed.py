@@ -41,7 +41,8 @@ def job(tmp_path_factory):
 def test_two_ranks_give_the_single_process_update(job):
     """float64, 2 steps: stream and reference backward, full fine-tuning and LoRA (with the rollout's
     K/V and a KL term), token-mean, GSPO, TBPO, 2 epochs x 2 minibatches with Dr.GRPO's L_max, DAPO
-    refills, w8a8 QaRL, a MoE with the router load-balancing loss: the weights are the same on both
+    refills, w8a8 QaRL, a MoE with the router load-balancing loss, a KL term to a sharded frozen
+    reference: the weights are the same on both
     ranks and equal those of one process on the same global batch (measured: ≤ 1e-15 relative); in
     float32 to rounding (measured 3e-7)."""
     tmp, ranks, one = job
@@ -68,6 +69,10 @@ def test_two_ranks_give_the_single_process_update(job):
                 if not k.startswith(("time/", "throughput/", "memory/")):
                     tol = 1e-4 if name == "float32" else 1e-9
                     assert a[k] == pytest.approx(b[k], rel=tol, abs=tol * 1e-3), (name, k)
+    # full fine-tuning with KL: the frozen reference is sharded as the policy is (2 layers + root), and
+    # the KL term is live (the policy moved away from it)
+    assert ranks[0]["kl_full"]["ref_units"] == 3 and ranks[0]["stream"]["ref_units"] == 0
+    assert [json.loads(x)["loss/kl"] > 0 for x in open(tmp / "kl_full" / "metrics.jsonl")] == [False, True]
     # the router loss's value is that of the whole minibatch (per-rank counts would differ by ~1e-4)
     assert all(r["loss/router_aux"] > 1.0 for r in map(json.loads, open(tmp / "moe_router" / "metrics.jsonl")))
     # DAPO: the groups without signal were dropped and refilled, the same on 2 ranks as on one
