@@ -186,10 +186,6 @@ class RunConfig:
                              f"whole prompt groups over {world} ranks x {ac.minibatches} minibatch(es); set it to a "
                              f"multiple of {unit} (e.g. {max(unit, P // unit * unit)}), or start another number of "
                              "processes (torchrun --nproc_per_node x --nnodes), or change algorithm.minibatches")
-        if ac.dynamic_sampling and self.engine.reuse_rollout_kv:
-            raise ValueError("algorithm.dynamic_sampling with engine.reuse_rollout_kv under torchrun: the groups "
-                             "kept after a refill may train on another rank than the one that sampled them, and their "
-                             "K/V do not travel; set engine.reuse_rollout_kv = false")
 
 
 def _coerce(key: str, value, hint):

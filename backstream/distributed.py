@@ -8,7 +8,8 @@ and the few collectives the trainer needs, so that the loop itself hardly branch
 How N ranks give the update one process would give on the same global batch:
 - every rank walks the same seeded prompt stream; a step's `train.prompts_per_step` prompts are the
   GLOBAL batch, and each rank trains whole prompt groups (a token tree never spans ranks): of every
-  minibatch, rank r takes the r-th of W equal contiguous slices (`rank_groups`);
+  minibatch, rank r takes the r-th of W equal contiguous slices (`rank_groups`); with the rollout's
+  K/V reused, the groups it sampled (K/V never travel; after DAPO refills the shares may differ);
 - a group's completions are drawn with a generator seeded from (train.seed, the prompt's position in
   the stream) (`group_generator`), so they do not depend on which rank draws them; the rollouts are
   then gathered, so every rank holds the global batch (rewards, advantages, metrics as one process
@@ -35,8 +36,7 @@ and the codes are computed from the gathered weights. The frozen KL reference po
 sharded the same way (1/N of a copy per rank, gathered once per log-prob pass); with LoRA it is the
 base model under the adapters.
 The MoE router load-balancing loss takes its routing counts and N from the whole minibatch: one
-all-reduce inside the engine call, before any block runs (router.py). Refused under torchrun
-(RunConfig.validate): DAPO refills with the rollout's K/V (a kept group may train on another rank).
+all-reduce inside the engine call, before any block runs (router.py).
 
 In a plain process (no torchrun, no process group) every helper is trivial: rank 0 of 1, gathers
 return [x], nothing is sharded, and the trainer runs exactly as it does without this module.

@@ -437,7 +437,12 @@ class Trainer:
         # per minibatch, its rows in the batch (the global minibatch's, normalising) and this rank's
         # (one process: the same); `mine` = this rank's rows, `at` their place in the local lists
         glob = minibatches(n_groups, ac.minibatches, G)
-        groups = distributed.rank_groups(n_groups, ac.minibatches, distributed.world(), distributed.rank())
+        if self.distributed and batch.kv is not None:
+            # the groups whose K/V this rank holds: those it sampled (the same split as below, unless
+            # DAPO refills kept groups sampled elsewhere; then the ranks' shares may differ)
+            groups = [g for g in range(n_groups) if batch.kv[g * G] is not None]
+        else:
+            groups = distributed.rank_groups(n_groups, ac.minibatches, distributed.world(), distributed.rank())
         mine = [g * G + i for g in groups for i in range(G)]
         owned = set(mine)
         local = [[r for r in rows if r in owned] for rows in glob]

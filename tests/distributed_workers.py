@@ -45,6 +45,10 @@ CASES = {
     "moe_router": ['engine.backward="stream"', "loss.router_aux_coef=0.05"],
     "dapo_tbpo": ['engine.backward="stream"', "algorithm.dynamic_sampling=true", "algorithm.max_refills=3",
                   'loss.type="tbpo"', "reward.functions=['distributed_workers:flat_for_half']"],
+    # DAPO refills with the rollout's K/V: each rank trains the kept groups it sampled (K/V do not travel)
+    "dapo_kv": ['engine.backward="stream"', "algorithm.dynamic_sampling=true", "algorithm.max_refills=3",
+                "engine.reuse_rollout_kv=true", "train.prompts_per_step=4",
+                "reward.functions=['distributed_workers:flat_for_half']"],
 }
 
 
@@ -123,6 +127,14 @@ def _train(out: str, overrides: list[str], resume: str | None = None):
                             resume=True, model=model, tokenizer=tok)
     else:
         t = trainer.Trainer(run_cfg(out, *overrides), model=model, tokenizer=tok)
+    t.sequences_per_call = []  # how many sequences this rank trained in each engine call
+    backward = t.engine.backward
+
+    def counted(model, sequences, *a, **kw):
+        t.sequences_per_call.append(len(sequences))
+        return backward(model, sequences, *a, **kw)
+
+    t.engine.backward = counted
     t.run()
     return t
 
@@ -142,6 +154,7 @@ def ranks_job(tmp: str) -> dict:
         with Counter() as c:
             t = _train(os.path.join(tmp, name), extra)
         res[name] = {"weights": full_weights(t.model), "counts": dict(c.n), "units": _trainable_units(t.model),
+                     "sequences_per_call": t.sequences_per_call,
                      "ref_units": len(distributed.units(t.ref)) if t.ref is not None else 0,
                      "optimizer_steps": STEPS * t.cfg.algorithm.epochs * t.cfg.algorithm.minibatches,
                      "prompts_drawn": t.stream.position}

@@ -41,10 +41,9 @@ def job(tmp_path_factory):
 def test_two_ranks_give_the_single_process_update(job):
     """float64, 2 steps: stream and reference backward, full fine-tuning and LoRA (with the rollout's
     K/V and a KL term), token-mean, GSPO, TBPO, 2 epochs x 2 minibatches with Dr.GRPO's L_max, DAPO
-    refills, w8a8 QaRL, a MoE with the router load-balancing loss, a KL term to a sharded frozen
-    reference: the weights are the same on both
-    ranks and equal those of one process on the same global batch (measured: ≤ 1e-15 relative); in
-    float32 to rounding (measured 3e-7)."""
+    refills (also with the rollout's K/V), w8a8 QaRL, a MoE with the router load-balancing loss, a KL
+    term to a sharded frozen reference: the weights are the same on both ranks and equal those of one
+    process on the same global batch (measured: ≤ 1e-15 relative); in float32 to rounding (3e-7)."""
     tmp, ranks, one = job
     start = workers.full_weights(workers.tiny()[0])
     for name in workers.CASES:
@@ -76,9 +75,13 @@ def test_two_ranks_give_the_single_process_update(job):
     # the router loss's value is that of the whole minibatch (per-rank counts would differ by ~1e-4)
     assert all(r["loss/router_aux"] > 1.0 for r in map(json.loads, open(tmp / "moe_router" / "metrics.jsonl")))
     # DAPO: the groups without signal were dropped and refilled, the same on 2 ranks as on one
-    drawn = ranks[0]["dapo_tbpo"]["prompts_drawn"]
-    assert drawn > 2 * workers.STEPS
-    assert drawn == ranks[1]["dapo_tbpo"]["prompts_drawn"] == one["dapo_tbpo/prompts_drawn"]
+    for name in ("dapo_tbpo", "dapo_kv"):
+        drawn = ranks[0][name]["prompts_drawn"]
+        assert drawn > 2 * workers.STEPS
+        assert drawn == ranks[1][name]["prompts_drawn"] == one[name + "/prompts_drawn"]
+    # with the rollout's K/V each rank trained the kept groups it sampled: unequal shares at some step
+    per_call = [r["dapo_kv"]["sequences_per_call"] for r in ranks]
+    assert [a + b for a, b in zip(*per_call)] == [4 * 4] * workers.STEPS and per_call[0] != per_call[1]
     assert not (tmp / "stream" / ".lock").exists()
 
 
