@@ -41,6 +41,8 @@ CASES = {
     "quant": ['engine.backward="stream"', 'quant.rollout="w8a8"', "quant.aligned=true"],
     # float32 (the model is cast by model.dtype): the same update up to float32 rounding
     "float32": ['engine.backward="stream"', 'model.dtype="float32"'],
+    # FSDP2 mixed precision: bf16 gathers and compute, float32 master weights and reductions
+    "bf16": ['engine.backward="stream"', 'model.dtype="float32"', 'distributed.mixed_precision="bf16"'],
     # the MoE load-balancing loss: routing counts of the whole minibatch, summed over the ranks
     "moe_router": ['engine.backward="stream"', "loss.router_aux_coef=0.05"],
     "dapo_tbpo": ['engine.backward="stream"', "algorithm.dynamic_sampling=true", "algorithm.max_refills=3",

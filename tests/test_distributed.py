@@ -1,7 +1,8 @@
 """Data parallelism (torchrun, FSDP2, gloo on CPU): 2 ranks give the update of one process on the same
 global batch, reduce once per FSDP unit and optimizer step, resume from their sharded checkpoints
-(on 2 ranks or on 1), refuse a batch that does not split, and stop together when one rank fails;
-`python -m torch.distributed.run ... -m backstream train` works end to end.
+(on 2 ranks or on 1), refuse a batch that does not split, and stop together when one rank fails or
+is killed; `python -m torch.distributed.run ... -m backstream train` works end to end and resumes
+after SIGKILLs.
 
 "One process" here is the same trainer under a process group of one rank: a plain process draws
 its samples from one generator, a torchrun job from one generator per prompt group (so that the
@@ -43,12 +44,19 @@ def test_two_ranks_give_the_single_process_update(job):
     K/V and a KL term), token-mean, GSPO, TBPO, 2 epochs x 2 minibatches with Dr.GRPO's L_max, DAPO
     refills (also with the rollout's K/V), w8a8 QaRL, a MoE with the router load-balancing loss, a KL
     term to a sharded frozen reference: the weights are the same on both ranks and equal those of one
-    process on the same global batch (measured: ≤ 1e-15 relative); in float32 to rounding (3e-7)."""
+    process on the same global batch (measured: ≤ 1e-15 relative); in float32 to rounding (3e-7);
+    with bf16 mixed precision within 10% of the update (measured 1.7%; bf16 rounding depends on
+    each call's batch)."""
     tmp, ranks, one = job
     start = workers.full_weights(workers.tiny()[0])
     for name in workers.CASES:
         w0, w1 = ranks[0][name]["weights"], ranks[1][name]["weights"]
         assert all(torch.equal(w0[k], w1[k]) for k in w0), name
+        if name == "bf16":  # bf16 rounding differs with the batch each call holds: judged against the update
+            update = rel(one[name], start)
+            assert rel(w0, one[name]) <= 0.1 * update, name  # measured 1.7% of the update
+            assert rel(w0, one["float32"]) > 1e-5  # it did compute in bf16 (float32: 3e-7 from one process)
+            continue
         assert rel(w0, one[name]) <= (1e-5 if name == "float32" else 1e-10), name  # measured 3e-7 / ≤ 1e-15
         if name not in ("lora", "moe_router"):  # LoRA's carry the adapters (checked below); MoE: another model
             assert rel(w0, start) > 1e-3, name  # it did train
@@ -66,6 +74,8 @@ def test_two_ranks_give_the_single_process_update(job):
             assert a.keys() == b.keys(), name
             for k in a:
                 if not k.startswith(("time/", "throughput/", "memory/")):
+                    if name == "bf16":
+                        continue  # judged by its weights above
                     tol = 1e-4 if name == "float32" else 1e-9
                     assert a[k] == pytest.approx(b[k], rel=tol, abs=tol * 1e-3), (name, k)
     # full fine-tuning with KL: the frozen reference is sharded as the policy is (2 layers + root), and
@@ -143,20 +153,6 @@ def _finish(p, timeout=300) -> tuple[int, str, str]:
     return p.returncode, out, "\n".join(x for x in err.splitlines() if "Writing model shards" not in x)
 
 
-def test_torchrun_end_to_end(tmp_path):
-    """`python -m torch.distributed.run --nproc_per_node 2 -m backstream train` on the built-in model."""
-    out = tmp_path / "run"
-    code, stdout, log = _finish(dist.torchrun(_train_sets(out, 2)))
-    assert code == 0, log[-4000:]
-    assert stdout.count("run folder:") == 1  # rank 0 only
-    rows = [json.loads(x) for x in open(out / "metrics.jsonl")]
-    assert [r["step"] for r in rows] == [1, 2] and all("reward/mean" in r for r in rows)
-    assert (out / "config.toml").exists() and not (out / ".lock").exists()
-    from transformers import AutoModelForCausalLM
-
-    assert AutoModelForCausalLM.from_pretrained(checkpoint.latest(str(out))) is not None
-
-
 def _kill_while_writing(p, run, step: int, victims) -> float:
     """Wait until the checkpoint of `step` is being written (or was just published), then SIGKILL
     victims(p) at once; returns the time of the kill."""
@@ -201,8 +197,16 @@ def test_resume_after_kills_on_two_ranks(tmp_path):
 
     code, _, log = _finish(dist.torchrun(["train", "--resume", str(run)]))
     assert code == 0, log[-4000:]
-    code, _, log = _finish(ref)
+    # the job never killed: `python -m torch.distributed.run --nproc_per_node 2 -m backstream train` end to end
+    code, stdout, log = _finish(ref)
     assert code == 0, log[-4000:]
+    assert stdout.count("run folder:") == 1  # rank 0 alone prints, logs and writes the run folder
+    rows = [json.loads(x) for x in open(straight / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and all("reward/mean" in r for r in rows)
+    assert (straight / "config.toml").exists() and not (straight / ".lock").exists()
+    from transformers import AutoModelForCausalLM
+
+    assert AutoModelForCausalLM.from_pretrained(checkpoint.latest(str(straight))) is not None
     a = load_file(str(run / "checkpoints" / "step-4" / "model.safetensors"))
     b = load_file(str(straight / "checkpoints" / "step-4" / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
