@@ -68,14 +68,21 @@ def load_balancing_sums(router_logits, num_experts: int, top_k: int, coef: float
     for p in probs:
         counts += torch.bincount(torch.topk(p, top_k, dim=-1).indices.reshape(-1).cpu(), minlength=num_experts)
         prob_sum += p.detach().double().sum(0).cpu()
-    rows = float(sum(len(p) for p in probs))
-    total = distributed.sum_over_ranks(torch.cat([counts, prob_sum, torch.tensor([rows], dtype=torch.float64)]))
-    f, P, n = total[:num_experts] / total[-1], total[num_experts:-1], total[-1]
-    value = float(num_experts * (f * P / n).sum())
+    f, n, value = _totals(counts, prob_sum, float(sum(len(p) for p in probs)), across_ranks=True)
     if not probs:
         return torch.zeros(()), value
     mass = torch.cat(probs).sum(0)  # [E], with gradient
-    return coef * num_experts * (f.to(mass) * mass).sum() / float(n), value
+    return coef * num_experts * (f.to(mass) * mass).sum() / n, value
+
+
+def _totals(counts: Tensor, prob_sum: Tensor, rows: float, across_ranks: bool) -> tuple[Tensor, float, float]:
+    """(f_e, N, the loss value E·Σ_e f_e·P_e) from routing counts, probability mass and rows;
+    summed over every rank first with `across_ranks` (a collective)."""
+    if across_ranks:
+        t = distributed.sum_over_ranks(torch.cat([counts, prob_sum, torch.tensor([rows], dtype=torch.float64)]))
+        counts, prob_sum, rows = t[:len(counts)], t[len(counts):-1], float(t[-1])
+    f = counts / rows
+    return f, rows, float(len(counts) * (f * prob_sum / rows).sum())
 
 
 class RouterAux(Objective):
@@ -121,12 +128,7 @@ class RouterAux(Objective):
             self.rows += float(m.sum())
 
     def setup(self, logprobs) -> None:
-        counts, prob_sum, rows = self.counts, self.prob_sum, self.rows
-        if self.across_ranks:
-            total = distributed.sum_over_ranks(torch.cat([counts, prob_sum, torch.tensor([rows], dtype=torch.float64)]))
-            counts, prob_sum, rows = total[:self.E], total[self.E:-1], float(total[-1])
-        f = counts / rows
-        self.value = float(self.E * (f * prob_sum / rows).sum())
+        f, rows, self.value = _totals(self.counts, self.prob_sum, self.rows, self.across_ranks)
         self.token_coef = self.coef * self.E * f / rows
 
     def block_loss(self, view: BlockView) -> Tensor:
