@@ -72,6 +72,11 @@ class EngineConfig:
     """Let the planner pick the block size and rows per batch for this many MiB; 0 = off."""
     reuse_rollout_kv: bool = False
     """Hand the rollout's K/V to the engine (no prefill); only when epochs = minibatches = 1."""
+    grad_accum_dtype: str = "float32"
+    """stream backward, bfloat16/float16 models: "float32" gathers each parameter's gradient over the
+    block batches in a float32 buffer (4 bytes per trainable parameter during the backward) and
+    rounds it into .grad once; "param" adds every block batch straight into .grad (one rounding per
+    block batch: the error grows with the number of blocks). No effect in float32/float64."""
     verify: bool = True
     """Before training, check on a tiny random copy of the model's architecture (seconds, config only)
     that the streamed backward gives the exact gradient (`backstream verify`); stop unless it does.
@@ -79,6 +84,7 @@ class EngineConfig:
 
     def __post_init__(self):
         choice("engine.backward", self.backward, ["stream", "reference"])
+        choice("engine.grad_accum_dtype", self.grad_accum_dtype, ["float32", "param"])
         at_least("engine.block_size", self.block_size, 0)
         at_least("engine.memory_budget_mb", self.memory_budget_mb, 0)
 

@@ -335,6 +335,40 @@ def fsdp_units(model: nn.Module) -> list:
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
+class GradAccumulator:
+    """For the duration of a backward made of many autograd calls: every trainable parameter whose
+    dtype is less precise than `dtype` gathers its gradient in a `dtype` buffer (a post-accumulate
+    hook moves each block batch's `.grad` into it), and `.grad` receives the sum, rounded once, on
+    exit (also after an exception: nothing accumulated is lost). A gradient already in `.grad`
+    is the buffer's start, as plain accumulation would have it. No-op for dtype None."""
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype | None):
+        self.params = [] if dtype is None else [
+            p for p in model.parameters()
+            if p.requires_grad and p.dtype.is_floating_point and torch.finfo(p.dtype).eps > torch.finfo(dtype).eps]
+        self.dtype, self.buf, self.handles = dtype, {}, []
+
+    def _take(self, p: Tensor) -> None:
+        g = p.grad
+        if g is not None:
+            b = self.buf.get(p)
+            self.buf[p] = g.to(self.dtype) if b is None else b.add_(g)
+            p.grad = None
+
+    def __enter__(self) -> "GradAccumulator":
+        for p in self.params:
+            self._take(p)
+            self.handles.append(p.register_post_accumulate_grad_hook(self._take))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self.handles:
+            h.remove()
+        for p, b in self.buf.items():
+            p.grad = b.to(p.dtype) if p.grad is None else p.grad + b.to(p.dtype)
+        self.buf.clear()
+
+
 class FSDPCall:
     """Parameters gathered for the whole call, gradients accumulated unreduced, one reduction at the
     end (`reduce`); the units' own settings restored on exit, also after an exception.
@@ -530,6 +564,7 @@ def stream_backward(
     memory_budget: int | None = None,
     kv: list | None = None,
     kernel: str = "auto",
+    grad_dtype: torch.dtype | None = torch.float32,
 ) -> StreamResult:
     """Accumulate into `.grad` the gradient of Σ_i Σ_t weights[i][t]·log πθ(x_i[t] | x_i[:t]) — or of
     the sum of `objective`'s block terms — block by block, shared prefixes once.
@@ -542,6 +577,10 @@ def stream_backward(
     kv: the K/V the caller already has (per sequence, a Cache or a list over layers of (K, V) of
       shape [kv_heads, length, head_dim]) computed at the current weights: no prefill runs.
     kernel: attention kernel, "auto" (fused flash on CPU), "flash" or "math" (naive reference).
+    grad_dtype: a parameter of lower precision (bfloat16, float16) gathers its gradient over the
+      block batches in this dtype and `.grad` receives the sum once, at the end (one rounding
+      instead of one per block batch; memory: one such buffer per parameter during the call).
+      None: every block batch adds straight into `.grad`. Under FSDP2 its own accumulation applies.
     An objective with `router_aux_coef > 0` (MoE models) adds the router load-balancing loss over
     every token (`backstream.router`); its value is in `stats.router_aux_loss`.
     Returns the log-probs at the current weights (NaN where no target was active) and stats.
@@ -551,8 +590,11 @@ def stream_backward(
     validate_sequences(model, sequences, allow_empty=bool(units))
     if weights is not None:
         validate_weights(sequences, weights)
+    if grad_dtype is not None and not (isinstance(grad_dtype, torch.dtype) and grad_dtype.is_floating_point):
+        raise ValueError(f"grad_dtype: expected a floating torch.dtype or None, got {grad_dtype!r}")
     return _run(model, sequences, obj, block_size=block_size, batch_tokens=batch_tokens,
-                memory_budget=memory_budget, kv=kv, kernel=kernel, backward=True, units=units)
+                memory_budget=memory_budget, kv=kv, kernel=kernel, backward=True, units=units,
+                grad_dtype=None if units else grad_dtype)
 
 
 class _Mask(Objective):
@@ -595,7 +637,7 @@ def _run(model, sequences, obj, *, units, **kw) -> StreamResult:
 
 
 def _run_local(model, sequences, obj, *, block_size, batch_tokens, memory_budget, kv, kernel,
-               backward, across_ranks: bool = False) -> StreamResult:
+               backward, across_ranks: bool = False, grad_dtype: torch.dtype | None = None) -> StreamResult:
     from backstream.planner import plan  # noqa: PLC0415  (planner imports engine stats)
 
     for name, val in (("block_size", block_size), ("batch_tokens", batch_tokens), ("memory_budget", memory_budget)):
@@ -646,7 +688,8 @@ def _run_local(model, sequences, obj, *, block_size, batch_tokens, memory_budget
         if router is not None:
             stats.router_aux_loss = router.value
         t = time.perf_counter()
-        eng.backward(obj, lps, stats, record=kv is not None or not all_lp)
+        with GradAccumulator(model, grad_dtype):
+            eng.backward(obj, lps, stats, record=kv is not None or not all_lp)
         stats.backward_s = time.perf_counter() - t
     return StreamResult(logprobs=lps, stats=stats)
 

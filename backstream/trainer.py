@@ -97,7 +97,7 @@ class StreamedBackward:
     prefill and backward; log-probs alone from its prefill pass."""
 
     def __init__(self, ec: cfgmod.EngineConfig):
-        self.kw = {}
+        self.kw = {"grad_dtype": torch.float32 if ec.grad_accum_dtype == "float32" else None}
         if ec.block_size:
             self.kw["block_size"] = ec.block_size
         if ec.memory_budget_mb:
