@@ -2,8 +2,8 @@
 and the few collectives the trainer needs, so that the loop itself hardly branches on it.
 
     torchrun --nproc_per_node 8 -m backstream train run.toml                      one node, 8 GPUs
-    torchrun --nnodes 2 --node_rank R --nproc_per_node 8 \\
-             --rdzv_backend c10d --rdzv_endpoint HOST:29500 -m backstream train run.toml
+    torchrun --nnodes 2 --nproc_per_node 8 --rdzv_id JOB \\
+             --rdzv_backend c10d --rdzv_endpoint HOST:29500 -m backstream train run.toml   on each node
 
 How N ranks give the update one process would give on the same global batch:
 - every rank walks the same seeded prompt stream; a step's `train.prompts_per_step` prompts are the
