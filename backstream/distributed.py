@@ -270,6 +270,32 @@ def on_main(fn):
     return result
 
 
+def check_shared(run_dir: str, marker: str) -> None:
+    """Every rank must see the run folder rank 0 claimed (checkpoints are written by every rank):
+    each reads `marker` (rank 0's lock file in it) and compares it with rank 0's. On several nodes
+    a folder on a node-local disk fails here, before any training, rather than at the first
+    checkpoint."""
+    if not active():
+        return
+    import socket  # noqa: PLC0415
+
+    def read():
+        try:
+            with open(marker) as f:
+                return f.read()
+        except OSError:
+            return None
+
+    expect = broadcast(read() if is_main() else None)
+    seen = gather((read() == expect, socket.gethostname()))
+    blind = [f"{r} ({host})" for r, (ok, host) in enumerate(seen) if not ok]
+    if blind:
+        raise ValueError(f"train.output_dir: {run_dir}, as rank 0 ({seen[0][1]}) created it, is not visible from "
+                         f"rank(s) {', '.join(blind)}; every rank writes its checkpoint shards there, so under "
+                         "torchrun on several nodes it must be on storage every node sees (a shared file system); "
+                         "set train.output_dir to such a path")
+
+
 def _comm_device() -> torch.device:
     if active() and dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())

@@ -247,6 +247,7 @@ class Trainer:
         # rank 0 owns the run folder (lock, config, metrics); its errors stop every rank
         self.lock = distributed.on_main(lambda: runfolder.claim(self.run_dir, resume=resume, overwrite=overwrite))
         try:
+            distributed.check_shared(self.run_dir, os.path.join(self.run_dir, runfolder.LOCK))
             if resume:
                 self._resume()
             else:

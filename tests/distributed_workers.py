@@ -168,7 +168,19 @@ def ranks_job(tmp: str) -> dict:
     dist.barrier()
     t = _train(split, [], resume=split)
     res["resumed"] = full_weights(t.model)
-    # 4. a rank that fails mid-step (rank 1's reward function raises at step 2): every rank stops with
+    # 4. the run folder on "node-local" storage: each rank looks for rank 0's marker under its own
+    # folder (as two nodes' local disks would be); rank 1 does not see it, every rank stops
+    local = os.path.join(tmp, f"local-{res['rank']}")
+    os.makedirs(local, exist_ok=True)
+    if distributed.is_main():
+        with open(os.path.join(local, "marker"), "w") as f:
+            f.write("rank 0's lock")
+    try:
+        distributed.check_shared(local, os.path.join(local, "marker"))
+    except ValueError as e:
+        res["not_shared"] = str(e)
+    distributed.check_shared(tmp, os.path.join(tmp, "stream", "config.toml"))  # a folder both see: passes
+    # 5. a rank that fails mid-step (rank 1's reward function raises at step 2): every rank stops with
     # a message, in seconds, and no checkpoint of that step is written. Last: it ends the group.
     t0 = time.perf_counter()
     try:

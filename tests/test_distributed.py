@@ -122,6 +122,10 @@ def test_bad_input_and_a_failing_rank(job):
         assert "train.prompts_per_step: 3 prompts per step (the global batch) do not split" in r["bad_input"]
         assert "multiple of 2" in r["bad_input"]
         assert not r["bad_written"] and not r["group_started"]  # refused before anything started
+    # a run folder that only rank 0 sees (node-local storage): refused on every rank, naming the blind one
+    for r in ranks:
+        assert re.search(r"train.output_dir: .*local-\d, as rank 0 \(.*\) created it, is not visible from "
+                         r"rank\(s\) 1 \(.*\); .* shared file system", r["not_shared"]), r["not_shared"]
     # rank 1's reward function raised at step 2: rank 0 stops within seconds (not the timeout), saying why
     assert "reward server unreachable" in ranks[1]["failure"]
     assert "rank 0 of 2 stopped during step 2: another rank failed" in ranks[0]["failure"]
