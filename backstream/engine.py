@@ -76,7 +76,7 @@ class StreamStats:
     batches_run: int = 0
     block_size: int = 0
     batch_tokens: int = 0
-    peak_bytes_predicted: int = 0
+    peak_bytes_predicted: int = 0  # the planner's estimate (0: none, its config sizes unreadable)
     prefill_s: float = 0.0
     backward_s: float = 0.0
     router_aux_loss: float | None = None  # the load-balancing loss at the current weights (when on)

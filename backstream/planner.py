@@ -83,7 +83,15 @@ def plan(model, tree, *, block_size=None, batch_tokens=None, memory_budget=None)
     if memory_budget is None:
         T = block_size or DEFAULT_BLOCK
         bt = batch_tokens or DEFAULT_ROWS * T
-        return est(T, max(1, bt // T))
+        try:
+            return est(T, max(1, bt // T))
+        except Unsupported:  # the estimate is only reported here: no estimate (peak_bytes 0)
+            return Plan(T, max(1, bt // T) * T, 0)
+    try:
+        est(block_size or DEFAULT_BLOCK, 1)
+    except Unsupported as e:
+        raise ValueError(f"memory_budget: {str(e).removeprefix('model: ')}; pass block_size and batch_tokens "
+                         "instead (trainer: engine.block_size, engine.memory_budget_mb = 0)") from e
     sizes = [block_size] if block_size else [8192, 4096, 2048, 1024, 512, 256, 128, 64, 32, 16]
     smallest = None
     for T in sizes:

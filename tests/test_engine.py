@@ -332,6 +332,25 @@ def test_memory_budget_plans_and_refuses():
     assert_same(model, seqs, weights, memory_budget=small.stats.peak_bytes_predicted)
 
 
+def test_unreadable_config_sizes_only_stop_a_memory_budget(monkeypatch):
+    """A config whose sizes cannot be read globally (per-layer attributes): the estimate is only a
+    report without a memory budget (the exact gradient, no estimate), and a budget is refused."""
+    from backstream import planner
+
+    def unreadable(c):
+        raise AttributeError("'num_attention_heads' is a per-layer attribute")
+
+    monkeypatch.setattr(planner, "_read_dims", unreadable)
+    model = make("qwen3")
+    gen = torch.Generator().manual_seed(12)
+    seqs, weights = group_batch(gen, prompt=12, lens=(9, 7))
+    assert_same(model, seqs, weights, block_size=4)
+    assert stream_backward(model, seqs, weights, block_size=4).stats.peak_bytes_predicted == 0
+    with pytest.raises(ValueError, match=r"memory_budget: the memory planner cannot read the config's sizes "
+                                         r"\(AttributeError: .*per-layer.*\); pass block_size and batch_tokens"):
+        stream_backward(model, seqs, weights, memory_budget=2**30)
+
+
 def _w(n, first=0.0):
     w = torch.ones(n, dtype=torch.float64)
     w[0] = first
