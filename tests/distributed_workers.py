@@ -15,11 +15,9 @@ import warnings
 
 import torch
 import torch.distributed as dist
-from models import exact_norms
-from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from test_trainer import tiny, tiny_moe
 
 from backstream import config, distributed, trainer
-from backstream.default_model import build_tokenizer
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 STEPS = 2
@@ -52,29 +50,6 @@ CASES = {
                 "engine.reuse_rollout_kv=true", "train.prompts_per_step=4",
                 "reward.functions=['distributed_workers:flat_for_half']"],
 }
-
-
-def tiny(seed: int = 0, exact: bool = True):
-    """The float64 model (norms in float64 with `exact`; a float32 run needs HF's own norms)."""
-    tok = build_tokenizer()
-    torch.manual_seed(seed)
-    cfg = Qwen3Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
-                      tie_word_embeddings=True, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    model = Qwen3ForCausalLM(cfg).to(torch.float64).eval()
-    return exact_norms(model) if exact else model, tok
-
-
-def tiny_moe(seed: int = 0):
-    """A float64 Qwen3-MoE of the same size (4 experts, top 2) with exact norms."""
-    tok = build_tokenizer()
-    torch.manual_seed(seed)
-    cfg = Qwen3MoeConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=32, moe_intermediate_size=16,
-                         num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
-                         tie_word_embeddings=True, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    cfg._experts_implementation = "eager"  # grouped_mm has no float64 CPU kernel
-    return exact_norms(Qwen3MoeForCausalLM(cfg).to(torch.float64).eval()), tok
 
 
 def run_cfg(out: str, *extra):
@@ -123,7 +98,7 @@ def _train(out: str, overrides: list[str], resume: str | None = None):
     if any(o.startswith("loss.router_aux_coef") for o in overrides):
         model, tok = tiny_moe()
     else:
-        model, tok = tiny(exact='model.dtype="float32"' not in overrides)
+        model, tok = tiny(torch.float32 if 'model.dtype="float32"' in overrides else torch.float64)
     if resume:
         t = trainer.Trainer(config.load(os.path.join(resume, "config.toml"), overrides), run_dir=resume,
                             resume=True, model=model, tokenizer=tok)
