@@ -32,6 +32,7 @@ import math
 import os
 import resource
 import signal
+import sys
 import time
 from dataclasses import dataclass
 
@@ -582,7 +583,10 @@ class Trainer:
                 if tc.save_every and self.step % tc.save_every == 0:
                     self.save()
             self.save()
-        except BaseException:
+        except BaseException as e:
+            if self.distributed:  # torchrun ends this process soon after a rank failed: say why now, while
+                # our SIGTERM handler still holds, not only when the exception reaches the top
+                print(f"backstream: rank {distributed.rank()}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
             distributed.abandon()  # the other ranks' collectives fail now rather than at the timeout
             raise
         finally:
