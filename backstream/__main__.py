@@ -3,8 +3,6 @@
     torchrun --nproc_per_node 8 -m backstream train run.toml
 """
 
-import sys
+from backstream.cli import entry
 
-from backstream.cli import main
-
-sys.exit(main())
+entry()

@@ -120,7 +120,11 @@ class Logger:
 
 
 def read(run_dir: str) -> list[dict]:
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        raise ValueError(f"{run_dir!r} is not a run folder (it has no metrics.jsonl): pass the folder a run wrote, "
+                         "the train.output_dir of its config")
+    with open(path) as f:
         return [json.loads(x) for x in f if x.strip()]
 
 

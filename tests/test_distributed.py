@@ -146,6 +146,28 @@ def test_a_process_group_that_cannot_start(monkeypatch):
     assert not distributed.active()
 
 
+@pytest.mark.parametrize("outcome, code, said", [("return 3", 3, ""), ("raise SystemExit(2)", 2, ""),
+                                                  ("1 / 0", 1, "ZeroDivisionError")])
+def test_a_torchrun_rank_exits_without_interpreter_teardown(outcome, code, said):
+    """Under torchrun (WORLD_SIZE set) the `backstream` command ends with os._exit once main() is over:
+    no interpreter teardown, where gloo's objects once aborted a finished rank (SIGABRT, and torchrun
+    called the finished job failed); main()'s exit code and an error's traceback are kept. In a plain
+    process the teardown runs as usual."""
+    import subprocess
+    import sys
+
+    prog = ("import atexit, backstream.cli as cli\n"
+            "atexit.register(lambda: print('teardown ran', flush=True))\n"
+            f"def main():\n    {outcome}\n"
+            "cli.main = main\ncli.entry()\n")
+    for env, teardown in (({"WORLD_SIZE": "2"}, False), ({}, True)):
+        e = {k: v for k, v in os.environ.items() if k != "WORLD_SIZE"}
+        p = subprocess.run([sys.executable, "-c", prog], env={**e, **env}, capture_output=True, text=True, timeout=60)
+        assert p.returncode == code, p.stderr
+        assert ("teardown ran" in p.stdout) == teardown, (env, p.stdout)
+        assert said in p.stderr
+
+
 def _train_sets(out, steps: int) -> list[str]:
     sets = [f"train.steps={steps}", "train.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=4",
             "train.progress=false", "data.num_examples=16", f'train.output_dir="{out}"', "train.save_every=1"]

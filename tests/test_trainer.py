@@ -188,6 +188,12 @@ def test_demo_end_to_end(tmp_path, capsys):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     assert AutoModelForCausalLM.from_pretrained(ckpt) is not None and AutoTokenizer.from_pretrained(ckpt) is not None
+    # `backstream plot RUN_DIR`: one PNG per curve; a folder that is no run is a usage error, not a traceback
+    assert main(["plot", str(tmp_path / "demo")]) == 0
+    pngs = capsys.readouterr().out.split()
+    assert "reward.png" in [os.path.basename(p) for p in pngs] and all(os.path.getsize(p) > 1000 for p in pngs)
+    assert main(["plot", str(tmp_path / "nothing")]) == 2
+    assert "is not a run folder (it has no metrics.jsonl)" in capsys.readouterr().err
 
 
 def test_reward_rises_on_the_default_model(tmp_path):
