@@ -163,7 +163,8 @@ def entry() -> None:
     ends with os._exit once main() returned (its run saved, its files closed, its process group left):
     the interpreter's teardown that a plain exit runs next can abort the process (SIGABRT, "terminate
     called without an active exception") while gloo's objects are destroyed, and torchrun then reports
-    a finished job as failed (seen about 1 run in 30 on a busy 2-core machine; pytorch#190489)."""
+    a finished job as failed (seen in CI and in 1 of 4 runs of the kill/resume test on a busy 2-core
+    machine; the same abort as pytorch#190489)."""
     if "WORLD_SIZE" not in os.environ:
         sys.exit(main())
     try:

@@ -134,6 +134,9 @@ def load_config(model_or_config):
         return AutoConfig.from_pretrained(name, local_files_only=True)
     if name in CONFIG_MAPPING:
         return AutoConfig.for_model(name)
+    if name.startswith((".", os.sep, "~")) or name.count("/") > 1:  # a path, not a Hub id "org/name"
+        raise FileNotFoundError(f"model: {name!r} is no folder here; pass a folder holding config.json, a "
+                                "transformers model_type (e.g. llama) or a Hub id (org/name)")
     return AutoConfig.from_pretrained(name)
 
 

@@ -189,6 +189,8 @@ def test_cli_runs_verify(capsys, tmp_path):
     assert "verdict: exact" in out and "attn.q" in out
     assert cli.main(["verify", str(tmp_path)]) == 2  # no config.json there
     assert "could not build" in capsys.readouterr().out
+    assert cli.main(["verify", str(tmp_path / "absent")]) == 2  # a path, not taken for a Hub id
+    assert "is no folder here; pass a folder holding config.json" in capsys.readouterr().out
 
 
 # -- the trainer ---------------------------------------------------------------------------------
