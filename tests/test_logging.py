@@ -5,6 +5,7 @@ import glob
 import importlib.util
 import json
 import os
+import time
 
 import pytest
 import torch
@@ -46,6 +47,10 @@ def test_wandb_offline_run_continues_on_resume(tmp_path, monkeypatch):
     run = trainer.train(cfg, model=model, tokenizer=tok)
     run_id = open(os.path.join(run, "wandb_id.txt")).read().strip()
     model, tok = tiny(torch.float32)
+    # W&B names an offline run's folder by the second it started: let the resume start in a later one
+    t0 = int(time.time())
+    while int(time.time()) == t0:
+        time.sleep(0.05)
     trainer.train(resume=run, overrides=["train.steps=2"], model=model, tokenizer=tok)
     logs = sorted(glob.glob(os.path.join(run, "wandb", "offline-run-*", f"run-{run_id}.wandb")))
     assert len(logs) == 2  # two processes' worth of the same W&B run
