@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import tempfile
 import traceback
 from datetime import timedelta
@@ -35,22 +36,29 @@ def env(rank: int, world: int, port: int) -> dict[str, str]:
 
 
 def _worker(rank: int, world: int, port: int, fn, args, out_dir: str, init: bool) -> None:
-    import sys
-
     sys.path.insert(0, os.path.dirname(__file__))
     os.environ.update(env(rank, world, port))
     torch.set_num_threads(1)
+    code = 1
     try:
         if init:
             torch_dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
         result = fn(*args)
         torch.save({"ok": result}, os.path.join(out_dir, f"{rank}.pt"))
+        code = 0
     except BaseException:
         torch.save({"error": traceback.format_exc()}, os.path.join(out_dir, f"{rank}.pt"))
-        raise
     finally:
-        if torch_dist.is_initialized():
-            torch_dist.destroy_process_group()
+        try:
+            if torch_dist.is_initialized():
+                torch_dist.destroy_process_group()
+        except Exception:  # noqa: BLE001  (a broken group after a failure: nothing left to release)
+            pass
+        # what the rank has to say is in its file: skip the interpreter's teardown, where gloo's objects
+        # can abort a finished process (as the `backstream` command does under torchrun)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def run(fn, world: int, *args, init: bool = True) -> list:
@@ -60,7 +68,7 @@ def run(fn, world: int, *args, init: bool = True) -> list:
         try:
             mp.start_processes(_worker, args=(world, free_port(), fn, args, d, init), nprocs=world,
                                start_method="spawn")
-        except mp.ProcessRaisedException:
+        except mp.ProcessException:
             pass  # the rank's own traceback is in its file
         results = []
         for rank in range(world):
