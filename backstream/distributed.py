@@ -9,7 +9,8 @@ How N ranks give the update one process would give on the same global batch:
 - every rank walks the same seeded prompt stream; a step's `train.prompts_per_step` prompts are the
   GLOBAL batch, and each rank trains whole prompt groups (a token tree never spans ranks): of every
   minibatch, rank r takes the r-th of W equal contiguous slices (`rank_groups`); with the rollout's
-  K/V reused, the groups it sampled (K/V never travel; after DAPO refills the shares may differ);
+  K/V reused, the groups it sampled (K/V never travel; DAPO refills go to the ranks that keep the
+  fewest, `round_share`'s `held`, so the shares end even when the rounds allow);
 - a group's completions are drawn with a generator seeded from (train.seed, the prompt's position in
   the stream) (`group_generator`), so they do not depend on which rank draws them; the rollouts are
   then gathered, so every rank holds the global batch (rewards, advantages, metrics as one process
@@ -316,9 +317,23 @@ def rank_groups(n_groups: int, parts: int, world_size: int, r: int) -> list[int]
     return [m * per + r * share + j for m in range(parts) for j in range(share)]
 
 
-def round_share(need: int, parts: int, world_size: int, r: int) -> list[int]:
+def round_share(need: int, parts: int, world_size: int, r: int, held: list[int] | None = None) -> list[int]:
     """The groups of a rollout round of `need` groups that rank r samples: its own training groups
-    when the round is a whole batch, else an even contiguous split (a DAPO refill)."""
+    when the round is a whole batch, else an even contiguous split (a DAPO refill). With `held`,
+    the groups each rank already keeps for this step and must train itself (it holds their K/V:
+    engine.reuse_rollout_kv), a refill goes one group at a time to the rank holding the fewest (ties
+    to the lower rank), so that the ranks' shares of the step end as even as the rounds allow. Who
+    samples a group changes none of its samples (`group_generator`), only where its K/V lie."""
+    if held is not None:
+        if len(held) != world_size:
+            raise ValueError(f"round_share: held has {len(held)} counts for {world_size} ranks")
+        counts, mine = list(held), []
+        for j in range(need):
+            k = min(range(world_size), key=lambda q: (counts[q], q))
+            counts[k] += 1
+            if k == r:
+                mine.append(j)
+        return mine
     if need % (parts * world_size) == 0:
         return rank_groups(need, parts, world_size, r)
     return list(range(r * need // world_size, (r + 1) * need // world_size))

@@ -337,9 +337,10 @@ class Trainer:
         yield
         self.times[phase] += time.perf_counter() - t
 
-    def rollout_round(self, n_prompts: int) -> Rollout:
+    def rollout_round(self, n_prompts: int, held: list[int] | None = None) -> Rollout:
         """G samples for each of the next `n_prompts` prompts of the data stream. Under torchrun,
-        this rank's share of them (`distributed.round_share`), each group drawn with its own
+        this rank's share of them (`distributed.round_share`, given the groups each rank already
+        `held` for the step when it must train what it sampled), each group drawn with its own
         generator (`distributed.group_generator`), and `prompt_index` holds the groups' indices in
         the round in `round_groups`."""
         start, idx = self.stream.position, self.stream.take(n_prompts)
@@ -352,7 +353,7 @@ class Trainer:
                 r.prompt_index = [idx[j] for j in r.prompt_index]
                 return r
             mine = distributed.round_share(n_prompts, self.cfg.algorithm.minibatches, distributed.world(),
-                                           distributed.rank())
+                                           distributed.rank(), held)
             parts = [generate(self.model, [self.prompts[idx[j]]], self.cfg.rollout,
                               generator=distributed.group_generator(self.cfg.train.seed, start + j), **kw)
                      for j in mine]
@@ -361,12 +362,14 @@ class Trainer:
         self.round_groups = mine
         return r
 
-    def sample_and_score(self, n_prompts: int) -> tuple[Rollout, Tensor, dict[str, Tensor]]:
+    def sample_and_score(self, n_prompts: int, held: list[int] | None = None) -> tuple[Rollout, Tensor,
+                                                                                     dict[str, Tensor]]:
         """One rollout round and its rewards (total, per function), over the whole round: under
         torchrun each rank samples and scores its share, then every rank gets every share (without
-        the K/V, which stay on the rank that computed them), in the round's order."""
+        the K/V, which stay on the rank that computed them), in the round's order; `round_owner`
+        holds the rank that sampled each group."""
         with self._timed("rollout"):
-            r = self.rollout_round(n_prompts)
+            r = self.rollout_round(n_prompts, held)
         with self._timed("reward"):
             total, per_fn = self.score(r) if len(r) else (torch.zeros(0), {})
         if not self.distributed:
@@ -380,6 +383,8 @@ class Trainer:
         for _, p, _, _ in parts:
             offsets.append(offsets[-1] + len(p) // r.group_size)
         where = {j: offsets[k] + g for k, (groups, *_) in enumerate(parts) for g, j in enumerate(groups)}
+        owner = {j: k for k, (groups, *_) in enumerate(parts) for j in groups}
+        self.round_owner = [owner[j] for j in range(n_prompts)]
         order = [where[j] for j in range(n_prompts)]  # the round's order
         rows = torch.tensor(joined.group_rows(order), dtype=torch.long)
         total = torch.cat([t for _, p, t, _ in parts])[rows]
@@ -400,17 +405,23 @@ class Trainer:
         ac, G = self.cfg.algorithm, self.cfg.rollout.group_size
         kept: list[tuple[Rollout, Tensor, Tensor]] = []
         scored, by_fn = [], {}
+        # under torchrun with the rollout's K/V a rank trains the groups it sampled: refills go to the
+        # ranks that keep the fewest (`held`), so that the step's shares end even
+        balance = self.distributed and self.cfg.engine.reuse_rollout_kv
+        held = [0] * distributed.world()
         for attempt in range(1 + (ac.max_refills if ac.dynamic_sampling else 0)):
             need = self.cfg.train.prompts_per_step - sum(len(r) for r, _, _ in kept) // G
             if need <= 0:
                 break
-            r, total, per_fn = self.sample_and_score(need)
+            r, total, per_fn = self.sample_and_score(need, held if balance and attempt else None)
             scored.append(total)
             for k, v in per_fn.items():
                 by_fn.setdefault(k, []).append(v)
             total, keep = overlong_shaping(r, total, ac, self.cfg.rollout.max_new_tokens)
             if ac.dynamic_sampling:
                 groups = informative_groups(total, G) if attempt < ac.max_refills else list(range(need))
+                for g in groups if balance else ():
+                    held[self.round_owner[g]] += 1
                 rows = torch.tensor(r.group_rows(groups), dtype=torch.long)
                 r, total, keep = r.select(groups), total[rows], keep[rows]
             kept.append((r, total, keep))
@@ -441,7 +452,7 @@ class Trainer:
         glob = minibatches(n_groups, ac.minibatches, G)
         if self.distributed and batch.kv is not None:
             # the groups whose K/V this rank holds: those it sampled (the same split as below, unless
-            # DAPO refills kept groups sampled elsewhere; then the ranks' shares may differ)
+            # DAPO refilled the step: then as even as `collect`'s refills could make it)
             groups = [g for g in range(n_groups) if batch.kv[g * G] is not None]
         else:
             groups = distributed.rank_groups(n_groups, ac.minibatches, distributed.world(), distributed.rank())

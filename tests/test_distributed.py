@@ -89,9 +89,10 @@ def test_two_ranks_give_the_single_process_update(job):
         drawn = ranks[0][name]["prompts_drawn"]
         assert drawn > 2 * workers.STEPS
         assert drawn == ranks[1][name]["prompts_drawn"] == one[name + "/prompts_drawn"]
-    # with the rollout's K/V each rank trained the kept groups it sampled: unequal shares at some step
+    # with the rollout's K/V each rank trained the kept groups it sampled, and the refills went to the
+    # rank that kept fewer: even shares (with refills split evenly: 4 and 12 sequences at step 1)
     per_call = [r["dapo_kv"]["sequences_per_call"] for r in ranks]
-    assert [a + b for a, b in zip(*per_call)] == [4 * 4] * workers.STEPS and per_call[0] != per_call[1]
+    assert per_call[0] == per_call[1] == [4 * 4 // 2] * workers.STEPS, per_call
     assert not (tmp / "stream" / ".lock").exists()
 
 
@@ -144,6 +145,32 @@ def test_a_process_group_that_cannot_start(monkeypatch):
                                            r"127.0.0.1:\d+ within distributed.timeout_s=2 .* MASTER_ADDR"):
         distributed.init(distributed.DistributedConfig(timeout_s=2), torch.device("cpu"))
     assert not distributed.active()
+
+
+def test_group_splits_over_ranks():
+    """rank_groups: every group trained by one rank, rank r's part of minibatch m inside minibatch m.
+    round_share: a round's groups sampled once each; a whole batch by its trainers, a refill evenly;
+    with `held` (the rollout's K/V: a rank trains what it sampled) the refill evens the shares out."""
+    from backstream.distributed import rank_groups, round_share
+
+    for n, parts, world in ((8, 2, 2), (12, 3, 2), (12, 1, 4)):
+        per = n // parts
+        shares = [rank_groups(n, parts, world, r) for r in range(world)]
+        assert sorted(g for s in shares for g in s) == list(range(n))
+        for r, s in enumerate(shares):
+            assert [sum(1 for g in s if g // per == m) for m in range(parts)] == [per // world] * parts
+            assert s == [round_share(n, parts, world, q) for q in range(world)][r]
+    with pytest.raises(ValueError, match="do not split into 2 minibatch"):
+        rank_groups(6, 2, 2, 0)
+    assert [round_share(5, 2, 2, r) for r in range(2)] == [[0, 1], [2, 3, 4]]
+    for need, held in ((5, [3, 0]), (3, [2, 2, 0]), (4, [0, 0]), (2, [4, 0])):
+        world = len(held)
+        shares = [round_share(need, 1, world, r, held) for r in range(world)]
+        assert sorted(g for s in shares for g in s) == list(range(need))
+        after = [h + len(s) for h, s in zip(held, shares)]
+        assert all(a == h or a <= min(after) + 1 for a, h in zip(after, held)), (need, held, after)
+    assert [len(round_share(5, 1, 2, r, [3, 0])) for r in range(2)] == [1, 4]  # 4 / 4 at the end
+    assert [len(round_share(2, 1, 2, r, [4, 0])) for r in range(2)] == [0, 2]  # as even as it can be
 
 
 def _returns_3():
