@@ -10,7 +10,7 @@ How N ranks give the update one process would give on the same global batch:
   GLOBAL batch, and each rank trains whole prompt groups (a token tree never spans ranks): of every
   minibatch, rank r takes the r-th of W equal contiguous slices (`rank_groups`); with the rollout's
   K/V reused, the groups it sampled (K/V never travel; DAPO refills go to the ranks that keep the
-  fewest, `round_share`'s `held`, so the shares end even when the rounds allow);
+  fewest, `round_share`'s `held`, so the shares end even);
 - a group's completions are drawn with a generator seeded from (train.seed, the prompt's position in
   the stream) (`group_generator`), so they do not depend on which rank draws them; the rollouts are
   then gathered, so every rank holds the global batch (rewards, advantages, metrics as one process
@@ -322,8 +322,9 @@ def round_share(need: int, parts: int, world_size: int, r: int, held: list[int] 
     when the round is a whole batch, else an even contiguous split (a DAPO refill). With `held`,
     the groups each rank already keeps for this step and must train itself (it holds their K/V:
     engine.reuse_rollout_kv), a refill goes one group at a time to the rank holding the fewest (ties
-    to the lower rank), so that the ranks' shares of the step end as even as the rounds allow. Who
-    samples a group changes none of its samples (`group_generator`), only where its K/V lie."""
+    to the lower rank): as no rank holds more than its even share of the step, the round that fills
+    the step ends with even shares. Who samples a group changes none of its samples
+    (`group_generator`), only where its K/V lie."""
     if held is not None:
         if len(held) != world_size:
             raise ValueError(f"round_share: held has {len(held)} counts for {world_size} ranks")

@@ -406,7 +406,7 @@ class Trainer:
         kept: list[tuple[Rollout, Tensor, Tensor]] = []
         scored, by_fn = [], {}
         # under torchrun with the rollout's K/V a rank trains the groups it sampled: refills go to the
-        # ranks that keep the fewest (`held`), so that the step's shares end even
+        # ranks that keep the fewest (`held`), so that the step's shares end even (as without refills)
         balance = self.distributed and self.cfg.engine.reuse_rollout_kv
         held = [0] * distributed.world()
         for attempt in range(1 + (ac.max_refills if ac.dynamic_sampling else 0)):
