@@ -451,8 +451,8 @@ class Trainer:
         # (one process: the same); `mine` = this rank's rows, `at` their place in the local lists
         glob = minibatches(n_groups, ac.minibatches, G)
         if self.distributed and batch.kv is not None:
-            # the groups whose K/V this rank holds: those it sampled (the same split as below, unless
-            # DAPO refilled the step: then as even as `collect`'s refills could make it)
+            # the groups whose K/V this rank holds: those it sampled (the split below, or after DAPO
+            # refills, which `collect` hands to the ranks that keep the fewest, another even split)
             groups = [g for g in range(n_groups) if batch.kv[g * G] is not None]
         else:
             groups = distributed.rank_groups(n_groups, ac.minibatches, distributed.world(), distributed.rank())
