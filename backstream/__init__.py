@@ -1,12 +1,11 @@
 """backstream: exact streamed backward over shared-prefix token trees for RL post-training."""
 
-from backstream.engine import StreamResult, StreamStats, logprobs, stream_backward
-from backstream.objective import BlockView, Objective, TokenWeights, flat_offsets
-from backstream.planner import Plan, estimate
-from backstream.reference import reference_backward
-# the function shadows its module's name on the package (`from backstream.verify import miniature` still works);
-# the module imports nothing heavy until it is called
-from backstream.verify import VerifyReport, verify
+from backstream.stream.engine import StreamResult, StreamStats, logprobs, stream_backward
+from backstream.stream.objective import BlockView, Objective, TokenWeights, flat_offsets
+from backstream.stream.planner import Plan, estimate
+from backstream.stream.reference import reference_backward
+# the module imports nothing heavy until the function is called
+from backstream.stream.verify import VerifyReport, verify
 
 
 def train(config=None, overrides=(), resume=None, model=None, tokenizer=None, overwrite=False) -> str:

@@ -26,14 +26,15 @@ import traceback
 
 
 def cmd_train(args) -> int:
-    from backstream import distributed, trainer  # noqa: PLC0415
+    from backstream import trainer  # noqa: PLC0415
+    from backstream.rl import parallel  # noqa: PLC0415
 
     try:
         run_dir = trainer.train(args.config, args.set or [], resume=args.resume, overwrite=args.overwrite)
-        if distributed.is_main():
+        if parallel.is_main():
             print(f"run folder: {run_dir}")
     finally:
-        distributed.shutdown()  # under torchrun: leave the process group this run started
+        parallel.shutdown()  # under torchrun: leave the process group this run started
     return 0
 
 
@@ -71,7 +72,7 @@ VERIFY_EXIT = {"exact": 0, "refused": 1, "could not build": 2, "wrong": 3, "erro
 
 
 def cmd_verify(args) -> int:
-    from backstream.verify import verify  # noqa: PLC0415
+    from backstream.stream.verify import verify  # noqa: PLC0415
 
     report = verify(args.model, seed=args.seed)
     print(report)
@@ -79,7 +80,7 @@ def cmd_verify(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from backstream.export import export  # noqa: PLC0415
+    from backstream.quant.export import export  # noqa: PLC0415
 
     out = export(args.run_dir, args.quant, out=args.out, group_size=args.group_size, overwrite=args.overwrite)
     print(f"exported: {out}")

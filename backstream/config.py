@@ -4,10 +4,9 @@ Each component owns a small `@dataclass(kw_only=True)` beside its code, document
 (attribute docstrings) and validated in `__post_init__`; this module maps TOML sections onto them,
 checks names and types with errors that name the key, the value and the allowed values, and renders
 `backstream train --help` from the same docstrings. The resolved config is saved with the run.
-The sections and where they live: model (model.py), data (data.py), rollout (rollout.py), reward
-(rewards.py), loss (losses.py and tbpo.py: one type per variant, picked by its `type` key), optim
-(optim.py), quant (quant.py), distributed (distributed.py: only what torchrun's environment does not
-say); the trainer's own algorithm, engine and train below.
+The sections and where they live: model, data, rollout, reward, loss (one type per variant, picked
+by its `type` key), optim, engine and distributed (only what torchrun's environment does not say) in
+backstream/rl/; quant in backstream/quant/; the trainer's own algorithm and train below.
 """
 
 from __future__ import annotations
@@ -23,15 +22,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from backstream.checks import at_least, choice
-from backstream.data import DataConfig
-from backstream.distributed import DistributedConfig
-from backstream.losses import LOSS_TYPES, LossConfig, PPOClipConfig
-from backstream.model import ModelConfig
-from backstream.optim import OptimConfig
-from backstream.quant import QuantConfig
-from backstream.rewards import RewardConfig
-from backstream.rollout import SamplingConfig
-from backstream.tbpo import TBPOConfig
+from backstream.quant.linear import QuantConfig
+from backstream.rl.advantages import ADVANTAGES
+from backstream.rl.backward import EngineConfig
+from backstream.rl.data import DataConfig
+from backstream.rl.losses import LOSS_TYPES, LossConfig, PPOClipConfig
+from backstream.rl.model import ModelConfig
+from backstream.rl.optim import OptimConfig
+from backstream.rl.parallel import DistributedConfig
+from backstream.rl.rewards import RewardConfig
+from backstream.rl.rollout import SamplingConfig
+from backstream.rl.shaping import OVERLONG
+from backstream.rl.tbpo import TBPOConfig
 
 
 @dataclass(kw_only=True)
@@ -54,39 +56,12 @@ class AlgorithmConfig:
     """Keep a frozen copy of the initial policy for the KL term (loss.kl_coef > 0 needs it)."""
 
     def __post_init__(self):
-        choice("algorithm.advantage", self.advantage, ["grpo", "drgrpo", "rloo"])
-        choice("algorithm.overlong", self.overlong, ["none", "filter", "penalty"])
+        choice("algorithm.advantage", self.advantage, list(ADVANTAGES))
+        choice("algorithm.overlong", self.overlong, list(OVERLONG))
         at_least("algorithm.epochs", self.epochs, 1)
         at_least("algorithm.minibatches", self.minibatches, 1)
         at_least("algorithm.max_refills", self.max_refills, 0)
         at_least("algorithm.overlong_buffer", self.overlong_buffer, 1)
-
-
-@dataclass(kw_only=True)
-class EngineConfig:
-    backward: str = "stream"
-    """stream (the exact streamed backward) or reference (one full-sequence backward per sample)."""
-    block_size: int = 0
-    """Tokens per block; 0 = the engine's default (or the planner's choice under memory_budget_mb)."""
-    memory_budget_mb: int = 0
-    """Let the planner pick the block size and rows per batch for this many MiB; 0 = off."""
-    reuse_rollout_kv: bool = False
-    """Hand the rollout's K/V to the engine (no prefill); only when epochs = minibatches = 1."""
-    grad_accum_dtype: str = "float32"
-    """stream backward, bfloat16/float16 models: "float32" gathers each parameter's gradient over the
-    block batches in a float32 buffer (4 bytes per trainable parameter during the backward) and
-    rounds it into .grad once; "param" adds every block batch straight into .grad (one rounding per
-    block batch: the error grows with the number of blocks). No effect in float32/float64."""
-    verify: bool = True
-    """Before training, check on a tiny random copy of the model's architecture (seconds, config only)
-    that the streamed backward gives the exact gradient (`backstream verify`); stop unless it does.
-    Only with backward = "stream"."""
-
-    def __post_init__(self):
-        choice("engine.backward", self.backward, ["stream", "reference"])
-        choice("engine.grad_accum_dtype", self.grad_accum_dtype, ["float32", "param"])
-        at_least("engine.block_size", self.block_size, 0)
-        at_least("engine.memory_budget_mb", self.memory_budget_mb, 0)
 
 
 @dataclass(kw_only=True)

@@ -14,10 +14,12 @@ One step (`Trainer.train_step`), in the stages of DESIGN §1:
   metrics     one line: rewards, lengths, loss terms, sampler/learner mismatch, time per phase.
 The policy, the data and the optimizer are built by their configs (model.py, data.py, optim.py).
 
-Under torchrun (`distributed.py`, DESIGN §6c) the same loop runs on every rank: the policy is sharded
-with FSDP2, each rank samples and trains whole prompt groups of the global batch, the rollouts are
-gathered so that rewards, advantages, normalisers and metrics are those of the global batch, and the
-gradients are summed over ranks; only rank 0 writes the run folder (checkpoints are collective).
+Under torchrun (DESIGN §6c) the same loop runs on every rank and reads the same: `self.dp`
+(rl/parallel.py) is the one-process `DataParallel`, whose methods do nothing, or a `Torchrun`, which
+shards the policy with FSDP2, has each rank sample and train whole prompt groups of the global batch,
+gathers the rollouts so that rewards, advantages, normalisers and metrics are those of the global
+batch (the gradients are summed over ranks), and lets rank 0 alone write the run folder (checkpoints
+are collective).
 Simplified on purpose: rollout and learner share weights (and, under torchrun, the rollout runs on
 the learner's ranks with the parameters gathered).
 """
@@ -32,26 +34,26 @@ import math
 import os
 import resource
 import signal
-import sys
 import time
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from backstream import checkpoint, config as cfgmod, data as datamod, distributed, runfolder
-from backstream.adapter import base_model
-from backstream.engine import StreamResult, logprobs as engine_logprobs, stream_backward
-from backstream.losses import Normalisers, build_objective, drgrpo_advantages, grpo_advantages, rloo_advantages
+from backstream import checkpoint, config as cfgmod, runfolder
 from backstream.metrics import Logger, check_backends
-from backstream.offpolicy import error_token_share, mismatch_metrics
-from backstream.quant import quant_linears, quantize_model, quantized
-from backstream.reference import reference_backward
-from backstream.router import moe_spec
-from backstream.rewards import Rewards
-from backstream.rollout import Rollout, generate
+from backstream.quant.linear import quant_linears, quantize_model, quantized
+from backstream.rl import data as datamod, parallel
+from backstream.rl.advantages import ADVANTAGES
+from backstream.rl.losses import Normalisers, build_objective
+from backstream.rl.offpolicy import error_token_share, mismatch_metrics
+from backstream.rl.rewards import Rewards
+from backstream.rl.rollout import Rollout, generate
+from backstream.rl.shaping import informative_groups, overlong_shaping
+from backstream.stream import fsdp
+from backstream.stream.hf import base_model
+from backstream.stream.router import moe_spec
 
-ADVANTAGES = {"grpo": grpo_advantages, "drgrpo": drgrpo_advantages, "rloo": rloo_advantages}
 PHASES = ("rollout", "reward", "prefill", "backward", "optim")  # the step's time split, as logged
 
 
@@ -63,9 +65,9 @@ _VERIFIED: dict = {}  # architecture → VerifyReport: a process checks each arc
 
 def verify_engine(model) -> None:
     """engine.verify: the streamed backward must be exact on a miniature of `model`'s architecture
-    (same config, same LoRA config, same train/eval mode; `backstream.verify`), else stop before
+    (same config, same LoRA config, same train/eval mode; `backstream.stream.verify`), else stop before
     the run folder is written."""
-    from backstream.verify import verify  # noqa: PLC0415
+    from backstream.stream.verify import verify  # noqa: PLC0415
 
     base = base_model(model)
     peft = getattr(model, "peft_config", None)
@@ -90,75 +92,7 @@ def peak_mib(device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-# -- engine.backward, chosen once ----------------------------------------------------------------
-
-
-class StreamedBackward:
-    """engine.backward = "stream": the exact streamed backward (DESIGN §2), which times its own
-    prefill and backward; log-probs alone from its prefill pass."""
-
-    def __init__(self, ec: cfgmod.EngineConfig):
-        self.kw = {"grad_dtype": torch.float32 if ec.grad_accum_dtype == "float32" else None}
-        if ec.block_size:
-            self.kw["block_size"] = ec.block_size
-        if ec.memory_budget_mb:
-            self.kw["memory_budget"] = ec.memory_budget_mb * 2**20
-
-    def backward(self, model, sequences: list[Tensor], objective, kv: list | None) -> StreamResult:
-        return stream_backward(model, sequences, objective=objective, kv=kv, **self.kw)
-
-    def logprobs(self, model, sequences: list[Tensor], mask: list[Tensor]) -> list[Tensor]:
-        return engine_logprobs(model, sequences, mask)
-
-
-class ReferenceBackward:
-    """engine.backward = "reference": one full-sequence forward and backward per sample, the
-    baseline the streamed backward is compared with (it ignores the rollout's K/V)."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-
-    def backward(self, model, sequences: list[Tensor], objective, kv: list | None) -> StreamResult:
-        t = time.perf_counter()
-        res = reference_backward(model, sequences, objective=objective)
-        res.stats.backward_s = time.perf_counter() - t  # the reference does not time itself
-        return res
-
-    def logprobs(self, model, sequences: list[Tensor], mask: list[Tensor]) -> list[Tensor]:
-        """Plain full-sequence forwards, no grad; NaN outside `mask`."""
-        out = []
-        with torch.no_grad(), distributed.gathered(model):  # no per-forward all-gather under FSDP
-            for s, m in zip(sequences, mask):
-                logits = model(input_ids=s[None].to(self.device)).logits[0, :-1]
-                logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-                lp = torch.full((len(s),), math.nan, dtype=logits.dtype)
-                lp[1:] = torch.log_softmax(logits, -1).gather(-1, s[1:, None].to(self.device))[:, 0].cpu()
-                lp[~m] = math.nan
-                out.append(lp)
-        return out
-
-
 # -- one step's pieces ---------------------------------------------------------------------------
-
-
-def overlong_shaping(rollout: Rollout, rewards: torch.Tensor, ac: cfgmod.AlgorithmConfig, max_new: int):
-    """DAPO overlong handling. filter: truncated samples get no loss; penalty: a linear penalty over
-    the last `overlong_buffer` tokens before max_new_tokens, −1 at the limit."""
-    keep = torch.ones(len(rewards), dtype=torch.bool)
-    if ac.overlong == "filter":
-        keep = torch.tensor([r != "length" for r in rollout.finish_reason])
-    elif ac.overlong == "penalty":
-        lens = torch.tensor([len(c) for c in rollout.completion_ids], dtype=torch.float32)
-        start = max_new - ac.overlong_buffer
-        rewards = rewards + torch.clamp((start - lens) / max(ac.overlong_buffer, 1), min=-1.0, max=0.0)
-    return rewards, keep
-
-
-def informative_groups(rewards: Tensor, group_size: int) -> list[int]:
-    """The groups whose rewards are not all equal (DAPO dynamic sampling): the others have zero
-    advantage on every sample, so they would cost a backward and teach nothing."""
-    G = group_size
-    return [g for g in range(len(rewards) // G) if rewards[g * G:(g + 1) * G].std() > 0]
 
 
 def minibatches(n_groups: int, n: int, group_size: int) -> list[list[int]]:
@@ -214,31 +148,27 @@ class Trainer:
         tc = cfg.train
         torch.manual_seed(tc.seed)
         self.device = cfg.model.torch_device()
-        cfg.validate(world_size=distributed.requested_world())  # None in a plain process
+        cfg.validate(world_size=parallel.requested_world())  # None in a plain process
         check_backends(tc.log_tensorboard, tc.log_wandb)
-        self.distributed = distributed.init(cfg.distributed, self.device)
+        self.gen = torch.Generator().manual_seed(tc.seed)  # the sampler's (one process; checkpointed)
+        self.dp = parallel.start(cfg.distributed, device=self.device, seed=tc.seed, generator=self.gen,
+                                 minibatches=cfg.algorithm.minibatches, reuse_kv=cfg.engine.reuse_rollout_kv)
         self.model, self.tok = cfg.model.build(model, tokenizer)
         if cfg.quant.enabled:  # after LoRA: the base layers are quantized, the adapters stay in full precision
             quantize_model(self.model, cfg.quant)
         self.quantized_layers = list(quant_linears(self.model).values())
         if cfg.loss.router_aux_coef > 0:
             moe_spec(self.model, "loss.router_aux_coef")
-        if cfg.engine.verify and cfg.engine.backward == "stream":
+        if cfg.engine.verify and cfg.engine.streamed:
             verify_engine(self.model)
         self._load_prompts()
         self.rewards = Rewards(cfg.reward)
         self.ref = self._reference_policy(copy_of_given=model is not None)  # a whole copy, before sharding
-        if self.distributed:  # after LoRA and quantization; the optimizer then holds the shards
-            distributed.check_same_weights(self.model)
-            distributed.shard(self.model, cfg.distributed, self.device)
-            if self.ref is not None:  # the frozen KL reference too: 1/N of a copy per rank, gathered per pass
-                distributed.shard(self.ref, cfg.distributed, self.device)
+        self.dp.prepare(self.model, self.ref)  # after LoRA and quantization; the optimizer then holds the shards
         self.opt, self.sched = cfg.optim.build(self.model.parameters())
-        stream = cfg.engine.backward == "stream"
-        self.engine = StreamedBackward(cfg.engine) if stream else ReferenceBackward(self.device)
+        self.engine = cfg.engine.build(self.device)
         self.advantage_fn = ADVANTAGES[cfg.algorithm.advantage]
         self.stream = datamod.PromptStream(len(self.examples), tc.seed)
-        self.gen = torch.Generator().manual_seed(tc.seed)
         self.step = 0
         self.skipped_nonfinite = 0  # optimizer steps skipped for a NaN/inf gradient norm, this process
         self.nonfinite_in_a_row = 0
@@ -246,14 +176,14 @@ class Trainer:
         self.run_dir = run_dir or tc.output_dir
         self.eos = self.tok.eos_token_id
         # rank 0 owns the run folder (lock, config, metrics); its errors stop every rank
-        self.lock = distributed.on_main(lambda: runfolder.claim(self.run_dir, resume=resume, overwrite=overwrite))
+        self.lock = self.dp.on_main(lambda: runfolder.claim(self.run_dir, resume=resume, overwrite=overwrite))
         try:
-            distributed.check_shared(self.run_dir, os.path.join(self.run_dir, runfolder.LOCK))
+            self.dp.check_shared(self.run_dir, os.path.join(self.run_dir, runfolder.LOCK))
             if resume:
                 self._resume()
             else:
-                distributed.on_main(self._write_config)
-            self.logger = distributed.on_main(lambda: Logger(
+                self.dp.on_main(self._write_config)
+            self.logger = self.dp.on_main(lambda: Logger(
                 self.run_dir, progress=tc.progress, tensorboard=tc.log_tensorboard, wandb=tc.log_wandb,
                 config=cfg.to_dict(), total_steps=tc.steps, append=resume, wandb_project=tc.wandb_project,
                 start_step=self.step)) or _NoLogger()
@@ -304,14 +234,14 @@ class Trainer:
     def save(self) -> str:
         """A checkpoint of the current step (collective under torchrun: every rank calls it)."""
         self._check_finite_weights()
-        with distributed.clear_failures(f"the checkpoint of step {self.step}", self.cfg.distributed.timeout_s):
+        with self.dp.guard(f"the checkpoint of step {self.step}"):
             return checkpoint.save(self.run_dir, self.step, self.model, self.tok, self.state(),
                                    self.cfg.train.keep_checkpoints)
 
     def _resume(self) -> None:
         """Weights, optimizer, schedule, RNG, data position and step of the latest intact checkpoint
         (written by any number of ranks: DCP reshards)."""
-        path = distributed.broadcast(checkpoint.latest_intact(self.run_dir) if distributed.is_main() else None)
+        path = self.dp.broadcast(self.dp.on_main(lambda: checkpoint.latest_intact(self.run_dir)))
         if path is None:
             raise ValueError(f"--resume: {self.run_dir} holds no complete checkpoint")
         st = checkpoint.restore(path, self.model, self.opt, self.sched)
@@ -324,7 +254,7 @@ class Trainer:
         """One RL step (DESIGN §1): collect → advantages → update → metrics; returns the metrics."""
         t0 = time.perf_counter()
         self.times = dict.fromkeys(PHASES, 0.0)
-        with distributed.clear_failures(f"step {self.step + 1}", self.cfg.distributed.timeout_s):
+        with self.dp.guard(f"step {self.step + 1}"):
             batch = self.collect()  # the global batch (on every rank under torchrun)
             adv = self.advantages(batch.rewards) * batch.keep
             logged, mismatch = self.update(batch.rollout, adv)
@@ -337,60 +267,31 @@ class Trainer:
         yield
         self.times[phase] += time.perf_counter() - t
 
-    def rollout_round(self, n_prompts: int, held: list[int] | None = None) -> Rollout:
-        """G samples for each of the next `n_prompts` prompts of the data stream. Under torchrun,
-        this rank's share of them (`distributed.round_share`, given the groups each rank already
-        `held` for the step when it must train what it sampled), each group drawn with its own
-        generator (`distributed.group_generator`), and `prompt_index` holds the groups' indices in
-        the round in `round_groups`."""
+    def rollout_round(self, n_prompts: int, refill: bool = False) -> Rollout:
+        """G samples for each of this process's groups (`dp.round_groups`: all of them in one process)
+        of the next `n_prompts` prompts of the data stream, each group drawn with `dp.generator` (the
+        one sampler generator, or under torchrun one per prompt position, so that a group's samples do
+        not depend on the rank that draws it); `refill`: a DAPO refill round of the step."""
         start, idx = self.stream.position, self.stream.take(n_prompts)
-        kw = dict(eos_token_id=self.eos, tokenizer=self.tok, return_kv=self.cfg.engine.reuse_rollout_kv)
+        groups = self.dp.round_groups(n_prompts, refill)
         self.model.eval()
         # the sampler runs the rollout format; under FSDP with the parameters gathered once
-        with quantized(self.model, self.cfg.quant.enabled), distributed.gathered(self.model):
-            if not self.distributed:
-                r = generate(self.model, [self.prompts[i] for i in idx], self.cfg.rollout, generator=self.gen, **kw)
-                r.prompt_index = [idx[j] for j in r.prompt_index]
-                return r
-            mine = distributed.round_share(n_prompts, self.cfg.algorithm.minibatches, distributed.world(),
-                                           distributed.rank(), held)
-            parts = [generate(self.model, [self.prompts[idx[j]]], self.cfg.rollout,
-                              generator=distributed.group_generator(self.cfg.train.seed, start + j), **kw)
-                     for j in mine]
-        r = Rollout.concat(parts) if parts else _empty_rollout(self.cfg.rollout.group_size, kw["return_kv"])
-        r.prompt_index = [idx[j] for j in mine for _ in range(r.group_size)]
-        self.round_groups = mine
+        with quantized(self.model, self.cfg.quant.enabled), fsdp.gathered(self.model):
+            r = generate(self.model, [self.prompts[idx[j]] for j in groups], self.cfg.rollout,
+                         eos_token_id=self.eos, tokenizer=self.tok, return_kv=self.cfg.engine.reuse_rollout_kv,
+                         generator=[self.dp.generator(start + j) for j in groups])
+        r.prompt_index = [idx[j] for j in groups for _ in range(r.group_size)]
         return r
 
-    def sample_and_score(self, n_prompts: int, held: list[int] | None = None) -> tuple[Rollout, Tensor,
-                                                                                     dict[str, Tensor]]:
-        """One rollout round and its rewards (total, per function), over the whole round: under
-        torchrun each rank samples and scores its share, then every rank gets every share (without
-        the K/V, which stay on the rank that computed them), in the round's order; `round_owner`
-        holds the rank that sampled each group."""
+    def sample_and_score(self, n_prompts: int, refill: bool = False) -> tuple[Rollout, Tensor, dict[str, Tensor]]:
+        """One rollout round and its rewards (total, per function), over the whole round: each
+        process samples and scores its groups, `dp.join_round` hands every rank every group (without
+        the K/V, which stay where they were computed), in the round's order."""
         with self._timed("rollout"):
-            r = self.rollout_round(n_prompts, held)
+            r = self.rollout_round(n_prompts, refill)
         with self._timed("reward"):
             total, per_fn = self.score(r) if len(r) else (torch.zeros(0), {})
-        if not self.distributed:
-            return r, total, per_fn
-        parts = distributed.gather((self.round_groups, dataclasses.replace(r, kv=None), total, per_fn))
-        me = distributed.rank()
-        # this rank's samples keep their K/V (engine.reuse_rollout_kv); the others' are not here
-        joined = Rollout.concat([p if r.kv is None else dataclasses.replace(p, kv=r.kv if k == me else [None] * len(p))
-                                 for k, (_, p, _, _) in enumerate(parts)])
-        offsets = [0]
-        for _, p, _, _ in parts:
-            offsets.append(offsets[-1] + len(p) // r.group_size)
-        where = {j: offsets[k] + g for k, (groups, *_) in enumerate(parts) for g, j in enumerate(groups)}
-        owner = {j: k for k, (groups, *_) in enumerate(parts) for j in groups}
-        self.round_owner = [owner[j] for j in range(n_prompts)]
-        order = [where[j] for j in range(n_prompts)]  # the round's order
-        rows = torch.tensor(joined.group_rows(order), dtype=torch.long)
-        total = torch.cat([t for _, p, t, _ in parts])[rows]
-        keys = dict.fromkeys(key for *_, fns in parts for key in fns)  # a rank that sampled nothing has none
-        per_fn = {key: torch.cat([fns.get(key, torch.zeros(len(p))) for _, p, _, fns in parts])[rows] for key in keys}
-        return joined.select(order), total, per_fn
+        return self.dp.join_round(r, total, per_fn)
 
     def score(self, r: Rollout) -> tuple[Tensor, dict[str, Tensor]]:
         """Total reward per sample and each reward function's, given the prompts and the columns."""
@@ -405,23 +306,19 @@ class Trainer:
         ac, G = self.cfg.algorithm, self.cfg.rollout.group_size
         kept: list[tuple[Rollout, Tensor, Tensor]] = []
         scored, by_fn = [], {}
-        # under torchrun with the rollout's K/V a rank trains the groups it sampled: refills go to the
-        # ranks that keep the fewest (`held`), so that the step's shares end even (as without refills)
-        balance = self.distributed and self.cfg.engine.reuse_rollout_kv
-        held = [0] * distributed.world()
+        self.dp.begin_step()
         for attempt in range(1 + (ac.max_refills if ac.dynamic_sampling else 0)):
             need = self.cfg.train.prompts_per_step - sum(len(r) for r, _, _ in kept) // G
             if need <= 0:
                 break
-            r, total, per_fn = self.sample_and_score(need, held if balance and attempt else None)
+            r, total, per_fn = self.sample_and_score(need, refill=attempt > 0)
             scored.append(total)
             for k, v in per_fn.items():
                 by_fn.setdefault(k, []).append(v)
             total, keep = overlong_shaping(r, total, ac, self.cfg.rollout.max_new_tokens)
             if ac.dynamic_sampling:
                 groups = informative_groups(total, G) if attempt < ac.max_refills else list(range(need))
-                for g in groups if balance else ():
-                    held[self.round_owner[g]] += 1
+                self.dp.kept(groups)  # under torchrun with the rollout's K/V, refills then even the shares
                 rows = torch.tensor(r.group_rows(groups), dtype=torch.long)
                 r, total, keep = r.select(groups), total[rows], keep[rows]
             kept.append((r, total, keep))
@@ -450,12 +347,7 @@ class Trainer:
         # per minibatch, its rows in the batch (the global minibatch's, normalising) and this rank's
         # (one process: the same); `mine` = this rank's rows, `at` their place in the local lists
         glob = minibatches(n_groups, ac.minibatches, G)
-        if self.distributed and batch.kv is not None:
-            # the groups whose K/V this rank holds: those it sampled (the split below, or after DAPO
-            # refills, which `collect` hands to the ranks that keep the fewest, another even split)
-            groups = [g for g in range(n_groups) if batch.kv[g * G] is not None]
-        else:
-            groups = distributed.rank_groups(n_groups, ac.minibatches, distributed.world(), distributed.rank())
+        groups = self.dp.train_groups(n_groups, batch.kv)
         mine = [g * G + i for g in groups for i in range(G)]
         owned = set(mine)
         local = [[r for r in rows if r in owned] for rows in glob]
@@ -480,7 +372,7 @@ class Trainer:
                 if epoch == 0:  # sampler/learner agreement on the tokens the learner computed
                     for r, lp in zip(rows, res.logprobs):
                         learner_lp[r] = lp
-                step = distributed.sum_metrics(obj.metrics())  # additive: the normalisers are global
+                step = sum_metrics(self.dp.gather(obj.metrics()))  # additive: the normalisers are global
                 with self._timed("optim"):
                     grad_norm = self._optimizer_step(loss_finite=all(math.isfinite(v) for v in step.values()))
                 if res.stats.router_aux_loss is not None:
@@ -491,14 +383,8 @@ class Trainer:
         # the learner's log-probs before the update: π_old when it was computed up front (several
         # optimizer steps), else the engine's own at the first (and only) step's weights
         before = old if old is not None and not self.cfg.engine.reuse_rollout_kv else learner_lp
-        if self.distributed:  # the mismatch of the global batch: every rank's rows, in the batch's order
-            parts = distributed.gather((mine, before))
-            before = [None] * len(batch)
-            for rows, lps in parts:
-                for r, lp in zip(rows, lps):
-                    before[r] = lp
-            return logged, mismatch_metrics(before, sampler_lp, mask)
-        return logged, mismatch_metrics(before, sampler_l, mask_l)
+        before = self.dp.gather_rows(mine, before, len(batch))  # the global batch's, in its order
+        return logged, mismatch_metrics(before, sampler_lp, mask)
 
     def policy_logprobs(self, seqs: list[Tensor], mask: list[Tensor], sampler_lp: list[Tensor]):
         """(π_old, π_ref) log-probs where the objective needs them up front, else None. π_old: the
@@ -509,7 +395,7 @@ class Trainer:
         if self.cfg.engine.reuse_rollout_kv:
             old = sampler_lp
         elif ac.epochs * ac.minibatches > 1:
-            with self._timed("prefill"), distributed.gathered(self.model):
+            with self._timed("prefill"), fsdp.gathered(self.model):
                 old = self.engine.logprobs(self.model, seqs, mask)
         if ac.kl_reference:
             with self._timed("prefill"):
@@ -535,15 +421,15 @@ class Trainer:
         m.update({f"time/{k}": v for k, v in self.times.items()})  # rank 0's, under torchrun
         m.update({"time/step": step_time, "throughput/tokens_per_s": tokens / step_time,
                   "optim/lr": self.sched.get_last_lr()[0],
-                  "memory/peak_mib": distributed.max_over_ranks(peak_mib(self.device))})  # the fullest rank's
+                  "memory/peak_mib": max(self.dp.gather(peak_mib(self.device)))})  # the fullest rank's
         return m
 
     def _optimizer_step(self, loss_finite: bool = True) -> float:
         """Clip and step; a NaN/inf loss term or gradient norm skips the step instead, and
         `optim.max_nonfinite_steps` of them in a row stop the run."""
         params = [p for p in self.model.parameters() if p.requires_grad]
-        distributed.reshard(self.model)  # no gathered copy outlives the step (the next forward re-gathers)
-        gn = distributed.grad_norm(params, self.cfg.optim.max_grad_norm)  # global: every rank decides alike
+        fsdp.reshard(self.model)  # no gathered copy outlives the step (the next forward re-gathers)
+        gn = fsdp.grad_norm(params, self.cfg.optim.max_grad_norm)  # global: every rank decides alike
         if not (math.isfinite(gn) and loss_finite):
             self.opt.zero_grad(set_to_none=True)
             self.skipped_nonfinite += 1
@@ -568,7 +454,8 @@ class Trainer:
                 "returning NaN/inf")
 
     def _check_finite_weights(self) -> None:
-        bad = distributed.nonfinite_params(self.model)  # over every rank's shards
+        local = [n for n, p in self.model.named_parameters() if not bool(torch.isfinite(fsdp.local(p.detach())).all())]
+        bad = sorted({n for part in self.dp.gather(local) for n in part})  # over every rank's shards
         if bad:
             raise NonFiniteError(f"train: parameters {bad[:3]}{' …' if len(bad) > 3 else ''} hold NaN/inf at step "
                                  f"{self.step}; no checkpoint is written from them. Last good checkpoint: "
@@ -577,7 +464,7 @@ class Trainer:
     def _ref_logprobs(self, seqs, mask):
         if self.ref is not None:
             return self.engine.logprobs(self.ref, seqs, mask)
-        with self.model.disable_adapter(), distributed.gathered(self.model):  # LoRA: the base model is the reference
+        with self.model.disable_adapter(), fsdp.gathered(self.model):  # LoRA: the base model is the reference
             return self.engine.logprobs(self.model, seqs, mask)
 
     def _signal(self, signum, frame):
@@ -588,17 +475,14 @@ class Trainer:
         old = {s: signal.signal(s, self._signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             # a signal may reach one rank only: every rank stops at the same step boundary
-            while self.step < tc.steps and not distributed.any_rank(self._stop):
+            while self.step < tc.steps and not self.dp.any(self._stop):
                 m = self.train_step()
                 self.logger.log(m)
                 if tc.save_every and self.step % tc.save_every == 0:
                     self.save()
             self.save()
         except BaseException as e:
-            if self.distributed:  # torchrun ends this process soon after a rank failed: say why now, while
-                # our SIGTERM handler still holds, not only when the exception reaches the top
-                print(f"backstream: rank {distributed.rank()}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-            distributed.abandon()  # the other ranks' collectives fail now rather than at the timeout
+            self.dp.failed(e)  # under torchrun: say so now, leave the group so that the others stop too
             raise
         finally:
             for s, h in old.items():
@@ -609,10 +493,16 @@ class Trainer:
         return self.run_dir
 
 
-def _empty_rollout(group_size: int, with_kv: bool) -> Rollout:
-    """A rank's share of a round too small to reach it (a DAPO refill of fewer groups than ranks)."""
-    return Rollout(prompt_index=[], prompt_ids=[], completion_ids=[], logprobs=[], finish_reason=[],
-                   kv=[] if with_kv else None, group_size=group_size)
+def sum_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
+    """Per key, the sum over the ranks' dicts (a key a rank lacks counts 0): the objective's metrics
+    are additive once its normalisers are global. One process: its dict."""
+    if len(parts) == 1:
+        return dict(parts[0])
+    out: dict[str, float] = {}
+    for part in parts:
+        for k, v in part.items():
+            out[k] = out.get(k, 0.0) + v
+    return out
 
 
 def to_toml(d: dict) -> str:

@@ -14,7 +14,9 @@ import os
 import torch
 from transformers.masking_utils import AttentionMaskInterface
 
-from backstream import engine, family, stream_backward
+from backstream import stream_backward
+from backstream.stream import engine
+from backstream.stream import family
 from bench.common import RESULTS, model, timed_side_by_side
 
 

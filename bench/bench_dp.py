@@ -38,7 +38,8 @@ def worker(args) -> None:
     """One rank (or the plain process): train `steps` steps, write this rank's numbers as JSON."""
     import torch
 
-    from backstream import config, distributed, trainer
+    from backstream import config, trainer
+    from backstream.rl import parallel
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // world))
@@ -59,12 +60,12 @@ def worker(args) -> None:
     t.logger.close()
     if t.lock is not None:
         t.lock.release()
-    rank = distributed.rank()
+    rank = parallel.rank()
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
-        json.dump({"rank": rank, "world": distributed.world(), "step_s": times, "rewards": rewards, "split": split,
+        json.dump({"rank": rank, "world": parallel.world(), "step_s": times, "rewards": rewards, "split": split,
                    "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                    "threads": torch.get_num_threads()}, f)
-    distributed.shutdown()
+    parallel.shutdown()
 
 
 def launch(mode: str, steps: int, model: str, threads: int) -> list[dict]:

@@ -26,8 +26,8 @@ import tempfile
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from backstream.quant import QuantConfig, quantize_model, quantized
-from backstream.rollout import SamplingConfig, generate
+from backstream.quant.linear import QuantConfig, quantize_model, quantized
+from backstream.rl.rollout import SamplingConfig, generate
 from bench.common import RESULTS, timed_side_by_side
 
 FORMATS = ["w8a8", "w4a16", "fp8"]

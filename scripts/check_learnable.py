@@ -2,7 +2,7 @@
 
     python scripts/check_learnable.py                 # arith, 60 steps, ~30 s on one CPU thread
 
-It depends only on `backstream.tasks` and `backstream.default_model`, not on the engine, so that
+It depends only on `backstream.rl.tasks` and `backstream.default_model`, not on the engine, so that
 "the default model can learn" is checked apart from "backstream computes the right gradient". Each
 step: P prompts, G samples each at temperature 1 with `model.generate` (no top-k/top-p), the
 exact-match reward (`tasks.score`), group-normalised advantages A = (r - mean_g) / (std_g + 1e-4),
@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, not installed
 
 from backstream.default_model import load_default  # noqa: E402
-from backstream.tasks import get_task, make_dataset, score  # noqa: E402
+from backstream.rl.tasks import get_task, make_dataset, score  # noqa: E402
 
 
 @torch.no_grad()

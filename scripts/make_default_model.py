@@ -4,7 +4,7 @@
 
 What it does, deterministically from --seed (same machine, same torch: same bytes):
 1. tokenizer and config from `backstream.default_model` (`build_tokenizer`, `default_config`);
-2. supervised training from random init on the generated tasks of `backstream.tasks`, each step one
+2. supervised training from random init on the generated tasks of `backstream.rl.tasks`, each step one
    batch of `arith` and one small batch of `kvlookup` (with 1 to 120 key=value pairs, mostly short
    ones, so it stays cheap while still reaching the ~1.1K positions of the real kvlookup prompts);
    the loss is on the answer tokens and the final `<eos>` only;
@@ -40,7 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, not installed
 
 from backstream.default_model import DEFAULT_MODEL_DIR, build_tokenizer, default_config  # noqa: E402
-from backstream.tasks import KV_PAIRS, arith_row, kvlookup_row, make_dataset, score  # noqa: E402
+from backstream.rl.tasks import KV_PAIRS, arith_row, kvlookup_row, make_dataset, score  # noqa: E402
 
 
 def encode_batch(tokenizer, rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:

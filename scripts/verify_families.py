@@ -5,7 +5,7 @@
     python -m scripts.verify_families --jobs 2 --timeout 300 --out docs/families
 
 Walks `transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`, and for each
-model_type runs `backstream.verify.verify(model_type)` (the default config of that type, made tiny)
+model_type runs `backstream.stream.verify.verify(model_type)` (the default config of that type, made tiny)
 in a child process with a time limit, since a miniature may hang or take long. Writes a table
 (model_type, verdict, worst error, reason) with the counts per verdict, and the full reports as JSON.
 Whatever the engine does at the time it runs is what the table says: rerun it after changing the
@@ -43,7 +43,7 @@ def _one(model_type: str) -> None:
     from transformers.utils import logging  # noqa: PLC0415
 
     logging.set_verbosity_error()
-    from backstream.verify import verify  # noqa: PLC0415
+    from backstream.stream.verify import verify  # noqa: PLC0415
 
     rep = verify(model_type, stage=lambda s: print(f"stage: {s}", file=sys.stderr, flush=True))
     print(json.dumps(rep.to_dict(), default=str))

@@ -17,7 +17,9 @@ import torch
 import torch.distributed as dist
 from test_trainer import tiny, tiny_moe
 
-from backstream import config, distributed, trainer
+from backstream import config, trainer
+from backstream.rl import parallel
+from backstream.stream import fsdp
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 STEPS = 2
@@ -125,19 +127,19 @@ def ranks_job(tmp: str) -> dict:
     except ValueError as e:
         res["bad_input"] = str(e)
     res["bad_written"] = os.path.exists(os.path.join(tmp, "bad"))
-    res["group_started"] = distributed.active()
+    res["group_started"] = parallel.active()
     # 2. the runs compared with one process; the reductions counted
     for name, extra in CASES.items():
         with Counter() as c:
             t = _train(os.path.join(tmp, name), extra)
         res[name] = {"weights": full_weights(t.model), "counts": dict(c.n), "units": _trainable_units(t.model),
                      "sequences_per_call": t.sequences_per_call,
-                     "ref_units": len(distributed.units(t.ref)) if t.ref is not None else 0,
+                     "ref_units": len(fsdp.units(t.ref)) if t.ref is not None else 0,
                      "optimizer_steps": STEPS * t.cfg.algorithm.epochs * t.cfg.algorithm.minibatches,
                      "prompts_drawn": t.stream.position}
     # 3. resume on 2 ranks from the checkpoint of step 1 of "stream" (step 2's removed): step 2 again
     src, split = os.path.join(tmp, "stream"), os.path.join(tmp, "resumed")
-    if distributed.is_main():
+    if parallel.is_main():
         shutil.copytree(src, split)
         shutil.rmtree(os.path.join(split, "checkpoints", f"step-{STEPS}"))
     dist.barrier()
@@ -147,14 +149,14 @@ def ranks_job(tmp: str) -> dict:
     # folder (as two nodes' local disks would be); rank 1 does not see it, every rank stops
     local = os.path.join(tmp, f"local-{res['rank']}")
     os.makedirs(local, exist_ok=True)
-    if distributed.is_main():
+    if parallel.is_main():
         with open(os.path.join(local, "marker"), "w") as f:
             f.write("rank 0's lock")
     try:
-        distributed.check_shared(local, os.path.join(local, "marker"))
+        parallel.check_shared(local, os.path.join(local, "marker"))
     except ValueError as e:
         res["not_shared"] = str(e)
-    distributed.check_shared(tmp, os.path.join(tmp, "stream", "config.toml"))  # a folder both see: passes
+    parallel.check_shared(tmp, os.path.join(tmp, "stream", "config.toml"))  # a folder both see: passes
     # 5. a rank that fails mid-step (rank 1's reward function raises at step 2): every rank stops with
     # a message, in seconds, and no checkpoint of that step is written. Last: it ends the group.
     t0 = time.perf_counter()
@@ -188,7 +190,7 @@ def flat_for_half(completions, prompts, **kw):
 def _trainable_units(model) -> int:
     """FSDP units that own a parameter that requires grad: each reduces once per optimizer step."""
     n = 0
-    for u in distributed.units(model):
+    for u in fsdp.units(model):
         groups = u._get_fsdp_state()._fsdp_param_groups
         n += any(p.sharded_param.requires_grad for g in groups for p in g.fsdp_params)
     return n

@@ -11,7 +11,7 @@ import torch
 from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig,
                           MixtralForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
-from backstream.verify import exact_norms  # noqa: F401  (re-exported for the tests)
+from backstream.stream.verify import exact_norms  # noqa: F401  (re-exported for the tests)
 
 VOCAB = 61
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,

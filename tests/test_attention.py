@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from backstream.attention import Part, merged_attention
+from backstream.stream.attention import Part, merged_attention
 
 
 def sdpa_reference(q, parts, qpos, scale, window):
@@ -61,7 +61,7 @@ def test_causal_block_builds_no_mask(monkeypatch):
     """The block's own keys use the kernel's causal flag: no [Q × Q] mask per layer (it would be kept
     for the backward and grow with the square of the block); a window shorter than the block still
     needs one."""
-    from backstream import attention
+    from backstream.stream import attention
 
     built = []
     real = attention._mask

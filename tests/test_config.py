@@ -117,13 +117,13 @@ def test_example_configs_are_valid(name):
 
 
 def test_example_reward_function(monkeypatch):
-    from backstream.rewards import load_reward
+    from backstream.rl.rewards import load_reward
 
     monkeypatch.chdir(os.path.dirname(EXAMPLES))
     fn = load_reward("examples/my_reward.py:length_penalised_match")
     out = fn(["the answer is 42", "no idea"], prompts=["q", "q"], answer=["42", "42"])
     assert out == pytest.approx([1.0 - 0.016, -0.007])
     spec = config.load(os.path.join(EXAMPLES, "dapo_math_lora.toml")).reward.functions[1]
-    from backstream.rewards import format_reward
+    from backstream.rl.rewards import format_reward
 
     assert format_reward(spec[len("format:"):])([r"so \boxed{7}", "7"]) == [1.0, 0.0]

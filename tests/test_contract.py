@@ -9,10 +9,11 @@ import torch
 from test_engine import assert_same, group_batch, rand_ids
 from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, DynamicCache
 
-from backstream import planner, stream_backward
-from backstream import adapter
-from backstream.family import Unsupported
-from backstream.verify import exact_norms
+from backstream import stream_backward
+from backstream.stream import planner
+from backstream.stream import adapter
+from backstream.stream.family import Unsupported
+from backstream.stream.verify import exact_norms
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 SMALL = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,

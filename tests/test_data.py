@@ -8,7 +8,8 @@ import rewards_for_tests
 import torch
 from test_trainer import _no_run_written, run_cfg, tiny
 
-from backstream import data, trainer
+from backstream import trainer
+from backstream.rl import data
 
 CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<assistant>{% endif %}")

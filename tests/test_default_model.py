@@ -9,7 +9,7 @@ import torch
 from backstream.default_model import (
     CHARS, DEFAULT_MODEL_DIR, SPECIAL_TOKENS, build_tokenizer, default_config, load_default,
 )
-from backstream.tasks import make_dataset
+from backstream.rl.tasks import make_dataset
 
 
 @functools.cache

@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 from models import FAMILIES, VOCAB, lora, make
 
 from backstream import Objective, TokenWeights, reference_backward, stream_backward
-from backstream import adapter, family
+from backstream.stream import adapter
+from backstream.stream import family
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 TOL = 1e-10
@@ -335,7 +336,7 @@ def test_memory_budget_plans_and_refuses():
 def test_unreadable_config_sizes_only_stop_a_memory_budget(monkeypatch):
     """A config whose sizes cannot be read globally (per-layer attributes): the estimate is only a
     report without a memory budget (the exact gradient, no estimate), and a budget is refused."""
-    from backstream import planner
+    from backstream.stream import planner
 
     def unreadable(c):
         raise AttributeError("'num_attention_heads' is a per-layer attribute")

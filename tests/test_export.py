@@ -18,8 +18,8 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from backstream import checkpoint
 from backstream.cli import main
 from backstream.default_model import build_tokenizer
-from backstream.export import export, pack_int4, unpack_int4
-from backstream.quant import (QuantConfig, dequantize_weight, quant_linears, quantize_fp8_act, quantize_int8_act,
+from backstream.quant.export import export, pack_int4, unpack_int4
+from backstream.quant.linear import (QuantConfig, dequantize_weight, quant_linears, quantize_fp8_act, quantize_int8_act,
                               quantize_model, quantized)
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
@@ -78,7 +78,7 @@ def learner_logits(model, fmt):
 
 
 def vllm_activations(model, fmt):
-    """Replace compressed-tensors' activation fake-quant in a loaded model by vLLM's (backstream.quant)."""
+    """Replace compressed-tensors' activation fake-quant in a loaded model by vLLM's (backstream.quant.linear)."""
     quantize = quantize_int8_act if fmt == "w8a8" else quantize_fp8_act
 
     def hook(module, args):

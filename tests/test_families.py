@@ -17,7 +17,7 @@ from models import (BOS, EOS, FAMILY_MATRIX, GEMMA3_QUERY_SCALAR, GEMMA3_WINDOW,
                     _family_model, lora_family, make_family, same_weights)
 
 from backstream import reference_backward, stream_backward
-from backstream import adapter
+from backstream.stream import adapter
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 TOL = 1e-10

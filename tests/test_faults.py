@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from test_trainer import run_cfg, tiny
 
 from backstream import checkpoint, trainer
-from backstream.rewards import RewardError, Rewards
+from backstream.rl.rewards import RewardError, Rewards
 
 STEPS = 5
 ARGS = ["--set", "train.steps=%d" % STEPS, "--set", "train.save_every=1", "--set", "train.keep_checkpoints=10",

@@ -125,7 +125,7 @@ def test_an_fsdp2_without_what_the_engine_needs_is_refused():
     model is sharded, naming what is missing, rather than failing mid-step."""
     import types
 
-    from backstream.engine import FSDPCall
+    from backstream.stream.fsdp import FSDPCall
 
     state = types.SimpleNamespace(_is_root=None, _lazy_init=None, _fsdp_param_groups=[])
     unit = types.SimpleNamespace(_get_fsdp_state=lambda: state,

@@ -8,9 +8,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from backstream.losses import (GSPOConfig, PPOClipConfig, build_objective, drgrpo_advantages, grpo_advantages,
-                               reference_loss, rloo_advantages)
-from backstream.objective import BlockView, flat_offsets
+from backstream.rl.advantages import drgrpo_advantages, grpo_advantages, rloo_advantages
+from backstream.rl.losses import (GSPOConfig, PPOClipConfig, build_objective,
+                               reference_loss)
+from backstream.stream.objective import BlockView, flat_offsets
 
 V = 7
 

@@ -11,12 +11,13 @@ import torch
 from models import make
 from test_losses import current_logprobs, problem
 
-from backstream import offpolicy, reference_backward, stream_backward
-from backstream.engine import logprobs as engine_logprobs
-from backstream.losses import (GSPOConfig, PPOClipConfig, PPOClipISObjective, PPOClipObjective, build_objective,
+from backstream import reference_backward, stream_backward
+from backstream.rl import offpolicy
+from backstream.stream.engine import logprobs as engine_logprobs
+from backstream.rl.losses import (GSPOConfig, PPOClipConfig, PPOClipISObjective, PPOClipObjective, build_objective,
                                reference_loss)
-from backstream.objective import BlockView, Objective, flat_offsets
-from backstream.offpolicy import (error_token_share, mismatch_metrics, mismatch_weights, repeated_ngram,
+from backstream.stream.objective import BlockView, Objective, flat_offsets
+from backstream.rl.offpolicy import (error_token_share, mismatch_metrics, mismatch_weights, repeated_ngram,
                                   sequence_log_ratios)
 
 warnings.filterwarnings("ignore", category=FutureWarning)

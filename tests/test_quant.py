@@ -1,4 +1,4 @@
-"""backstream.quant: each quantizer against a float64 reference of its formula written here (ties,
+"""backstream.quant.linear: each quantizer against a float64 reference of its formula written here (ties,
 saturation, zero rows), the QuantLinear forward against the dequantized reference and its batch
 invariance, the straight-through gradients, the weight cache, model surgery (plain and LoRA), the
 aligned sampler/learner agreement (QaRL: mismatch 0 aligned, > 0 unaligned) and the K/V hand-over,
@@ -12,11 +12,11 @@ import torch
 from models import lora, make
 from torch import nn
 
-from backstream.engine import logprobs, stream_backward
-from backstream.quant import (FORMATS, QuantConfig, QuantLinear, _int8_mm, dequantize_weight, quant_linears,
+from backstream.stream.engine import logprobs, stream_backward
+from backstream.quant.linear import (FORMATS, QuantConfig, QuantLinear, _int8_mm, dequantize_weight, quant_linears,
                               quantize_fp8_act, quantize_int8_act, quantize_model, quantize_weight, quantized,
                               set_quantized)
-from backstream.rollout import SamplingConfig, generate
+from backstream.rl.rollout import SamplingConfig, generate
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 F64 = torch.float64

@@ -12,7 +12,8 @@ from test_trainer import rel, run_cfg, tiny, weights
 
 from backstream import config, trainer
 from backstream.metrics import read
-from backstream.quant import QuantLinear, quant_linears
+from backstream.quant.linear import QuantLinear, quant_linears
+from backstream.rl.backward import StreamedBackward
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 
@@ -83,14 +84,14 @@ def test_aligned_learner_takes_the_samplers_kv_exactly(tmp_path, monkeypatch, lo
     """Aligned learner + engine.reuse_rollout_kv: no prefill at all, and the same update as with a
     prefill of its own (float64), TBPO's sequence ratios included."""
     prefilled = []
-    backward = trainer.StreamedBackward.backward
+    backward = StreamedBackward.backward
 
     def spy(self, *args, **kwargs):
         res = backward(self, *args, **kwargs)
         prefilled.append(res.stats.prefill_tokens)
         return res
 
-    monkeypatch.setattr(trainer.StreamedBackward, "backward", spy)
+    monkeypatch.setattr(StreamedBackward, "backward", spy)
     runs = {}
     for reuse in ("true", "false"):
         prefilled.clear()
@@ -129,7 +130,7 @@ def test_quantized_run_checkpoints_master_weights_and_resumes(tmp_path):
 
 
 def test_codes_follow_the_master_weights_after_each_optimizer_step(tmp_path):
-    from backstream.quant import quantize_weight
+    from backstream.quant.linear import quantize_weight
 
     t, _ = _run(tmp_path, "codes", 'quant.rollout="w8a8"', "quant.aligned=true")
     for name, m in quant_linears(t.model).items():

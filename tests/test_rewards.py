@@ -6,7 +6,7 @@ import threading
 import pytest
 import torch
 
-from backstream.rewards import (
+from backstream.rl.rewards import (
     RewardConfig,
     RewardError,
     RewardModel,
@@ -15,7 +15,7 @@ from backstream.rewards import (
     format_reward,
     load_reward,
 )
-from backstream import rewards as R
+from backstream.rl import rewards as R
 
 # ------------------------------------------------------------------ built-ins
 
@@ -109,7 +109,7 @@ def test_load_builtin_specs():
     assert load_reward("exact_match") is exact_match
     f = load_reward("format:x+")
     assert f(["xxx", "xy"]) == [1.0, 0.0]
-    assert load_reward("backstream.rewards:exact_match") is exact_match
+    assert load_reward("backstream.rl.rewards:exact_match") is exact_match
 
 
 def test_load_from_module_path(tmp_path, monkeypatch):

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from backstream.rollout import Rollout, SamplingConfig, generate
+from backstream.rl.rollout import Rollout, SamplingConfig, generate
 from models import VOCAB, lora, make
 
 PROMPTS = [torch.tensor([3, 14, 15, 9, 26]), torch.tensor([5, 35, 8, 9, 7, 9, 3])]

@@ -8,7 +8,7 @@ from test_engine import group_batch
 from transformers.models.qwen3_moe import modeling_qwen3_moe
 
 from backstream import TokenWeights, reference_backward, stream_backward
-from backstream.router import load_balancing_loss, load_balancing_sums
+from backstream.stream.router import load_balancing_loss, load_balancing_sums
 
 TOL = 1e-10
 

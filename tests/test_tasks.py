@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from backstream.tasks import KV_PAIRS, TASKS, Task, get_task, make_dataset, score
+from backstream.rl.tasks import KV_PAIRS, TASKS, Task, get_task, make_dataset, score
 
 
 @pytest.mark.parametrize("name", sorted(TASKS))
@@ -80,7 +80,7 @@ def test_score(completion, answer, expected):
 
 
 def test_score_agrees_with_the_exact_match_reward():
-    from backstream.rewards import exact_match, load_reward
+    from backstream.rl.rewards import exact_match, load_reward
 
     cases = [("82", "82"), (" 082 ", "82"), ("81", "82"), ("x #### 7", "7"), ("", "1"), ("ab", "ab")]
     for name in TASKS:

@@ -11,9 +11,9 @@ from models import make
 from test_losses import current_logprobs
 from test_offpolicy import assert_streamed_equals_reference, engine_problem, streamed_total
 
-from backstream.engine import logprobs as engine_logprobs
-from backstream.losses import build_objective
-from backstream.tbpo import TBPOConfig, TBPOObjective
+from backstream.stream.engine import logprobs as engine_logprobs
+from backstream.rl.losses import build_objective
+from backstream.rl.tbpo import TBPOConfig, TBPOObjective
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 NAN = math.nan

@@ -268,14 +268,15 @@ def test_dynamic_sampling_drops_a_zero_variance_group(tmp_path, dynamic):
 
 
 def test_overlong_penalty_values():
-    from backstream.rollout import Rollout
+    from backstream.rl import shaping
+    from backstream.rl.rollout import Rollout
 
     r = Rollout(prompt_index=[0, 0, 0], prompt_ids=[torch.tensor([1])] * 3,
                 completion_ids=[torch.zeros(n, dtype=torch.long) for n in (4, 7, 8)],
                 logprobs=[torch.zeros(n) for n in (4, 7, 8)], finish_reason=["eos", "eos", "length"], group_size=3)
     ac = config.AlgorithmConfig(overlong="penalty", overlong_buffer=4)
     # max_new 8, buffer 4: no penalty up to 4 tokens, then −(len − 4)/4
-    shaped, keep = trainer.overlong_shaping(r, torch.ones(3), ac, 8)
+    shaped, keep = shaping.overlong_shaping(r, torch.ones(3), ac, 8)
     assert torch.allclose(shaped, torch.tensor([1.0, 0.25, 0.0])) and keep.all()
 
 

@@ -2,7 +2,7 @@
 
 import torch
 
-from backstream.tree import TokenTree
+from backstream.stream.tree import TokenTree
 
 
 def test_group_is_a_root_with_children():

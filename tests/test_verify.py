@@ -10,13 +10,14 @@ import pytest
 import torch
 from transformers import AutoConfig, Qwen3Config, Qwen3ForCausalLM
 
-from backstream import cli, config, engine, trainer
+from backstream import cli, config, trainer
+from backstream.stream import engine
 from backstream.default_model import build_tokenizer
-from backstream.verify import (TOL, VERIFY_KINDS, VerifyReport, keep_float64, miniature, miniature_config, role,
+from backstream.stream.verify import (TOL, VERIFY_KINDS, VerifyReport, keep_float64, miniature, miniature_config, role,
                                verify)
 
 warnings.filterwarnings("ignore", category=FutureWarning)
-verify_mod = sys.modules["backstream.verify"]  # `backstream.verify` is the function
+verify_mod = sys.modules["backstream.stream.verify"]  # `backstream.stream.verify` is the function
 
 
 def layer_types(cfg):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from backstream.tree import TokenTree
+from backstream.stream.tree import TokenTree
 
 
 @dataclass

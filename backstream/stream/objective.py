@@ -100,7 +100,7 @@ class Objective:
         raise NotImplementedError
 
     router_aux_coef: float = 0.0
-    """Coefficient of the MoE router load-balancing loss (`backstream.router`), added to the total
+    """Coefficient of the MoE router load-balancing loss (`backstream.stream.router`), added to the total
     over every input token of every sequence, a shared prefix counted once per sequence that
     contains it. 0 = off. When > 0 the model must be an MoE, every token is forwarded (the
     routing counts need them all) and the K/V cannot come from the caller."""

@@ -61,8 +61,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from backstream.adapter import base_model
 from backstream.checks import choice
+from backstream.stream.hf import base_model, decoder_layers, num_experts, text_config
 
 FORMATS = ("w8a8", "w4a16", "fp8")
 GROUP_SIZES = (32, 64, 128)
@@ -426,10 +426,7 @@ def _linears(model: nn.Module) -> dict[str, nn.Linear]:
 def _never(model: nn.Module) -> dict[str, str]:
     """name → why: the LM head and MoE routers, which vLLM keeps in full precision."""
     base = base_model(model)
-    config = getattr(base, "config", None)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    experts = next((getattr(text, k) for k in ("num_experts", "num_local_experts", "n_routed_experts")
-                    if isinstance(getattr(text, k, None), int)), None)
+    experts = num_experts(text_config(model))
     head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
     mods = dict(model.named_modules())
     out = {}
@@ -445,17 +442,11 @@ def _never(model: nn.Module) -> dict[str, str]:
 
 
 def _decoder_layers(model: nn.Module) -> list[str]:
-    """Names of the decoder-layer ModuleLists: those of config.num_hidden_layers blocks."""
-    base = base_model(model)
-    config = getattr(base, "config", None)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    n = getattr(text, "num_hidden_layers", None)
-    names = [name for name, m in model.named_modules()
-             if isinstance(m, nn.ModuleList) and n is not None and len(m) == n
-             and not any(isinstance(c, nn.Linear) for c in m)]
+    """Names of the decoder layers (`hf.decoder_layers`), or an error naming what to set instead."""
+    names = list(decoder_layers(model))
     if not names:
-        raise ValueError(f"model: found no decoder layers (an nn.ModuleList of config.num_hidden_layers = {n} "
-                         f"blocks) in {type(base).__name__}; name the linears with quant.targets")
+        raise ValueError(f"model: found no decoder layers in {type(base_model(model)).__name__}; name the linears "
+                         "with quant.targets")
     return names
 
 

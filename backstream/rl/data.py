@@ -37,7 +37,7 @@ class DataConfig:
         if self.path:
             examples, source = load_examples(self.path), self.path
         else:
-            from backstream.tasks import make_dataset  # noqa: PLC0415
+            from backstream.rl.tasks import make_dataset  # noqa: PLC0415
 
             examples, source = make_dataset(self.task, self.num_examples, seed), f"task {self.task}"
         check_examples(examples, source)

@@ -26,19 +26,16 @@ import math
 import torch
 from torch import Tensor, nn
 
-from backstream import distributed
-from backstream.adapter import base_model
-from backstream.objective import BlockView, Objective
+from backstream.stream import fsdp
+from backstream.stream.hf import base_model, experts_per_token, num_experts, text_config
+from backstream.stream.objective import BlockView, Objective
 
 
 def moe_spec(model: nn.Module, what: str = "router_aux_coef") -> tuple[int, int]:
     """(num_experts, top_k) of a transformers MoE causal LM, or a clear error."""
-    base = base_model(model)
-    cfg = base.config.get_text_config()
-    experts = next((getattr(cfg, k) for k in ("num_experts", "num_local_experts", "n_routed_experts")
-                    if isinstance(getattr(cfg, k, None), int)), None)
-    top_k = getattr(cfg, "num_experts_per_tok", None)
-    if not experts or not isinstance(top_k, int) or not hasattr(cfg, "output_router_logits"):
+    base, cfg = base_model(model), text_config(model)
+    experts, top_k = num_experts(cfg), experts_per_token(cfg)
+    if not experts or top_k is None or not hasattr(cfg, "output_router_logits"):
         raise ValueError(
             f"{what}: {type(base).__name__} is not a mixture-of-experts model with router logits "
             "(config needs num_experts, num_experts_per_tok and output_router_logits); set it to 0"
@@ -58,7 +55,7 @@ def load_balancing_loss(router_logits: tuple[Tensor, ...] | list[Tensor], num_ex
 
 
 def load_balancing_sums(router_logits, num_experts: int, top_k: int, coef: float) -> tuple[Tensor, float]:
-    """The naive loss in its summed form, over every rank's rows (`distributed.sum_over_ranks`; in
+    """The naive loss in its summed form, over every rank's rows (`fsdp.sum_over_ranks`; in
     one process, the textbook value): (coef · E · Σ_e f_e · Σ_{these rows} p_e / N, with gradient
     through p; the loss value over all ranks, E · Σ_e f_e P_e). Every rank must call it, also one
     without rows (pass an empty sequence)."""
@@ -79,7 +76,7 @@ def _totals(counts: Tensor, prob_sum: Tensor, rows: float, across_ranks: bool) -
     """(f_e, N, the loss value E·Σ_e f_e·P_e) from routing counts, probability mass and rows;
     summed over every rank first with `across_ranks` (a collective)."""
     if across_ranks:
-        t = distributed.sum_over_ranks(torch.cat([counts, prob_sum, torch.tensor([rows], dtype=torch.float64)]))
+        t = fsdp.sum_over_ranks(torch.cat([counts, prob_sum, torch.tensor([rows], dtype=torch.float64)]))
         counts, prob_sum, rows = t[:len(counts)], t[len(counts):-1], float(t[-1])
     f = counts / rows
     return f, rows, float(len(counts) * (f * prob_sum / rows).sum())

@@ -41,7 +41,7 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from backstream.adapter import base_model
+from backstream.stream.hf import EXPERT_KEYS, TOP_K_KEYS, base_model
 
 TOL = 1e-10
 BLOCK_SIZES = (1, 3, 16)
@@ -157,9 +157,7 @@ _HEADS = ("num_attention_heads", "n_head", "n_heads", "num_heads", "decoder_atte
           "encoder_attention_heads")
 _KV_HEADS = ("num_key_value_heads", "n_kv_heads", "num_kv_heads", "multi_query_group_num", "num_query_groups")
 _FFN = ("ffn_dim", "decoder_ffn_dim", "encoder_ffn_dim", "n_inner", "d_ff", "ffn_hidden_size")
-_EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "num_routed_experts")
-_TOP_K = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "moe_k", "top_k_experts",
-          "num_selected_experts")
+_EXPERTS, _TOP_K = EXPERT_KEYS, TOP_K_KEYS
 _SHARED_EXPERTS = ("n_shared_experts", "num_shared_experts", "moe_num_shared_experts")
 _AT_MOST_ONE = (*_SHARED_EXPERTS, "n_group", "num_expert_group", "topk_group", "first_k_dense_replace",
                 "num_dense_layers", "num_kv_shared_layers")
@@ -671,7 +669,7 @@ def _lora(mini: nn.Module, model: nn.Module):
 
 
 def _is_refusal(e: BaseException) -> bool:
-    from backstream.family import Unsupported  # noqa: PLC0415
+    from backstream.stream.family import Unsupported  # noqa: PLC0415
 
     msg = str(e).lstrip()
     return isinstance(e, (Unsupported, NotImplementedError, TypeError, ValueError)) and msg.startswith(("model:", "kv"))
@@ -688,8 +686,8 @@ def verify(model_or_config, *, seed: int = 0, block_sizes=BLOCK_SIZES, stage=Non
     LoRA model also gets the same LoRA config; a model in train mode is verified in train mode), a
     config, "default", a local folder, a transformers model_type or a Hub id (config.json only).
     `stage`, if given, is called with the name of each step (for progress and time limits)."""
-    from backstream.engine import stream_backward  # noqa: PLC0415
-    from backstream.reference import reference_backward  # noqa: PLC0415
+    from backstream.stream.engine import stream_backward  # noqa: PLC0415
+    from backstream.stream.reference import reference_backward  # noqa: PLC0415
 
     t0 = time.perf_counter()
     say = stage or (lambda s: None)

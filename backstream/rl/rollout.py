@@ -23,7 +23,7 @@ from torch import Tensor
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from backstream.adapter import takes_logits_to_keep
+from backstream.stream.hf import takes_logits_to_keep
 
 
 @dataclass(kw_only=True)
@@ -226,22 +226,27 @@ def generate(
     *,
     eos_token_id: int | list[int] | None,
     tokenizer=None,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | list[torch.Generator] | None = None,
     return_kv: bool = False,
 ) -> Rollout:
     """Sample `config.group_size` completions for every prompt (1-D token-id tensors).
 
     eos_token_id: the token(s) that end a completion (kept as its last token); None for none.
     tokenizer: anything with `decode(ids) -> str`; needed only for `config.stop`.
-    generator: seeds the sampling, so that a seeded run is reproducible.
+    generator: seeds the sampling, so that a seeded run is reproducible; or one generator per prompt
+      (the same object may repeat: the groups then draw from it one after the other).
     return_kv: also return each sample's K/V (as the model's cache holds them, post-RoPE) for the
       streamed backward at the same weights (`stream_backward(..., kv=rollout.kv)`).
     The model runs as it is: call `model.eval()` first if it has dropout.
     """
     if config.stop and tokenizer is None:
         raise ValueError("tokenizer: required to detect SamplingConfig.stop strings, got None")
-    if not isinstance(prompts, (list, tuple)) or not prompts:
-        raise ValueError(f"prompts: expected a non-empty list of 1-D integer tensors, got {type(prompts).__name__}")
+    if not isinstance(prompts, (list, tuple)):
+        raise ValueError(f"prompts: expected a list of 1-D integer tensors, got {type(prompts).__name__}")
+    gens = generator if isinstance(generator, (list, tuple)) else [generator] * len(prompts)
+    if len(gens) != len(prompts):
+        raise ValueError(f"generator: got {len(gens)} generators for {len(prompts)} prompts; pass one per prompt "
+                         "or a single one")
     for j, p in enumerate(prompts):
         if not isinstance(p, Tensor) or p.dim() != 1 or len(p) == 0 or p.is_floating_point():
             got = tuple(p.shape) if isinstance(p, Tensor) else type(p).__name__
@@ -251,9 +256,9 @@ def generate(
 
     out = Rollout(prompt_index=[], prompt_ids=[], completion_ids=[], logprobs=[], finish_reason=[],
                   kv=[] if return_kv else None, group_size=config.group_size)
-    for j, prompt in enumerate(prompts):
+    for j, (prompt, gen) in enumerate(zip(prompts, gens)):
         prompt = prompt.detach().to("cpu", torch.long)
-        completions, logprobs, reasons, kv = _sample_group(model, prompt, config, eos, tokenizer, generator,
+        completions, logprobs, reasons, kv = _sample_group(model, prompt, config, eos, tokenizer, gen,
                                                            return_kv, keep_last)
         out.prompt_index += [j] * config.group_size
         out.prompt_ids += [prompt] * config.group_size

@@ -6,8 +6,7 @@ with two substitutions:
   them back unchanged, so the history is never concatenated;
 - `attention` registered in transformers' AttentionInterface (and `family.mask_info` in its mask
   interface) under `ATTN_NAME`: it checks the family contract (DESIGN §6b) and attends over the
-  batch's history parts and its own keys with the merged attention (`backstream.attention`).
-Also here: the PEFT unwrap and the `logits_to_keep` probe that every caller of a model needs.
+  batch's history parts and its own keys with the merged attention (`backstream.stream.attention`).
 """
 
 from __future__ import annotations
@@ -19,21 +18,11 @@ from torch import Tensor, nn
 from transformers import AttentionInterface, PretrainedConfig
 from transformers.cache_utils import Cache
 
-from backstream import family
-from backstream.attention import Part, merged_attention
+from backstream.stream import family
+from backstream.stream.attention import Part, merged_attention
+from backstream.stream.hf import base_model
 
 ATTN_NAME = family.MASK_NAME  # the attention function and the mask function share the name
-
-
-def base_model(model: nn.Module) -> nn.Module:
-    """The transformers model inside a PEFT wrapper (the model itself otherwise)."""
-    get = getattr(model, "get_base_model", None)
-    return get() if callable(get) else model
-
-
-def takes_logits_to_keep(model: nn.Module) -> bool:
-    """Does the model's forward accept `logits_to_keep` (no [positions × vocab] logits beyond those)?"""
-    return "logits_to_keep" in inspect.signature(base_model(model).forward).parameters
 
 
 def check_model(model) -> nn.Module:

@@ -1,11 +1,14 @@
-"""Data parallelism under torchrun (DESIGN §6c): the process group, FSDP2 sharding of the policy,
-and the few collectives the trainer needs, so that the loop itself hardly branches on it.
+"""Data parallelism under torchrun (DESIGN §6c): the process group, and the split of every step's
+global batch over the ranks behind one object, so that the trainer's step reads the same in one
+process and under torchrun.
 
     torchrun --nproc_per_node 8 -m backstream train run.toml                      one node, 8 GPUs
     torchrun --nnodes 2 --nproc_per_node 8 --rdzv_id JOB \\
              --rdzv_backend c10d --rdzv_endpoint HOST:29500 -m backstream train run.toml   on each node
 
-How N ranks give the update one process would give on the same global batch:
+`start(...)` returns a `DataParallel`: in a plain process the one-process object, whose every method
+is the identity (this process samples and trains the whole batch, gathers return [x]); under
+torchrun a `Torchrun`, which gives the update one process would give on the same global batch:
 - every rank walks the same seeded prompt stream; a step's `train.prompts_per_step` prompts are the
   GLOBAL batch, and each rank trains whole prompt groups (a token tree never spans ranks): of every
   minibatch, rank r takes the r-th of W equal contiguous slices (`rank_groups`); with the rollout's
@@ -16,13 +19,13 @@ How N ranks give the update one process would give on the same global batch:
   then gathered, so every rank holds the global batch (rewards, advantages, metrics as one process
   has them) and keeps the samples of its own groups for the update;
 - the loss normalisers (Σ|y_i|, N, L_max) are those of the global minibatch (`losses.Normalisers`),
-  and FSDP's gradient reduction is a SUM over ranks (`shard`): Σ_ranks ∇(global-normalised local
-  loss) = ∇(the single-process loss);
-- the gradient norm of `clip_grad_norm` is the global one, so clipping and the non-finite guard
-  agree on every rank.
-Parameters are gathered once around each phase that runs forwards only (`gathered`): ranks decode
-different numbers of tokens, and a per-forward all-gather would make them wait on each other per
-token (or deadlock).
+  and FSDP's gradient reduction is a SUM over ranks (`fsdp.shard`): Σ_ranks ∇(global-normalised
+  local loss) = ∇(the single-process loss);
+- the gradient norm of `clip_grad_norm` is the global one (`fsdp.grad_norm`), so clipping and the
+  non-finite guard agree on every rank.
+Parameters are gathered once around each phase that runs forwards only (`fsdp.gathered`) and once
+per engine call (`fsdp.FSDPCall`), so FSDP's per-layer resharding never applies (no
+`reshard_after_forward` key).
 
 Rank 0 alone writes the run folder (lock, config.toml, metrics.jsonl, progress); checkpoints are
 written by every rank together (checkpoint.save: DCP shards + a Hugging Face export) and a run resumes
@@ -30,24 +33,20 @@ on any number of ranks. A rank that raises leaves the process group at once, and
 outright closes its connections, so the others stop with an error that says so (gloo: at once;
 nccl: within `timeout_s`) instead of hanging; torchrun then ends the job.
 
-No `reshard_after_forward` key: every phase keeps the whole model gathered for its duration (the
-rollout here, each engine call in engine.FSDPCall), so FSDP's per-layer resharding never applies.
-Quantized layers (quant.py) hold the Linear's own Parameters, so FSDP shards them with their layer
-and the codes are computed from the gathered weights. The frozen KL reference policy of a full fine-tune is
-sharded the same way (1/N of a copy per rank, gathered once per log-prob pass); with LoRA it is the
-base model under the adapters.
-The MoE router load-balancing loss takes its routing counts and N from the whole minibatch: one
-all-reduce inside the engine call, before any block runs (router.py).
-
-In a plain process (no torchrun, no process group) every helper is trivial: rank 0 of 1, gathers
-return [x], nothing is sharded, and the trainer runs exactly as it does without this module.
+Quantized layers (quant/linear.py) hold the Linear's own Parameters, so FSDP shards them with their
+layer and the codes are computed from the gathered weights. The frozen KL reference policy of a full
+fine-tune is sharded the same way (1/N of a copy per rank, gathered once per log-prob pass); with
+LoRA it is the base model under the adapters. The MoE router load-balancing loss takes its routing
+counts and N from the whole minibatch: one all-reduce inside the engine call (stream/router.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -55,6 +54,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from backstream.checks import at_least, choice
+from backstream.rl.rollout import Rollout
+from backstream.stream import fsdp
 
 MIXED_PRECISION = ["none", "bf16"]
 
@@ -223,33 +224,6 @@ def any_rank(flag: bool) -> bool:
     return bool(t.item())
 
 
-def sum_over_ranks(t: Tensor) -> Tensor:
-    """The element-wise sum of `t` over every rank (`t` itself in one process), on t's device."""
-    if not active():
-        return t
-    out = t.to(_comm_device()).clone()
-    dist.all_reduce(out, op=dist.ReduceOp.SUM)
-    return out.to(t.device)
-
-
-def max_over_ranks(x: float) -> float:
-    if not active():
-        return x
-    return max(gather(x))
-
-
-def sum_metrics(m: dict[str, float]) -> dict[str, float]:
-    """Per key, the sum over ranks (a key a rank lacks counts 0): the objective's metrics are
-    additive once its normalisers are global. One process: `m` itself."""
-    if not active():
-        return m
-    out: dict[str, float] = {}
-    for part in gather(m):
-        for k, v in part.items():
-            out[k] = out.get(k, 0.0) + v
-    return out
-
-
 def on_main(fn):
     """fn() on rank 0 only (its result there, None elsewhere); an error it raises stops every rank,
     with the same message (a run folder in use, say), instead of leaving them waiting on rank 0."""
@@ -346,132 +320,186 @@ def group_generator(seed: int, position: int, device="cpu") -> torch.Generator:
     return torch.Generator(device).manual_seed((seed * 0x9E3779B1 + position * 0x85EBCA77 + 1) % 2**63)
 
 
-# -- FSDP2 ---------------------------------------------------------------------------------------
+# -- the object the trainer holds ----------------------------------------------------------------
 
 
-def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The transformer blocks of a transformers causal LM (PEFT wrapper or not): the modules whose
-    class is in `_no_split_modules`, else the longest ModuleList."""
-    from backstream.adapter import base_model  # noqa: PLC0415
+class DataParallel:
+    """One process: it samples and trains the whole batch, and every method is the identity. The
+    trainer calls the same methods under torchrun (`Torchrun`), where they split and gather."""
 
-    base = base_model(model)
-    names = set(getattr(base, "_no_split_modules", None) or [])
-    layers = [m for m in base.modules() if type(m).__name__ in names]
-    if layers:
-        return layers
-    lists = [m for m in base.modules() if isinstance(m, nn.ModuleList)]
-    return list(max(lists, key=len)) if lists else []
+    world, rank, main = 1, 0, True
 
+    def __init__(self, generator: torch.Generator):
+        self.gen = generator  # the sampler's one generator (checkpointed by the trainer)
 
-def shard(model: nn.Module, cfg: DistributedConfig, device: torch.device) -> nn.Module:
-    """FSDP2 over every rank: `fully_shard` on each decoder layer, then on the root (after LoRA and
-    quantization, so adapters and frozen base weights are sharded alike). Gradients are reduced as a
-    SUM over ranks: the loss normalisers are global (see the module docstring), so FSDP's default
-    mean would divide the gradient by the world size a second time."""
-    from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard  # noqa: PLC0415
+    # set-up, the run folder, failures
+    def prepare(self, model: nn.Module, ref: nn.Module | None) -> None:
+        """Shard the policy (and the frozen KL reference) over the ranks."""
 
-    mesh = init_device_mesh(device.type, (world(),))
-    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-          if cfg.mixed_precision == "bf16" else MixedPrecisionPolicy())
-    for layer in decoder_layers(model):
-        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)  # the root, as FSDP itself sets it
-    from backstream.engine import FSDPCall  # noqa: PLC0415
+    def on_main(self, fn):
+        """fn() on rank 0 (its result there, None elsewhere); its error stops every rank."""
+        return fn()
 
-    FSDPCall.check_supported([m for m in model.modules() if isinstance(m, FSDPModule)])
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            m.set_gradient_divide_factor(1.0)
-            m.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM), no division
-    return model
+    def broadcast(self, obj):
+        """Rank 0's `obj` on every rank."""
+        return obj
 
+    def gather(self, obj) -> list:
+        """Every rank's `obj`, by rank."""
+        return [obj]
 
-def units(model: nn.Module) -> list[nn.Module]:
-    """The FSDP modules of `model` (none when it is not sharded)."""
-    if not active():
-        return []
-    from torch.distributed.fsdp import FSDPModule  # noqa: PLC0415
+    def any(self, flag: bool) -> bool:
+        """True on every rank if it is True on some rank (a signal may reach one rank only)."""
+        return flag
 
-    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+    def check_shared(self, run_dir: str, marker: str) -> None:
+        """Every rank must see the run folder rank 0 claimed."""
 
+    def guard(self, what: str):
+        """A collective failing during `what` becomes an error that says another rank failed."""
+        return contextlib.nullcontext()
 
-@contextlib.contextmanager
-def gathered(model: nn.Module):
-    """Every FSDP unit's parameters all-gathered once on entry (every rank must enter) and kept for
-    the block's forwards, resharded on exit: forwards inside cost no collective, so ranks that run
-    different numbers of them (decoding, skipped sequences) never wait on each other. No-op when
-    the model is not sharded."""
-    us = units(model)
-    if not us:
-        yield
-        return
-    for u in us:  # what FSDP does at the root's first forward (outer units come first)
-        state = u._get_fsdp_state()
-        if state._is_root is None:
-            state._lazy_init()
-    keep = []  # FSDP2 has setters, no getters: each unit's reshard-after-forward, read where the setter writes it
-    for u in us:
-        groups = u._get_fsdp_state()._fsdp_param_groups
-        keep.append(any(g.post_forward_mesh_info is not None for g in groups))
-        u.set_reshard_after_forward(False, recurse=False)
-    for u in us:
-        u.unshard()  # one all-gather per unit, in the same order on every rank
-    try:
-        yield
-    finally:
-        for u, k in zip(us, keep):
-            u.reshard()
-            u.set_reshard_after_forward(k, recurse=False)
+    def failed(self, error: BaseException) -> None:
+        """This rank stops on `error`: say so now and leave the group, so the others stop too."""
+
+    # the step's batch
+    def begin_step(self) -> None:
+        """A new step: no group kept yet."""
+
+    def round_groups(self, need: int, refill: bool) -> list[int]:
+        """The groups (indices in a rollout round of `need` prompt groups) this rank samples."""
+        return list(range(need))
+
+    def generator(self, position: int) -> torch.Generator:
+        """The generator of the group at `position` of the prompt stream."""
+        return self.gen
+
+    def join_round(self, rollout: Rollout, total: Tensor, per_fn: dict[str, Tensor]):
+        """Every rank's samples of the round (K/V only for this rank's) and their rewards, in the
+        round's order: (rollout, total reward [N], per reward function [N])."""
+        return rollout, total, per_fn
+
+    def kept(self, groups: list[int]) -> None:
+        """DAPO dynamic sampling kept these groups of the last round for the update."""
+
+    def train_groups(self, n_groups: int, kv: list | None) -> list[int]:
+        """The groups of the step's batch this rank trains (`kv`: the batch's per-sample K/V, None
+        where this rank does not hold them)."""
+        return list(range(n_groups))
+
+    def gather_rows(self, rows: list[int], values: list, n: int) -> list:
+        """Per-sample `values` of this rank's `rows`, gathered into the order of the n-sample batch."""
+        return list(values)
 
 
-def reshard(model: nn.Module) -> None:
-    """Free every unit's gathered parameters (so that the next forward gathers the weights the
-    optimizer just wrote, not a stale copy)."""
-    for u in units(model):
-        u.reshard()
+class Torchrun(DataParallel):
+    """One rank of a torchrun job (see the module docstring); `init` has started the process group."""
+
+    def __init__(self, cfg: DistributedConfig, *, device: torch.device, seed: int, minibatches: int,
+                 reuse_kv: bool, generator: torch.Generator):
+        super().__init__(generator)
+        self.cfg, self.device, self.seed, self.minibatches = cfg, device, seed, minibatches
+        self.reuse_kv = reuse_kv  # a rank trains the groups it sampled: it holds their K/V
+        self.world, self.rank, self.main = world(), rank(), is_main()
+        self.held = [0] * self.world
+        self.groups: list[int] = []  # this rank's groups of the current round
+        self.owner: list[int] = []  # the rank that sampled each group of the current round
+
+    def prepare(self, model, ref) -> None:
+        check_same_weights(model)
+        bf16 = self.cfg.mixed_precision == "bf16"
+        fsdp.shard(model, self.device, bf16)
+        if ref is not None:  # 1/N of a copy per rank, gathered per log-prob pass
+            fsdp.shard(ref, self.device, bf16)
+
+    def on_main(self, fn):
+        return on_main(fn)
+
+    def broadcast(self, obj):
+        return broadcast(obj)
+
+    def gather(self, obj) -> list:
+        return gather(obj)
+
+    def any(self, flag: bool) -> bool:
+        return any_rank(flag)
+
+    def check_shared(self, run_dir: str, marker: str) -> None:
+        check_shared(run_dir, marker)
+
+    def guard(self, what: str):
+        return clear_failures(what, self.cfg.timeout_s)
+
+    def failed(self, error: BaseException) -> None:
+        # torchrun ends this process soon after a rank failed: say why now, while the trainer's
+        # SIGTERM handler still holds, not only when the exception reaches the top
+        print(f"backstream: rank {self.rank}: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
+        abandon()  # the other ranks' collectives fail now rather than at the timeout
+
+    def begin_step(self) -> None:
+        self.held = [0] * self.world
+
+    def round_groups(self, need: int, refill: bool) -> list[int]:
+        held = self.held if self.reuse_kv and refill else None
+        self.groups = round_share(need, self.minibatches, self.world, self.rank, held)
+        return self.groups
+
+    def generator(self, position: int) -> torch.Generator:
+        return group_generator(self.seed, position)
+
+    def join_round(self, rollout, total, per_fn):
+        parts = gather((self.groups, dataclasses.replace(rollout, kv=None), total, per_fn))
+        # this rank's samples keep their K/V (engine.reuse_rollout_kv); the others' are not here
+        joined = Rollout.concat([p if rollout.kv is None else
+                                 dataclasses.replace(p, kv=rollout.kv if k == self.rank else [None] * len(p))
+                                 for k, (_, p, _, _) in enumerate(parts)])
+        need = sum(len(groups) for groups, *_ in parts)
+        offsets = [0]
+        for _, p, _, _ in parts:
+            offsets.append(offsets[-1] + len(p) // rollout.group_size)
+        where = {j: offsets[k] + g for k, (groups, *_) in enumerate(parts) for g, j in enumerate(groups)}
+        owner = {j: k for k, (groups, *_) in enumerate(parts) for j in groups}
+        self.owner = [owner[j] for j in range(need)]
+        order = [where[j] for j in range(need)]  # the round's order
+        rows = torch.tensor(joined.group_rows(order), dtype=torch.long)
+        total = torch.cat([t for _, _, t, _ in parts])[rows]
+        keys = dict.fromkeys(key for *_, fns in parts for key in fns)  # a rank that sampled nothing has none
+        per_fn = {key: torch.cat([fns.get(key, torch.zeros(len(p))) for _, p, _, fns in parts])[rows] for key in keys}
+        return joined.select(order), total, per_fn
+
+    def kept(self, groups: list[int]) -> None:
+        if self.reuse_kv:
+            for g in groups:
+                self.held[self.owner[g]] += 1
+
+    def train_groups(self, n_groups: int, kv: list | None) -> list[int]:
+        if kv is not None:
+            # the groups whose K/V this rank holds: those it sampled (an even split by `round_groups`,
+            # also after DAPO refills, which go to the ranks that keep the fewest)
+            G = len(kv) // n_groups
+            return [g for g in range(n_groups) if kv[g * G] is not None]
+        return rank_groups(n_groups, self.minibatches, self.world, self.rank)
+
+    def gather_rows(self, rows: list[int], values: list, n: int) -> list:
+        out = [None] * n
+        for part_rows, part in gather((rows, values)):
+            for r, v in zip(part_rows, part):
+                out[r] = v
+        return out
 
 
-def _local(t: Tensor) -> Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def grad_norm(params: list[Tensor], max_norm: float) -> float:
-    """The global gradient norm (over every rank's shards); clips to `max_norm` when > 0. In one
-    process: torch's clip_grad_norm_ / the plain norm, as before."""
-    grads = [p.grad for p in params if p.grad is not None]
-    if not units_present(params):
-        if max_norm > 0:
-            return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-        norms = [g.norm() for g in grads]
-        return float(torch.norm(torch.stack(norms))) if norms else 0.0  # no gradient: every advantage was 0
-    # DTensor gradients: the norm is a partial sum over shards; full_tensor() all-reduces it
-    total = torch.nn.utils.get_total_norm(grads, 2.0) if grads else torch.zeros(())
-    if hasattr(total, "full_tensor"):
-        total = total.full_tensor()
-    gn = float(total)
-    if max_norm > 0 and grads:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
-    return gn
-
-
-def units_present(params: list[Tensor]) -> bool:
-    return active() and any(hasattr(p, "to_local") for p in params)
-
-
-def nonfinite_params(model: nn.Module) -> list[str]:
-    """Names of the parameters holding NaN/inf, over every rank's shards."""
-    bad = [n for n, p in model.named_parameters() if not bool(torch.isfinite(_local(p.detach())).all())]
-    if not active():
-        return bad
-    return sorted({n for part in gather(bad) for n in part})
+def start(cfg: DistributedConfig, *, device: torch.device, seed: int, minibatches: int, reuse_kv: bool,
+          generator: torch.Generator) -> DataParallel:
+    """The data parallelism of this process: `Torchrun` when torchrun started it (the process group is
+    joined here), the one-process `DataParallel` otherwise."""
+    if not init(cfg, device):
+        return DataParallel(generator)
+    return Torchrun(cfg, device=device, seed=seed, minibatches=minibatches, reuse_kv=reuse_kv, generator=generator)
 
 
 def check_same_weights(model: nn.Module) -> None:
     """Every rank must start from the same weights (FSDP shards each rank's own copy, it does not
     broadcast): compare a checksum before sharding."""
-    if not active():
-        return
     with torch.no_grad():
         s = sum(float(p.detach().double().sum()) + float(p.detach().double().abs().sum()) * 1e-3
                 for p in model.parameters())

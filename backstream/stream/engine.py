@@ -21,23 +21,8 @@ prefix shared by several sequences once.
 A batch with no target and no pending K/V gradient does nothing (the "zero-reward shortcut"); with
 a sliding window, history outside every query's window is not read at all.
 
-FSDP2 (DESIGN §6c; `fully_shard` units anywhere in the model, a process group initialised). Ranks
-hold different sequences, so they run different numbers of forwards and backwards, and a block
-batch's graph differs from rank to rank; and the backward starts from each layer's K/V, where
-FSDP's pre-backward all-gather does not fire. Hence, for the whole call (`stream_backward`,
-`logprobs`, `reference_backward`): every unit is unsharded once at the start (model pre-order, the
-same on every rank) and kept gathered (reshard after forward/backward off), so that no forward or
-backward of the call communicates; gradients accumulate unreduced (gradient sync off); at the end
-of a backward call every rank runs one more backward, of a zero-weighted forward of one token
-through the whole model: the same graph on every rank, so FSDP's post-backward hooks reduce-scatter
-each unit once, in the same order everywhere, on a rank with no work (no sequence, every weight 0)
-too, and the zero gradient adds nothing. Reducing in the last block batch instead would make the
-set and order of collectives depend on that batch's graph, which differs by rank. Unused parameters
-are reduced as zeros (an MoE expert this rank never routed to). Afterwards the user's settings are
-back and the units whose settings ask for it are resharded; after an exception the call's unreduced
-gradients are dropped and FSDP's `reset_iter_state` runs (a rank that raises leaves the others
-waiting in the reduction until the process group's timeout). Sum or average over ranks
-(`set_gradient_divide_factor`) and global loss normalisers are the trainer's policy, not set here.
+FSDP2 (DESIGN §6c): every call runs inside one `fsdp.FSDPCall` (parameters gathered once, gradients
+reduced once at the end, also on a rank without sequences); see backstream/stream/fsdp.py.
 """
 
 from __future__ import annotations
@@ -49,15 +34,16 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from backstream import family
-from backstream.adapter import (ATTN_NAME, BlockCache, base_model, check_model, concat_layers, run_model,
-                                takes_logits_to_keep, use_backstream_attention)
-from backstream.attention import Part
-from backstream.kvstore import KVStore
-from backstream.objective import BlockView, Objective, Terms, TokenWeights, flat_offsets
-from backstream.router import router_term
-from backstream.schedule import Row, batches, has_targets, read_later
-from backstream.tree import TokenTree
+from backstream.stream import family, fsdp
+from backstream.stream.adapter import (ATTN_NAME, BlockCache, check_model, concat_layers, run_model,
+                                       use_backstream_attention)
+from backstream.stream.attention import Part
+from backstream.stream.hf import base_model, takes_logits_to_keep
+from backstream.stream.kvstore import KVStore
+from backstream.stream.objective import BlockView, Objective, Terms, TokenWeights, flat_offsets
+from backstream.stream.router import router_term
+from backstream.stream.schedule import Row, batches, has_targets, read_later
+from backstream.stream.tree import TokenTree
 
 __all__ = ["ATTN_NAME", "StreamResult", "StreamStats", "check_model", "logprobs", "stream_backward"]
 
@@ -322,19 +308,6 @@ def _objective_from(weights, objective) -> Objective:
     return objective if objective is not None else TokenWeights(list(weights))
 
 
-# ---------------------------------------------------------------------------------------------
-# Data parallelism: FSDP2 units around one call (module docstring, "FSDP2").
-
-
-def fsdp_units(model: nn.Module) -> list:
-    """The model's FSDP2 modules in pre-order (outer units first), [] without a process group."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return []  # the single-process path pays for nothing more than this check
-    from torch.distributed.fsdp import FSDPModule  # noqa: PLC0415
-
-    return [m for m in model.modules() if isinstance(m, FSDPModule)]
-
-
 class GradAccumulator:
     """For the duration of a backward made of many autograd calls: every trainable parameter whose
     dtype is less precise than `dtype` gathers its gradient in a `dtype` buffer (a post-accumulate
@@ -367,98 +340,6 @@ class GradAccumulator:
         for p, b in self.buf.items():
             p.grad = b.to(p.dtype) if p.grad is None else p.grad + b.to(p.dtype)
         self.buf.clear()
-
-
-class FSDPCall:
-    """Parameters gathered for the whole call, gradients accumulated unreduced, one reduction at the
-    end (`reduce`); the units' own settings restored on exit, also after an exception.
-
-    FSDP2 offers setters but no getters for its per-unit settings: they are saved from, and restored
-    to, the attributes those setters write (torch 2.13's FSDPParamGroup and FSDPState)."""
-
-    GROUP = ("reduce_grads", "all_reduce_grads", "reshard_after_backward", "reduce_scatter_unused_params",
-             "post_forward_mesh_info")
-
-    SETTERS = ("set_reshard_after_forward", "set_reshard_after_backward", "set_requires_gradient_sync",
-               "set_reduce_scatter_unused_params", "set_gradient_divide_factor", "set_force_sum_reduction_for_comms",
-               "unshard", "reshard", "reset_iter_state")
-    STATE = ("_is_root", "_lazy_init", "_fsdp_param_groups", "_auto_reshard_after_forward")
-
-    @classmethod
-    def check_supported(cls, units: list) -> None:
-        """A clear error, at sharding time, when this torch's FSDP2 lacks what the engine relies on
-        (the setters above and the internals they write), instead of an AttributeError mid-step."""
-        missing = [f"{type(m).__name__}.{a}" for m in units[:1] for a in cls.SETTERS if not hasattr(m, a)]
-        for m in units[:1]:
-            state = m._get_fsdp_state() if hasattr(m, "_get_fsdp_state") else None
-            missing += ["_get_fsdp_state"] if state is None else [f"FSDPState.{a}" for a in cls.STATE
-                                                                   if not hasattr(state, a)]
-            for g in getattr(state, "_fsdp_param_groups", None) or []:
-                missing += [f"FSDPParamGroup.{a}" for a in cls.GROUP if not hasattr(g, a)]
-        if missing:
-            raise RuntimeError(f"torchrun: this torch ({torch.__version__}) has an FSDP2 without "
-                               f"{sorted(set(missing))}, which the streamed backward under FSDP relies on; "
-                               "install the torch version backstream is tested with (2.13) or train in one process")
-
-    def __init__(self, units: list, backward: bool):
-        self.units, self.backward = units, backward
-        self.states = list({id(s): s for s in (m._get_fsdp_state() for m in units)}.values())
-
-    def __enter__(self) -> "FSDPCall":
-        for state in self.states:
-            if state._is_root is None:
-                state._lazy_init()  # what FSDP does at the root's first forward; outer units come first
-        self.groups = [g for state in self.states for g in state._fsdp_param_groups]
-        self.saved = [{k: getattr(g, k) for k in self.GROUP} for g in self.groups]
-        self.auto = [state._auto_reshard_after_forward for state in self.states]
-        try:
-            for m in self.units:
-                m.set_reshard_after_forward(False, recurse=False)
-                m.set_reshard_after_backward(False, recurse=False)
-                m.set_requires_gradient_sync(False, recurse=False)
-                # the reduction's set of parameters must not depend on what this rank's data used
-                m.set_reduce_scatter_unused_params(True, recurse=False)
-            for m in self.units:
-                m.unshard()  # one all-gather per unit (none if gathered already), same order on every rank
-        except BaseException as e:
-            self.__exit__(type(e))
-            raise
-        return self
-
-    def reduce(self, model: nn.Module) -> None:
-        """The call's one gradient reduction: the user's sync settings back on, then the backward of
-        a zero-weighted one-token forward (no collective in the forward: everything is gathered)."""
-        for g, saved in zip(self.groups, self.saved):
-            for k in ("reduce_grads", "all_reduce_grads", "reshard_after_backward"):
-                setattr(g, k, saved[k])
-        ids = torch.zeros((1, 1), dtype=torch.long, device=next(model.parameters()).device)
-        with torch.enable_grad():
-            logits = model(input_ids=ids, use_cache=False).logits
-        if logits.requires_grad:
-            torch.autograd.backward(logits, torch.zeros_like(logits))
-
-    def __exit__(self, exc_type=None, *exc) -> None:
-        for g, saved in zip(self.groups, self.saved):
-            for k, v in saved.items():
-                setattr(g, k, v)
-        for state, auto in zip(self.states, self.auto):
-            state._auto_reshard_after_forward = auto
-        if exc_type is not None:
-            # the call failed before its reduction: FSDP's own recovery, and the unreduced
-            # gradients it holds (out of `model.zero_grad()`'s reach) would corrupt the next step
-            for m in self.units:
-                if m._get_fsdp_state()._is_root:
-                    m.reset_iter_state()
-            for g in self.groups:
-                for p in g.fsdp_params:
-                    p.unsharded_accumulated_grad = None
-                    if hasattr(p, "_unsharded_param"):
-                        p._unsharded_param.grad = None
-        for g, saved in zip(self.groups, self.saved):
-            # as FSDP leaves a unit after a backward, or after a forward without one
-            wanted = saved["reshard_after_backward"] if self.backward else saved["post_forward_mesh_info"] is not None
-            if wanted:
-                g.reshard()
 
 
 class _Engine:
@@ -582,19 +463,19 @@ def stream_backward(
       instead of one per block batch; memory: one such buffer per parameter during the call).
       None: every block batch adds straight into `.grad`. Under FSDP2 its own accumulation applies.
     An objective with `router_aux_coef > 0` (MoE models) adds the router load-balancing loss over
-    every token (`backstream.router`); its value is in `stats.router_aux_loss`.
+    every token (`backstream.stream.router`); its value is in `stats.router_aux_loss`.
     Returns the log-probs at the current weights (NaN where no target was active) and stats.
     """
     obj = _objective_from(weights, objective)
-    units = fsdp_units(model)
-    validate_sequences(model, sequences, allow_empty=bool(units))
+    sharded = bool(fsdp.units(model))
+    validate_sequences(model, sequences, allow_empty=sharded)
     if weights is not None:
         validate_weights(sequences, weights)
     if grad_dtype is not None and not (isinstance(grad_dtype, torch.dtype) and grad_dtype.is_floating_point):
         raise ValueError(f"grad_dtype: expected a floating torch.dtype or None, got {grad_dtype!r}")
     return _run(model, sequences, obj, block_size=block_size, batch_tokens=batch_tokens,
-                memory_budget=memory_budget, kv=kv, kernel=kernel, backward=True, units=units,
-                grad_dtype=None if units else grad_dtype)
+                memory_budget=memory_budget, kv=kv, kernel=kernel, backward=True,
+                grad_dtype=None if sharded else grad_dtype)
 
 
 class _Mask(Objective):
@@ -610,35 +491,31 @@ def logprobs(model: nn.Module, sequences: list[Tensor], mask: list[Tensor] | Non
     """log π(x_i[t] | x_i[:t]) at the current weights where `mask[i][t]` (default: every t ≥ 1),
     NaN elsewhere: the prefill alone (no grad), shared prefixes once, logits block by block. This is
     the "old log-prob" / reference-model pass of a PPO trainer."""
-    units = fsdp_units(model)
-    validate_sequences(model, sequences, allow_empty=bool(units))
+    validate_sequences(model, sequences, allow_empty=bool(fsdp.units(model)))
     if mask is None:
         mask = [torch.arange(len(s)) >= 1 for s in sequences]
     return _run(model, sequences, _Mask(mask), block_size=block_size, batch_tokens=batch_tokens,
-                memory_budget=None, kv=None, kernel=kernel, backward=False, units=units).logprobs
+                memory_budget=None, kv=None, kernel=kernel, backward=False).logprobs
 
 
-def _run(model, sequences, obj, *, units, **kw) -> StreamResult:
-    """One call, inside FSDPCall when the model has FSDP units (a rank may then have no sequence)."""
-    if not units:
-        return _run_local(model, sequences, obj, **kw)
-    with FSDPCall(units, kw["backward"]) as call:
-        if sequences:
-            result = _run_local(model, sequences, obj, across_ranks=True, **kw)
-        else:  # nothing here; the router term's counts are still summed with the other ranks'
-            result = StreamResult(logprobs=[])
-            router = router_term(model, obj, across_ranks=True) if kw["backward"] else None
-            if router is not None:
-                router.setup(None)
-                result.stats.router_aux_loss = router.value
-        if kw["backward"]:
-            call.reduce(model)
-    return result
+def _run(model, sequences, obj, **kw) -> StreamResult:
+    """One call, inside one FSDP call when the model is sharded (a rank may then have no sequence)."""
+
+    def idle() -> StreamResult:  # nothing here; the router term's counts are still summed with the other ranks'
+        result = StreamResult(logprobs=[])
+        router = router_term(model, obj, across_ranks=True) if kw["backward"] else None
+        if router is not None:
+            router.setup(None)
+            result.stats.router_aux_loss = router.value
+        return result
+
+    return fsdp.run(model, bool(sequences), kw["backward"],
+                    lambda across_ranks: _run_local(model, sequences, obj, across_ranks=across_ranks, **kw), idle)
 
 
 def _run_local(model, sequences, obj, *, block_size, batch_tokens, memory_budget, kv, kernel,
                backward, across_ranks: bool = False, grad_dtype: torch.dtype | None = None) -> StreamResult:
-    from backstream.planner import plan  # noqa: PLC0415  (planner imports engine stats)
+    from backstream.stream.planner import plan  # noqa: PLC0415  (planner imports engine stats)
 
     for name, val in (("block_size", block_size), ("batch_tokens", batch_tokens), ("memory_budget", memory_budget)):
         if val is not None and (not isinstance(val, int) or isinstance(val, bool) or val < 1):

@@ -49,9 +49,9 @@ import torch
 from torch import nn
 
 from backstream import checkpoint
-from backstream.adapter import base_model
+from backstream.stream.hf import base_model
 from backstream.checks import choice
-from backstream.quant import FORMATS, GROUP_SIZES, quant_linears, quantize_model
+from backstream.quant.linear import FORMATS, GROUP_SIZES, quant_linears, quantize_model
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 RECORD = "backstream_export.json"

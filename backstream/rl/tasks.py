@@ -7,7 +7,7 @@ its end-of-sequence token, nothing else: the answer format is the bare answer st
     arith     prompt "37+45="                                          answer "82"
     kvlookup  prompt "Remember these pairs.\\nqkxe=381\\n...What is qkxe?\\nqkxe="   answer "381"
 
-Each task names its default reward spec (`Task.reward`, a string `backstream.rewards.load_reward`
+Each task names its default reward spec (`Task.reward`, a string `backstream.rl.rewards.load_reward`
 accepts): `exact_match`, which scores 1.0 when the stripped completion (or the text after its last
 "####") equals the answer, numbers compared numerically. `score` below is that reward for a single
 pair, so scripts that use only this module (scripts/check_learnable.py) reward exactly as the
@@ -28,7 +28,7 @@ import string
 from dataclasses import dataclass
 from typing import Callable
 
-from backstream.rewards import exact_match
+from backstream.rl.rewards import exact_match
 
 Row = dict[str, str]
 
@@ -39,7 +39,7 @@ class Task:
     make_row: Callable[[random.Random], Row]
     """Draws one row from the RNG; all of a row's randomness must come from it (determinism)."""
     reward: str = "exact_match"
-    """Default reward spec, in the form `backstream.rewards.load_reward` accepts."""
+    """Default reward spec, in the form `backstream.rl.rewards.load_reward` accepts."""
     max_new_tokens: int = 8
     """A completion budget with room to spare for the answer and its end-of-sequence token."""
     description: str = ""

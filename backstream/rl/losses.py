@@ -1,9 +1,4 @@
-"""RL objectives and advantage estimators, written as per-block terms (DESIGN §3).
-
-Advantages (samples of a group contiguous, G per group):
-  GRPO      A_i = (r_i − mean_g r) / (std_g r + ε)   (unbiased std, as TRL)
-  Dr.GRPO   A_i =  r_i − mean_g r                      (Liu et al. 2025: no std)
-  RLOO      A_i =  r_i − mean_{j≠i} r_j                (leave-one-out baseline)
+"""RL objectives, written as per-block terms (DESIGN §3); advantages are in advantages.py.
 
 Token-level PPO-clip (covers GRPO, DAPO, Dr.GRPO through the aggregation):
   ρ_t = exp(log π_t − log π_old,t)
@@ -22,7 +17,7 @@ GSPO (Zheng et al. 2025): s_i = exp(mean_t(log π_t − log π_old,t)),
 Zero-advantage sequences are inactive (cost nothing) unless a KL or entropy term reads them; they
 still count in the normalisers, as in the per-sample computation.
 
-Training–inference mismatch (loss.is_level, `backstream.offpolicy`): decoupled PPO multiplies the
+Training–inference mismatch (loss.is_level, `backstream.rl.offpolicy`): decoupled PPO multiplies the
 policy-gradient term by the detached weight w = π_old/μ of the sampler μ (rollout_logprobs), per
 token (w_t) or per sequence (w_i = Π_t w_t), truncated (TIS) or masked (MIS) at the caps:
   PPO-clip  ℓ_t ← w · ℓ_t        GSPO  ℓ_i ← w_i · ℓ_i   (sequence level only)
@@ -45,8 +40,8 @@ import torch
 from torch import Tensor
 
 from backstream.checks import choice
-from backstream.objective import BlockView, Objective, flat_offsets
-from backstream.offpolicy import IS_LEVELS, IS_MODES, mismatch_weights
+from backstream.stream.objective import BlockView, Objective, flat_offsets
+from backstream.rl.offpolicy import IS_LEVELS, IS_MODES, mismatch_weights
 
 # The weight of each of sequence i's token losses, by aggregation, from the normalisers of the whole
 # minibatch: (n_i completion tokens of sequence i, n_total of all, n_seq sequences, lmax) -> weight
@@ -83,32 +78,6 @@ def flat(per_sequence: list[Tensor]) -> Tensor:
     """Per-sequence tensors (log-probs aligned to each sequence) as one detached float64 CPU tensor in
     the flat per-token layout (`objective.flat_offsets`)."""
     return torch.cat([x.detach().double().cpu().reshape(-1) for x in per_sequence])
-
-
-def _groups(rewards: Tensor, group_size: int) -> Tensor:
-    if group_size < 1 or rewards.numel() % group_size:
-        raise ValueError(f"group_size: {group_size} does not divide the {rewards.numel()} rewards")
-    return rewards.double().view(-1, group_size)
-
-
-def grpo_advantages(rewards: Tensor, group_size: int, eps: float = 1e-6, scale: bool = True) -> Tensor:
-    r = _groups(rewards, group_size)
-    a = r - r.mean(1, keepdim=True)
-    if scale:
-        a = a / (r.std(1, keepdim=True) + eps)  # unbiased std, as TRL
-    return a.flatten().float()
-
-
-def drgrpo_advantages(rewards: Tensor, group_size: int) -> Tensor:
-    return grpo_advantages(rewards, group_size, scale=False)
-
-
-def rloo_advantages(rewards: Tensor, group_size: int) -> Tensor:
-    if group_size < 2:
-        raise ValueError(f"group_size: RLOO needs at least 2 samples per group, got {group_size}")
-    r = _groups(rewards, group_size)
-    baseline = (r.sum(1, keepdim=True) - r) / (group_size - 1)
-    return (r - baseline).flatten().float()
 
 
 @dataclass(kw_only=True)

@@ -12,8 +12,8 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache
 
-from backstream.schedule import Row
-from backstream.tree import TokenTree
+from backstream.stream.schedule import Row
+from backstream.stream.tree import TokenTree
 
 
 class KVStore:

@@ -47,8 +47,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from backstream.losses import GSPOObjective, PolicyObjective, _Common, flat
-from backstream.offpolicy import sequence_log_ratios
+from backstream.rl.losses import GSPOObjective, PolicyObjective, _Common, flat
+from backstream.rl.offpolicy import sequence_log_ratios
 
 
 @dataclass(kw_only=True)

@@ -12,11 +12,11 @@ import math
 import torch
 from torch import Tensor, nn
 
-from backstream.adapter import takes_logits_to_keep
-from backstream.engine import (FSDPCall, StreamResult, StreamStats, _objective_from, fsdp_units, validate_sequences,
-                               validate_weights)
-from backstream.objective import BlockView, Objective, flat_offsets
-from backstream.router import load_balancing_loss, load_balancing_sums, router_term
+from backstream.stream import fsdp
+from backstream.stream.engine import StreamResult, StreamStats, _objective_from, validate_sequences, validate_weights
+from backstream.stream.hf import takes_logits_to_keep
+from backstream.stream.objective import BlockView, Objective, flat_offsets
+from backstream.stream.router import load_balancing_loss, load_balancing_sums, router_term
 
 
 def _sequence_view(logits_LV: Tensor, seq: Tensor, act: Tensor, i: int, offset: int) -> BlockView | None:
@@ -40,24 +40,21 @@ def reference_backward(model: nn.Module, sequences: list[Tensor], weights: list[
     > 0, every sequence is forwarded whole, the router logits of all of them are concatenated into
     the textbook load-balancing loss, and one backward runs over everything.
     Under FSDP2 the per-sequence backwards accumulate unreduced and every rank joins one reduction at
-    the end, as in `stream_backward` (see backstream.engine).
+    the end, as in `stream_backward` (see backstream.stream.engine).
     """
-    units = fsdp_units(model)
-    validate_sequences(model, sequences, allow_empty=bool(units))
+    validate_sequences(model, sequences, allow_empty=bool(fsdp.units(model)))
     obj = _objective_from(weights, objective)
     if weights is not None:
         validate_weights(sequences, weights)
-    if not units:
-        return _reference(model, sequences, obj)
-    with FSDPCall(units, backward=True) as call:
-        if sequences:
-            result = _reference(model, sequences, obj, across_ranks=True)
-        else:  # nothing here; the router term's counts are still summed with the other ranks'
-            result, term = StreamResult(logprobs=[]), router_term(model, obj)
-            if term is not None:
-                _, result.stats.router_aux_loss = load_balancing_sums((), term.E, term.k, term.coef)
-        call.reduce(model)
-    return result
+
+    def idle() -> StreamResult:  # nothing here; the router term's counts are still summed with the other ranks'
+        result, term = StreamResult(logprobs=[]), router_term(model, obj)
+        if term is not None:
+            _, result.stats.router_aux_loss = load_balancing_sums((), term.E, term.k, term.coef)
+        return result
+
+    return fsdp.run(model, bool(sequences), True,
+                    lambda across_ranks: _reference(model, sequences, obj, across_ranks=across_ranks), idle)
 
 
 def _reference(model, sequences, obj, across_ranks: bool = False) -> StreamResult:

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from backstream.adapter import base_model
-from backstream.family import Unsupported
+from backstream.stream.hf import base_model
+from backstream.stream.family import Unsupported
 
 DEFAULT_BLOCK = 512
 DEFAULT_ROWS = 8

@@ -1,0 +1,43 @@
+"""Advantage estimators: per sample, from the rewards of its group (the G samples of one prompt,
+contiguous). `ADVANTAGES` is the registry `algorithm.advantage` names.
+
+  GRPO      A_i = (r_i − mean_g r) / (std_g r + ε)   (unbiased std, as TRL)
+  Dr.GRPO   A_i =  r_i − mean_g r                      (Liu et al. 2025: no std)
+  RLOO      A_i =  r_i − mean_{j≠i} r_j                (leave-one-out baseline)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import Tensor
+
+
+def _groups(rewards: Tensor, group_size: int) -> Tensor:
+    if group_size < 1 or rewards.numel() % group_size:
+        raise ValueError(f"group_size: {group_size} does not divide the {rewards.numel()} rewards")
+    return rewards.double().view(-1, group_size)
+
+
+def grpo_advantages(rewards: Tensor, group_size: int, eps: float = 1e-6, scale: bool = True) -> Tensor:
+    r = _groups(rewards, group_size)
+    a = r - r.mean(1, keepdim=True)
+    if scale:
+        a = a / (r.std(1, keepdim=True) + eps)  # unbiased std, as TRL
+    return a.flatten().float()
+
+
+def drgrpo_advantages(rewards: Tensor, group_size: int) -> Tensor:
+    return grpo_advantages(rewards, group_size, scale=False)
+
+
+def rloo_advantages(rewards: Tensor, group_size: int) -> Tensor:
+    if group_size < 2:
+        raise ValueError(f"group_size: RLOO needs at least 2 samples per group, got {group_size}")
+    r = _groups(rewards, group_size)
+    baseline = (r.sum(1, keepdim=True) - r) / (group_size - 1)
+    return (r - baseline).flatten().float()
+
+
+ADVANTAGES: dict[str, Callable[[Tensor, int], Tensor]] = {
+    "grpo": grpo_advantages, "drgrpo": drgrpo_advantages, "rloo": rloo_advantages}

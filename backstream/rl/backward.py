@@ -1,0 +1,102 @@
+"""`[engine]`: how the trainer computes a minibatch's gradient, chosen once by `engine.backward`
+(`BACKWARDS`): the exact streamed backward, or the naive full-sequence reference it is compared with.
+Both take an objective and return the engine's `StreamResult`, and both compute log-probs alone."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from backstream.checks import at_least, choice
+from backstream.stream import fsdp
+from backstream.stream.engine import StreamResult, logprobs, stream_backward
+from backstream.stream.reference import reference_backward
+
+GRAD_ACCUM_DTYPES = {"float32": torch.float32, "param": None}  # engine.grad_accum_dtype → stream_backward's grad_dtype
+
+
+class StreamedBackward:
+    """engine.backward = "stream": the exact streamed backward (DESIGN §2), which times its own
+    prefill and backward; log-probs alone from its prefill pass."""
+
+    def __init__(self, ec: EngineConfig, device: torch.device):
+        self.kw = {"grad_dtype": GRAD_ACCUM_DTYPES[ec.grad_accum_dtype]}
+        if ec.block_size:
+            self.kw["block_size"] = ec.block_size
+        if ec.memory_budget_mb:
+            self.kw["memory_budget"] = ec.memory_budget_mb * 2**20
+
+    def backward(self, model, sequences: list[Tensor], objective, kv: list | None) -> StreamResult:
+        return stream_backward(model, sequences, objective=objective, kv=kv, **self.kw)
+
+    def logprobs(self, model, sequences: list[Tensor], mask: list[Tensor]) -> list[Tensor]:
+        return logprobs(model, sequences, mask)
+
+
+class ReferenceBackward:
+    """engine.backward = "reference": one full-sequence forward and backward per sample, the
+    baseline the streamed backward is compared with (it ignores the rollout's K/V)."""
+
+    def __init__(self, ec: EngineConfig, device: torch.device):
+        self.device = device
+
+    def backward(self, model, sequences: list[Tensor], objective, kv: list | None) -> StreamResult:
+        t = time.perf_counter()
+        res = reference_backward(model, sequences, objective=objective)
+        res.stats.backward_s = time.perf_counter() - t  # the reference does not time itself
+        return res
+
+    def logprobs(self, model, sequences: list[Tensor], mask: list[Tensor]) -> list[Tensor]:
+        """Plain full-sequence forwards, no grad; NaN outside `mask`."""
+        out = []
+        with torch.no_grad(), fsdp.gathered(model):  # no per-forward all-gather under FSDP
+            for s, m in zip(sequences, mask):
+                logits = model(input_ids=s[None].to(self.device)).logits[0, :-1]
+                logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+                lp = torch.full((len(s),), math.nan, dtype=logits.dtype)
+                lp[1:] = torch.log_softmax(logits, -1).gather(-1, s[1:, None].to(self.device))[:, 0].cpu()
+                lp[~m] = math.nan
+                out.append(lp)
+        return out
+
+
+BACKWARDS = {"stream": StreamedBackward, "reference": ReferenceBackward}
+
+
+@dataclass(kw_only=True)
+class EngineConfig:
+    backward: str = "stream"
+    """stream (the exact streamed backward) or reference (one full-sequence backward per sample)."""
+    block_size: int = 0
+    """Tokens per block; 0 = the engine's default (or the planner's choice under memory_budget_mb)."""
+    memory_budget_mb: int = 0
+    """Let the planner pick the block size and rows per batch for this many MiB; 0 = off."""
+    reuse_rollout_kv: bool = False
+    """Hand the rollout's K/V to the engine (no prefill); only when epochs = minibatches = 1."""
+    grad_accum_dtype: str = "float32"
+    """stream backward, bfloat16/float16 models: "float32" gathers each parameter's gradient over the
+    block batches in a float32 buffer (4 bytes per trainable parameter during the backward) and
+    rounds it into .grad once; "param" adds every block batch straight into .grad (one rounding per
+    block batch: the error grows with the number of blocks). No effect in float32/float64."""
+    verify: bool = True
+    """Before training, check on a tiny random copy of the model's architecture (seconds, config only)
+    that the streamed backward gives the exact gradient (`backstream verify`); stop unless it does.
+    Only with backward = "stream"."""
+
+    def __post_init__(self):
+        choice("engine.backward", self.backward, list(BACKWARDS))
+        choice("engine.grad_accum_dtype", self.grad_accum_dtype, list(GRAD_ACCUM_DTYPES))
+        at_least("engine.block_size", self.block_size, 0)
+        at_least("engine.memory_budget_mb", self.memory_budget_mb, 0)
+
+    @property
+    def streamed(self) -> bool:
+        """Whether the backward is the streamed one (which engine.verify checks)."""
+        return BACKWARDS[self.backward] is StreamedBackward
+
+    def build(self, device: torch.device) -> StreamedBackward | ReferenceBackward:
+        return BACKWARDS[self.backward](self, device)

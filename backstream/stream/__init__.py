@@ -1,0 +1,14 @@
+"""The exact streamed backward over a shared-prefix token tree: a library for any Hugging Face causal
+LM (DESIGN §2–§5, §6b, §6c). It never imports the RL loop (`backstream.rl`) or quantization
+(`backstream.quant`); tests/test_layout.py keeps it that way.
+
+    tree, schedule, kvstore   the token tree, which chunks form a block batch, the K/V store + gK/gV
+    attention                 shared-prefix attention merged by log-sum-exp, and its backward
+    objective                 the per-block objective contract (BlockView, Objective, TokenWeights)
+    hf, family, adapter       what the engine asks of a transformers model, the contract's guards, the
+                              Cache / attention-function adapter
+    fsdp                      FSDP2 around one call (gather once, reduce once)
+    router, planner           the MoE load-balancing term; block size from a memory budget
+    engine, reference         stream_backward / logprobs, and the naive full-sequence reference
+    miniature, verify         a float64 miniature of any config; streamed vs reference on it
+"""

@@ -1,0 +1,90 @@
+"""The package's rooms: its import graph (every `import` in every module, those inside functions
+included) has no circle, and the streamed-backward library (`backstream.stream`) imports nothing from
+the RL loop (`backstream.rl`) or quantization (`backstream.quant`). Read from the source, not by
+importing it, so that a lazy import counts too."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import backstream
+
+ROOT = pathlib.Path(backstream.__file__).parent
+
+
+def modules() -> dict[str, pathlib.Path]:
+    out = {}
+    for path in ROOT.rglob("*.py"):
+        parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+def imports(name: str, path: pathlib.Path, known: dict) -> set[str]:
+    """The backstream modules `name` imports (a name imported from a package that is a module of
+    its own counts as that module; the root package itself is left out: importing any submodule
+    runs it, which is Python's doing, not a dependency)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            targets = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in known else node.module
+                       for a in node.names]
+        else:
+            continue
+        out |= {t for t in targets if t in known and t != "backstream"}
+    return out - {name}
+
+
+def graph() -> dict[str, set[str]]:
+    known = modules()
+    return {name: imports(name, path, known) for name, path in known.items()}
+
+
+def test_no_import_circle():
+    g = graph()
+    state: dict[str, int] = {}  # 1 on the current path, 2 done
+    path: list[str] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        path.append(m)
+        for n in sorted(g[m]):
+            if state.get(n) == 1:
+                cycle = path[path.index(n):] + [n]
+                raise AssertionError("import circle: " + " -> ".join(cycle))
+            if n not in state:
+                visit(n)
+        path.pop()
+        state[m] = 2
+
+    for m in sorted(g):
+        if m not in state:
+            visit(m)
+
+
+def test_the_library_imports_no_application():
+    g = graph()
+    library = [m for m in g if m.startswith("backstream.stream")]
+    assert "backstream.stream.engine" in library and "backstream.stream.fsdp" in library
+    bad = {m: sorted(n for n in g[m] if n.startswith(("backstream.rl", "backstream.quant", "backstream.trainer",
+                                                        "backstream.config", "backstream.cli")))
+           for m in library}
+    assert not {m: v for m, v in bad.items() if v}, bad
+
+
+def test_fsdp_and_hf_are_leaves():
+    """FSDP2 lives in one module that imports nothing of the engine; the model-introspection module
+    imports nothing of backstream at all (so importing it registers or patches nothing)."""
+    g = graph()
+    assert g["backstream.stream.hf"] == set()
+    assert g["backstream.stream.fsdp"] <= {"backstream.stream.hf"}
+
+
+def test_the_walk_sees_lazy_imports():
+    """The walk is not blind: the CLI imports the trainer inside a function only."""
+    assert "backstream.trainer" in graph()["backstream.cli"]
