@@ -11,6 +11,8 @@ compressed-tensors layout that vLLM (and transformers, with compressed-tensors i
   w4a16   pack-quantized      weight_packed int32 [N,K/8], weight_scale f32 [N,K/g], the model dtype
                               weight_shape int64 [2] = (N, K)
 
+(each row is its format's `export_tensors`, and `scheme` for config.json: quant/formats.py)
+
 Every other tensor (embeddings, norms, biases, lm_head, the layers [quant].targets leaves out)
 stays in the run's dtype; the layers not quantized are listed in `ignore`, so the
 config's `targets = ["Linear"]` minus `ignore` is exactly the set `quantize_model` replaced. The
@@ -51,7 +53,10 @@ from torch import nn
 from backstream import checkpoint
 from backstream.stream.hf import base_model
 from backstream.checks import choice
-from backstream.quant.linear import FORMATS, GROUP_SIZES, quant_linears, quantize_model
+from backstream.quant.formats import GROUP_SIZES, Format, get_format
+# compressed-tensors' int4 packing is W4A16's layout (formats.py), importable from here too
+from backstream.quant.formats import pack_int4 as pack_int4, unpack_int4 as unpack_int4
+from backstream.quant.linear import quant_linears, quantize_model
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 RECORD = "backstream_export.json"
@@ -59,59 +64,13 @@ RECORD = "backstream_export.json"
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
-# ---- int4 packing (compressed-tensors' pack-quantized layout, read from compressed_tensors 0.20,
-# compressors/pack_quantized/helpers.py, and vLLM's uint4b8 weight type) -------------------------
-
-def pack_int4(codes_NK: torch.Tensor) -> torch.Tensor:
-    """int8 codes in [-8, 7], [N, K] → int32 words [N, K/8]. Code k of a row is stored offset by +8
-    (0..15, vLLM's "uint4b8") in bits 4·(k mod 8) .. 4·(k mod 8)+3 of word k // 8: little-endian
-    nibbles along K, so word j holds codes 8j..8j+7, the first in its lowest bits. K must be a
-    multiple of 8 (vLLM allocates K/8 words, no padding)."""
-    if codes_NK.dtype != torch.int8 or codes_NK.dim() != 2:
-        raise ValueError(f"pack_int4: expected 2-D int8 codes, got {codes_NK.dtype} of shape {tuple(codes_NK.shape)}")
-    N, K = codes_NK.shape
-    if K % 8:
-        raise ValueError(f"pack_int4: in_features {K} is not a multiple of 8; the pack-quantized layout vLLM "
-                         "loads stores 8 codes per int32 word without padding")
-    lo, hi = (int(codes_NK.min()), int(codes_NK.max())) if codes_NK.numel() else (0, 0)
-    if lo < -8 or hi > 7:
-        raise ValueError(f"pack_int4: codes must lie in [-8, 7], got [{lo}, {hi}]")
-    nibbles = (codes_NK.to(torch.int64) + 8).view(N, K // 8, 8)
-    shifts = torch.arange(0, 32, 4, device=codes_NK.device, dtype=torch.int64)
-    words = (nibbles << shifts).sum(-1)  # disjoint bits: the sum is the bitwise or, < 2**32
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # the same 32 bits, signed
-
-
-def unpack_int4(words_NW: torch.Tensor) -> torch.Tensor:
-    """The inverse of `pack_int4`: int32 [N, K/8] → int8 codes [N, K]."""
-    N, W = words_NW.shape
-    shifts = torch.arange(0, 32, 4, device=words_NW.device, dtype=torch.int64)
-    nibbles = ((words_NW.to(torch.int64) & 0xFFFFFFFF)[..., None] >> shifts) & 0xF
-    return (nibbles - 8).to(torch.int8).view(N, W * 8)
-
-
 # ---- the compressed-tensors config ---------------------------------------------------------------
 
-def _args(bits: int, kind: str, strategy: str, *, dynamic: bool = False, group_size: int | None = None) -> dict:
-    return {"num_bits": bits, "type": kind, "symmetric": True, "strategy": strategy, "dynamic": dynamic,
-            "group_size": group_size, "actorder": None, "block_structure": None}
-
-
-def quantization_config(fmt: str, group_size: int, ignore: list[str]) -> dict:
-    """config.json's `quantization_config` for `fmt`: compressed-tensors' W8A8 (INT8), FP8_DYNAMIC
-    and W4A16 presets (quant_scheme.py), targets every `Linear` but `ignore`."""
-    if fmt == "w8a8":
-        form = "int-quantized"
-        scheme = {"weights": _args(8, "int", "channel"), "input_activations": _args(8, "int", "token", dynamic=True)}
-    elif fmt == "fp8":
-        form = "float-quantized"
-        scheme = {"weights": _args(8, "float", "channel"),
-                  "input_activations": _args(8, "float", "token", dynamic=True)}
-    else:
-        form = "pack-quantized"
-        scheme = {"weights": _args(4, "int", "group", group_size=group_size), "input_activations": None}
-    scheme = {"targets": ["Linear"], **scheme, "output_activations": None, "format": form}
-    return {"quant_method": "compressed-tensors", "format": form, "quantization_status": "compressed",
+def quantization_config(fmt: Format, group_size: int, ignore: list[str]) -> dict:
+    """config.json's `quantization_config` for `fmt`: its compressed-tensors scheme (`Format.scheme`),
+    targets every `Linear` but `ignore`."""
+    scheme = {"targets": ["Linear"], **fmt.scheme(group_size), "output_activations": None, "format": fmt.ct_format}
+    return {"quant_method": "compressed-tensors", "format": fmt.ct_format, "quantization_status": "compressed",
             "config_groups": {"group_0": scheme}, "ignore": ignore, "kv_cache_scheme": None,
             "global_compression_ratio": None}
 
@@ -198,13 +157,13 @@ def export(run_dir: str, quant: str, out: str | None = None, group_size: int | N
     `out`: default RUN_DIR/export-QUANT-step-N; an existing non-empty folder is refused unless
     `overwrite` (it is then moved aside to OUT.old-TIME, never deleted). `group_size` (w4a16 only):
     default the run's quant.group_size. Every check runs before anything is written."""
-    choice("export: --quant", quant, list(FORMATS))
+    fmt = get_format(quant, "export: --quant")
     cfg = _run_config(run_dir)
     ckpt = checkpoint.latest_intact(run_dir)
     if ckpt is None:
         raise ValueError(f"export: {run_dir} holds no intact checkpoint (checkpoints/step-N); train it first, "
                          "or keep the run going until it saves one")
-    if group_size is not None and quant != "w4a16":
+    if group_size is not None and not fmt.grouped:
         raise ValueError(f"export: --group-size applies to w4a16 only; {quant} has one scale per output channel")
     gs = cfg.quant.group_size if group_size is None else group_size
     choice("export: --group-size", gs, list(GROUP_SIZES))
@@ -213,22 +172,23 @@ def export(run_dir: str, quant: str, out: str | None = None, group_size: int | N
     out = out or os.path.join(run_dir, f"export-{quant}-step-{step}")
     _check_out(out, overwrite)
     run_q = cfg.quant
-    if run_q.rollout not in ("none", quant) or (run_q.rollout == "w4a16" == quant and gs != run_q.group_size):
-        trained = run_q.rollout + (f" (group {run_q.group_size})" if run_q.rollout == "w4a16" else "")
+    sampled = run_q.format  # None: a full-precision sampler, which no export claims to be
+    if sampled is not None and (sampled is not fmt or (fmt.grouped and gs != run_q.group_size)):
+        trained = run_q.rollout + (f" (group {run_q.group_size})" if sampled.grouped else "")
         warnings.warn(f"export: the run sampled with {trained}; this {quant} export is a quantization of its "
                       "weights that the run never saw", stacklevel=2)
     qcfg = dataclasses.replace(run_q, rollout=quant, group_size=gs)
 
     model, tok = _learner(cfg, ckpt, qcfg)
     lora = cfg.model.lora_r > 0
-    tensors, ignore, dtype = _compress(model, quant, gs, lora)
-    if quant == "w4a16" and dtype in (torch.bfloat16, torch.float16):
+    tensors, ignore, dtype = _compress(model, fmt, gs, lora)
+    if fmt.scales_in_model_dtype and dtype in (torch.bfloat16, torch.float16):
         _warn_scale_rounding(tensors, dtype)
     if lora:
         model = model.unload()  # the transformers model, its quantized layers in place of PEFT's wrappers
     base = base_model(model)
     record = {"run_dir": os.path.abspath(run_dir), "checkpoint": os.path.abspath(ckpt), "step": step,
-              "format": quant, "group_size": gs if quant == "w4a16" else None,
+              "format": quant, "group_size": gs if fmt.grouped else None,
               "quantized_modules": len({k.rsplit(".", 1)[0] for k in tensors if k.endswith("weight_scale")}),
               "adapter": "adapter" if lora else None}
 
@@ -238,7 +198,7 @@ def export(run_dir: str, quant: str, out: str | None = None, group_size: int | N
     shutil.rmtree(tmp, ignore_errors=True)
     aside = None
     try:
-        _write(tmp, base, tok, tensors, quantization_config(quant, gs, ignore), record)
+        _write(tmp, base, tok, tensors, quantization_config(fmt, gs, ignore), record)
         if lora:
             os.makedirs(os.path.join(tmp, "adapter"))
             for name in ADAPTER_FILES:  # the learner's adapter, byte for byte
@@ -258,7 +218,7 @@ def export(run_dir: str, quant: str, out: str | None = None, group_size: int | N
     return out
 
 
-def _compress(model: nn.Module, fmt: str, group_size: int, lora: bool):
+def _compress(model: nn.Module, fmt: Format, group_size: int, lora: bool):
     """The compressed tensors of every quantized linear, by checkpoint name, and the names of the
     Linear modules left unquantized (the config's `ignore`). Refuses what vLLM could not load."""
     base = base_model(model)
@@ -298,19 +258,12 @@ def _compress(model: nn.Module, fmt: str, group_size: int, lora: bool):
                 raise ValueError(f"export: {out_name}'s weight is tied to {shared[mod.weight.data_ptr()]}; a tied "
                                  "weight cannot be stored both quantized and not; leave it out of quant.targets")
             qw = mod.qweight()
+            assert qw.format is fmt and qw.group_size == (group_size if fmt.grouped else None), (name, qw.fmt)
+            qw = dataclasses.replace(qw, codes=qw.codes.detach().cpu().contiguous(),
+                                     scale=qw.scale.detach().cpu().contiguous())
             N, K = mod.out_features, mod.in_features
-            assert qw.fmt == fmt, (name, qw.fmt, fmt)
-            codes, scale = qw.codes.detach().cpu().contiguous(), qw.scale.detach().cpu().contiguous()
-            assert codes.shape == (N, K) and scale.dtype == torch.float32, (name, codes.shape, scale.dtype)
-            if fmt == "w4a16":
-                assert scale.shape == (N, K // group_size) and codes.dtype == torch.int8, (name, scale.shape)
-                tensors[f"{out_name}.weight_packed"] = pack_int4(codes)
-                tensors[f"{out_name}.weight_shape"] = torch.tensor([N, K], dtype=torch.int64)
-            else:
-                assert scale.shape == (N, 1), (name, scale.shape)
-                assert codes.dtype == (torch.int8 if fmt == "w8a8" else torch.float8_e4m3fn), (name, codes.dtype)
-                tensors[f"{out_name}.weight"] = codes
-            tensors[f"{out_name}.weight_scale"] = scale
+            assert qw.codes.shape == (N, K) and qw.scale.dtype == torch.float32, (name, qw.codes.shape, qw.scale.dtype)
+            tensors.update(fmt.export_tensors(out_name, qw))  # QWeight as it is, in the format's layout
             if mod.bias is not None:
                 tensors[f"{out_name}.bias"] = mod.bias.detach().cpu()
     ignore = [n for n in linears if n not in quantized]
