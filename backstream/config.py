@@ -33,7 +33,6 @@ from backstream.rl.parallel import DistributedConfig
 from backstream.rl.rewards import RewardConfig
 from backstream.rl.rollout import SamplingConfig
 from backstream.rl.shaping import OVERLONG
-from backstream.rl.tbpo import TBPOConfig
 
 
 @dataclass(kw_only=True)
@@ -97,7 +96,7 @@ class TrainConfig:
         at_least("train.keep_checkpoints", self.keep_checkpoints, 1)
 
 
-LOSSES = {**LOSS_TYPES, "tbpo": TBPOConfig}  # [loss] is the variant its `type` key names
+LOSSES = LOSS_TYPES  # [loss] is the variant its `type` key names (the registry of backstream.rl.losses)
 
 SECTIONS: dict[str, type] = {
     "model": ModelConfig, "data": DataConfig, "rollout": SamplingConfig, "reward": RewardConfig,
@@ -118,7 +117,7 @@ class RunConfig:
     rollout: SamplingConfig = field(default_factory=lambda: SamplingConfig(group_size=8, max_new_tokens=8))
     reward: RewardConfig = field(default_factory=RewardConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
-    loss: LossConfig | TBPOConfig = field(default_factory=PPOClipConfig)
+    loss: LossConfig = field(default_factory=PPOClipConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     train: TrainConfig = field(default_factory=TrainConfig)

@@ -9,8 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from backstream.rl.advantages import drgrpo_advantages, grpo_advantages, rloo_advantages
-from backstream.rl.losses import (GSPOConfig, PPOClipConfig, build_objective,
-                               reference_loss)
+from backstream.rl.losses import GSPOConfig, PPOClipConfig, build_objective, naive_loss
 from backstream.stream.objective import BlockView, flat_offsets
 
 V = 7
@@ -91,7 +90,7 @@ def test_block_terms_match_the_textbook_loss(cfg, use_old, seed, parts):
     old = [torch.nan_to_num(b) + n for b, n in zip(base, old_noise)] if use_old else None
     ref = [torch.nan_to_num(b) + n for b, n in zip(base, ref_noise)]
     leaf = logits.clone().requires_grad_(True)
-    want = reference_loss(cfg, [leaf[p] for p in pos_index], seqs, mask, adv, old, ref)
+    want = naive_loss(cfg, [leaf[p] for p in pos_index], seqs, mask, adv, old, ref)
     (g_ref,) = torch.autograd.grad(want, leaf)
     leaf2 = logits.clone().requires_grad_(True)
     got, _ = streamed(cfg, leaf2, seqs, pos_index, mask, adv, old, ref, parts, g)
@@ -118,7 +117,7 @@ def test_one_sequence_two_tokens_by_hand():
     logits = torch.zeros(3, 2, dtype=torch.float64)  # uniform over 2 tokens: π = 0.5
     old = [torch.tensor([0.0, math.log(0.25), math.log(0.5)], dtype=torch.float64)]
     mask = [torch.tensor([False, True, True])]
-    loss = reference_loss(PPOClipConfig(), [logits], [seq], mask, torch.tensor([2.0]), old)
+    loss = naive_loss(PPOClipConfig(), [logits], [seq], mask, torch.tensor([2.0]), old)
     assert abs(float(loss) + 2.2) < 1e-12
 
 

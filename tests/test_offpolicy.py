@@ -15,7 +15,7 @@ from backstream import reference_backward, stream_backward
 from backstream.rl import offpolicy
 from backstream.stream.engine import logprobs as engine_logprobs
 from backstream.rl.losses import (GSPOConfig, PPOClipConfig, PPOClipISObjective, PPOClipObjective, build_objective,
-                               reference_loss)
+                                  naive_loss)
 from backstream.stream.objective import BlockView, Objective, flat_offsets
 from backstream.rl.offpolicy import (error_token_share, mismatch_metrics, mismatch_weights, repeated_ngram,
                                   sequence_log_ratios)
@@ -144,7 +144,7 @@ def test_ppo_with_weights_by_hand():
     for level, mode, want in (("token", "truncate", -2.9), ("token", "mask", -0.5), ("sequence", "truncate", -3.3),
                               ("sequence", "mask", -3.3), ("none", "truncate", -2.2)):
         cfg = PPOClipConfig(is_level=level, is_mode=mode)
-        got = reference_loss(cfg, [logits], [seq], mask, adv, old, rollout_logprobs=mu)
+        got = naive_loss(cfg, [logits], [seq], mask, adv, old, rollout_logprobs=mu)
         assert abs(float(got) - want) < 1e-12, (level, mode)
         obj = build_objective(cfg, sequences=[seq], completion_mask=mask, advantages=adv, old_logprobs=old,
                               rollout_logprobs=mu)
@@ -169,7 +169,7 @@ CFG_ID = lambda c: f"{c.type}-{c.is_level}-{c.is_mode}"  # noqa: E731
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_block_terms_match_the_naive_loss(cfg, use_old, seed):
     """Advantages +0.7, −1.3, 0, +0.4; μ = π_old + noise of std 0.3 per token (some weights inside the caps,
-    some outside); block terms over random partitions vs reference_loss: gradient (and value for PPO)."""
+    some outside); block terms over random partitions vs naive_loss: gradient (and value for PPO)."""
     seqs, pos_index, mask, logits, adv, old_noise, ref_noise, g = problem(seed)
     base = current_logprobs(logits, seqs, pos_index, [m.clone() for m in mask])
     old = [torch.nan_to_num(b) + 0.1 * n for b, n in zip(base, old_noise)] if use_old else None
@@ -178,7 +178,7 @@ def test_block_terms_match_the_naive_loss(cfg, use_old, seed):
     mu = [torch.where(m, o - torch.randn(len(o), generator=g, dtype=torch.float64) * 0.3, NAN)
           for o, m in zip(pi_old, mask)]
     leaf = logits.clone().requires_grad_(True)
-    want = reference_loss(cfg, [leaf[p] for p in pos_index], seqs, mask, adv, old, ref, rollout_logprobs=mu)
+    want = naive_loss(cfg, [leaf[p] for p in pos_index], seqs, mask, adv, old, ref, rollout_logprobs=mu)
     (g_ref,) = torch.autograd.grad(want, leaf)
     obj = build_objective(cfg, sequences=seqs, completion_mask=mask, advantages=adv, old_logprobs=old,
                           ref_logprobs=ref, rollout_logprobs=mu)

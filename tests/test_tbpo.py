@@ -12,42 +12,11 @@ from test_losses import current_logprobs
 from test_offpolicy import assert_streamed_equals_reference, engine_problem, streamed_total
 
 from backstream.stream.engine import logprobs as engine_logprobs
-from backstream.rl.losses import build_objective
-from backstream.rl.tbpo import TBPOConfig, TBPOObjective
+from backstream.rl.losses import TBPOConfig, TBPOObjective, build_objective, naive_loss
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 NAN = math.nan
 V = 7
-
-
-def naive_tbpo(cfg, logits_list, seqs, mask, adv, old, ref, mu):
-    """The TBPO loss from its definition, one full sequence at a time (position t−1 predicts t)."""
-    N, C = len(seqs), cfg.seq_tis_imp_ratio_cap
-    loss = 0.0
-    for i in range(N):
-        t = torch.nonzero(mask[i]).flatten()
-        if not len(t):
-            continue
-        lp_all = torch.log_softmax(logits_list[i][t - 1] / cfg.temperature, -1)
-        logp = lp_all.gather(-1, seqs[i][t, None])[:, 0]
-        o = logp.detach() if old is None else old[i][t]
-        A = float(adv[i])
-        if A != 0:
-            s = torch.exp((logp - o).mean())
-            w = torch.clamp(torch.exp((o - mu[i][t]).mean()), 1 / C, C)
-            sd = float(s.detach())
-            if A > 0:
-                M = float(sd <= 1 + cfg.seq_clip_ratio_high)
-            else:
-                M = float(1 - cfg.neg_seq_clip_ratio_low <= sd <= 1 + cfg.neg_seq_clip_ratio_high)
-            loss = loss - M * w * s * A / N
-        c = 1.0 / (N * len(t))
-        if cfg.kl_coef > 0:
-            d = ref[i][t] - logp
-            loss = loss + cfg.kl_coef * c * (torch.exp(d) - d - 1).sum()
-        if cfg.entropy_coef > 0:
-            loss = loss - cfg.entropy_coef * c * (-(lp_all.exp() * lp_all).sum(-1)).sum()
-    return loss
 
 
 # Eight unrelated sequences of 6 tokens (prompt 0..1, completion 2..5). π_old = π − δ_i on the
@@ -102,7 +71,7 @@ def test_bands_masks_and_weights_by_hand():
     assert m["policy"] == pytest.approx(policy, rel=1e-12)
     # gradients against the naive formula
     leaf2 = logits.clone().requires_grad_(True)
-    want = naive_tbpo(cfg, [leaf2[p] for p in pos_index], seqs, mask, adv, old, None, mu)
+    want = naive_loss(cfg, [leaf2[p] for p in pos_index], seqs, mask, adv, old, None, mu)
     assert abs(float(want.detach()) - policy) < 1e-12
     (g_ref,) = torch.autograd.grad(want, leaf2)
     (g_got,) = torch.autograd.grad(got, leaf)
@@ -127,7 +96,7 @@ def test_random_partitions_match_the_naive_formula(cfg, seed):
     mu = [o - float(torch.randn((), generator=g)) - 0.2 * torch.randn(6, generator=g, dtype=torch.float64) for o in old]
     ref = [c + 0.3 * torch.randn(6, generator=g, dtype=torch.float64) for c in cur]
     leaf = logits.clone().requires_grad_(True)
-    want = naive_tbpo(cfg, [leaf[p] for p in pos_index], seqs, mask, adv, old, ref, mu)
+    want = naive_loss(cfg, [leaf[p] for p in pos_index], seqs, mask, adv, old, ref, mu)
     (g_ref,) = torch.autograd.grad(want, leaf)
     obj = build_objective(cfg, sequences=seqs, completion_mask=mask, advantages=adv, old_logprobs=old,
                           ref_logprobs=ref, rollout_logprobs=mu)

@@ -24,18 +24,37 @@ with log r_t = log π_learner,t − log μ_t (tokens sampled from μ):
 and the share of responses holding "error tokens" (QaRL §3.2: a long response whose tail turns
 into a repetitive, garbled loop), detected as a repeated n-gram.
 
-This module imports nothing from the rest of backstream: losses.py and tbpo.py import it.
+This module imports nothing from the rest of backstream: the losses package imports it.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-IS_LEVELS = ("none", "token", "sequence")
-IS_MODES = ("truncate", "mask")
+
+@dataclass(frozen=True)
+class ISLevel:
+    """A level of the mismatch weight (loss.is_level): one weight per token, or one per sequence."""
+
+    per_token: bool
+    unit: str  # the weighted unit in the metric names: is/{unit}_masked_frac
+
+
+@dataclass(frozen=True)
+class ISMode:
+    """What becomes of a weight outside [cap_low, cap_high] (loss.is_mode)."""
+
+    masks: bool  # True: it is 0, the unit rejected (MIS); False: it is clamped to the caps (TIS)
+
+
+# loss.is_level and loss.is_mode, parsed: "none" is no correction at all
+IS_LEVELS: dict[str, ISLevel | None] = {"none": None, "token": ISLevel(per_token=True, unit="token"),
+                                        "sequence": ISLevel(per_token=False, unit="seq")}
+IS_MODES: dict[str, ISMode] = {"truncate": ISMode(masks=False), "mask": ISMode(masks=True)}
 
 
 def _check_known(x_flat: Tensor, name: str, offsets: list[int], sel: Tensor) -> None:
@@ -45,14 +64,18 @@ def _check_known(x_flat: Tensor, name: str, offsets: list[int], sel: Tensor) -> 
         raise ValueError(f"{name}: NaN at token {int(bad[0]) - offsets[i]} of sequence {i}, a token of the loss")
 
 
+_REDUCE = {"sum": Tensor.sum, "mean": Tensor.mean}
+
+
 def sequence_log_ratios(num_flat: Tensor, den_flat: Tensor, offsets: list[int], lengths: list[int],
                         mask: list[Tensor], *, reduce: str = "sum",
                         names: tuple[str, str] = ("num", "den")) -> Tensor:
     """Per sequence, Σ_t (or the mean over t) of num − den over its tokens in `mask`, from two
     [T] log-prob tensors in the flat layout: [N] float64, 0 for a sequence with no such token.
     A NaN at a token in `mask` is a ValueError naming the input (`names`)."""
-    if reduce not in ("sum", "mean"):
+    if reduce not in _REDUCE:
         raise ValueError(f"reduce: got {reduce!r}, expected 'sum' or 'mean'")
+    fold = _REDUCE[reduce]
     sel = torch.cat([m.to("cpu", torch.bool).reshape(-1) for m in mask]) if mask else torch.zeros(0, dtype=torch.bool)
     assert sel.shape == num_flat.shape == den_flat.shape, "flat layouts disagree"
     _check_known(num_flat, names[0], offsets, sel)
@@ -62,7 +85,7 @@ def sequence_log_ratios(num_flat: Tensor, den_flat: Tensor, offsets: list[int], 
     for i, (o, L) in enumerate(zip(offsets, lengths)):
         x = d[o:o + L][sel[o:o + L]]
         if len(x):
-            out[i] = x.sum() if reduce == "sum" else x.mean()
+            out[i] = fold(x)
     return out
 
 
@@ -81,15 +104,16 @@ def mismatch_weights(old_flat: Tensor, rollout_flat: Tensor, offsets: list[int],
     (is/token_masked_frac or is/seq_masked_frac, 0 in truncate mode) and the share truncated
     (is/truncated_frac, 0 in mask mode); no metrics when there is no unit.
     """
-    if level not in ("token", "sequence"):
+    lvl, how = IS_LEVELS.get(level), IS_MODES.get(mode)
+    if lvl is None:
         raise ValueError(f"level: got {level!r}, expected 'token' or 'sequence'")
-    if mode not in IS_MODES:
-        raise ValueError(f"mode: got {mode!r}, expected one of {IS_MODES}")
+    if how is None:
+        raise ValueError(f"mode: got {mode!r}, expected one of {tuple(IS_MODES)}")
     if not (0 <= cap_low < cap_high and math.isfinite(cap_high)):
         raise ValueError(f"cap_low / cap_high: expected 0 <= cap_low < cap_high < inf, got {cap_low}, {cap_high}")
     sel = torch.cat([m.to("cpu", torch.bool).reshape(-1) for m in mask]) if mask else torch.zeros(0, dtype=torch.bool)
     has = [bool(m.any()) for m in mask]
-    if level == "token":
+    if lvl.per_token:
         assert sel.shape == old_flat.shape == rollout_flat.shape, "flat layouts disagree"
         _check_known(old_flat, "old_logprobs", offsets, sel)
         _check_known(rollout_flat, "rollout_logprobs", offsets, sel)
@@ -100,12 +124,12 @@ def mismatch_weights(old_flat: Tensor, rollout_flat: Tensor, offsets: list[int],
     log_lo = math.log(cap_low) if cap_low > 0 else -math.inf
     log_hi = math.log(cap_high)
     outside = (log_w < log_lo) | (log_w > log_hi)
-    if mode == "truncate":
-        w = torch.exp(log_w.clamp(min=log_lo, max=log_hi))
-    else:
+    if how.masks:
         w = torch.where(outside, torch.zeros_like(log_w), torch.exp(log_w.clamp(max=log_hi)))
+    else:
+        w = torch.exp(log_w.clamp(min=log_lo, max=log_hi))
     out = torch.ones(len(sel), dtype=torch.float64)
-    if level == "token":
+    if lvl.per_token:
         out[sel] = w
     else:
         for k, i in enumerate(i for i, h in enumerate(has) if h):
@@ -114,10 +138,9 @@ def mismatch_weights(old_flat: Tensor, rollout_flat: Tensor, offsets: list[int],
     if len(w) == 0:
         return out, {}
     share = float(outside.double().mean())
-    unit = "token" if level == "token" else "seq"
     return out, {"is/weight_mean": float(w.mean()),
-                 f"is/{unit}_masked_frac": share if mode == "mask" else 0.0,
-                 "is/truncated_frac": share if mode == "truncate" else 0.0}
+                 f"is/{lvl.unit}_masked_frac": share if how.masks else 0.0,
+                 "is/truncated_frac": 0.0 if how.masks else share}
 
 
 def mismatch_metrics(learner: list[Tensor | None], sampler: list[Tensor], mask: list[Tensor]) -> dict[str, float]:

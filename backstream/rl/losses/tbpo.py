@@ -12,9 +12,10 @@ For response i with completion tokens t = 1..|y_i| (the completion mask), advant
   ℓ_i = −M_i · w_i · s_i · A_i        (w_i, M_i detached)
   L   = (1/N) Σ_i ℓ_i + Σ_i Σ_t (kl_coef · KL_t − entropy_coef · H_t) / (N |y_i|)
 
-As in GSPO, s_i comes from the prefill (exact: the prefill runs at the current weights; s_i = 1
-when old_logprobs are not given, π_old being the current policy), and since ∇s_i = s_i · mean_t
-∇log π_t, the block term is Σ_t c_{i,t} log π_t with c_{i,t} = −M_i w_i A_i s_i / (N |y_i|).
+A sequence-ratio objective (`sequence.SequenceRatioObjective`, as GSPO): s_i comes from the prefill
+(exact: the prefill runs at the current weights; s_i = 1 when old_logprobs are not given, π_old being
+the current policy), and since ∇s_i = s_i · mean_t ∇log π_t, the block term is Σ_t c_{i,t} log π_t
+with c_{i,t} = −M_i w_i A_i s_i / (N |y_i|) (∂ℓ_i/∂s_i = −M_i w_i A_i).
 The loss value is `policy` in the metrics; the block terms are a surrogate with its gradient.
 
 Where the paper leaves details open, our reading:
@@ -44,15 +45,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor
 
-from backstream.rl.losses import GSPOObjective, PolicyObjective, _Common, flat
+from backstream.rl.losses.base import LossConfigBase, Metrics
+from backstream.rl.losses.sequence import SequenceRatioObjective
 from backstream.rl.offpolicy import sequence_log_ratios
 
 
 @dataclass(kw_only=True)
-class TBPOConfig(_Common):
+class TBPOConfig(LossConfigBase):
     type: str = "tbpo"
     """Trust-Band Policy Optimization (QaRL): sequence ratios, responses outside their band masked."""
     seq_clip_ratio_low: float = 3e-4
@@ -68,10 +69,8 @@ class TBPOConfig(_Common):
     """C: the sequence mismatch weight exp(mean_t(log π_old − log μ)) is clamped to [1/C, C]."""
 
     def __post_init__(self):
-        if self.type != "tbpo":
-            raise ValueError(f"loss.type: got {self.type!r} for TBPOConfig")
         self._check("tbpo")
-        if self.is_level != "none":
+        if self.mismatch_level is not None:
             raise ValueError(f"loss.is_level: got {self.is_level!r}; TBPO has its own sequence mismatch weight "
                              "(loss.seq_tis_imp_ratio_cap), so is_level must be 'none'")
         for name in ("seq_clip_ratio_low", "seq_clip_ratio_high", "neg_seq_clip_ratio_low", "neg_seq_clip_ratio_high"):
@@ -86,55 +85,40 @@ class TBPOConfig(_Common):
         return TBPOObjective(self, **inputs)
 
 
-class TBPOObjective(PolicyObjective):
+class TBPOObjective(SequenceRatioObjective):
     """The TBPO loss over one minibatch (see the module docstring); needs rollout_logprobs."""
+
+    label = "TBPO"
 
     def __init__(self, config: TBPOConfig, *, rollout_logprobs=None, **inputs):
         if rollout_logprobs is None:
             raise ValueError("rollout_logprobs: TBPO's mismatch weight needs the sampler's log-probs")
         super().__init__(config, rollout_logprobs=rollout_logprobs, **inputs)
 
-    # the per-token KL/entropy weights 1/(N |y_i|) and the block term Σ c·log π + extras are GSPO's
-    token_coefficients = GSPOObjective.token_coefficients
-    block_loss = GSPOObjective.block_loss
-
-    def setup(self, logprobs: list[Tensor] | None) -> None:
-        logprobs = self.current(logprobs)
-        if logprobs is None:
-            raise ValueError("TBPO: needs the prefill's log-probs for its sequence ratios (do not pass kv=, "
-                             "or pass old_is_current=True with old_logprobs at the current weights)")
+    def sequence_terms(self, s: dict[int, float], old: Tensor) -> tuple[dict[int, float], Metrics]:
         cfg = self.cfg
-        cur = flat(logprobs)
-        old_given = self.old_flat is not None
-        old = self.old_flat if old_given else cur
-        pg_mask = self.pg_mask()
-        layout = (self.offsets, self.lengths, pg_mask)
-        log_s = sequence_log_ratios(cur, old, *layout, reduce="mean", names=("prefill log-probs", "old_logprobs"))
-        log_w = sequence_log_ratios(old, self.rollout_flat, *layout, reduce="mean",
-                                    names=("old_logprobs" if old_given else "prefill log-probs", "rollout_logprobs"))
+        log_w = sequence_log_ratios(old, self.rollout_flat, self.offsets, self.lengths, self.pg_mask(), reduce="mean",
+                                    names=("old_logprobs" if self.old_flat is not None else "prefill log-probs",
+                                           "rollout_logprobs"))
         log_c = math.log(cfg.seq_tis_imp_ratio_cap)
-        self.pg_flat = torch.zeros_like(cur)
-        rows = []  # per response with a policy term: (A, s, w, capped, M)
-        for i, m in enumerate(pg_mask):
-            if not m.any():
-                continue
-            o, L, A = self.offsets[i], self.lengths[i], float(self.adv[i])
-            s = math.exp(float(log_s[i])) if old_given else 1.0
-            lw = float(log_w[i])
+        dl_ds, rows = {}, []  # rows: per response with a policy term, (A, s, w, capped, M)
+        for i, s_i in s.items():
+            A, lw = float(self.adv[i]), float(log_w[i])
             w = math.exp(min(max(lw, -log_c), log_c))
             if A > 0:
-                inside = s <= 1 + cfg.seq_clip_ratio_high
+                inside = s_i <= 1 + cfg.seq_clip_ratio_high
             else:
-                inside = 1 - cfg.neg_seq_clip_ratio_low <= s <= 1 + cfg.neg_seq_clip_ratio_high
+                inside = 1 - cfg.neg_seq_clip_ratio_low <= s_i <= 1 + cfg.neg_seq_clip_ratio_high
             M = float(inside)
-            self.pg_flat[o:o + L][m] = -M * w * A * s / (self.norm.n_seq * self.n_tok[i])
-            rows.append((A, s, w, abs(lw) > log_c, M))
-        self._add("policy", sum(-M * w * s * A for A, s, w, _, M in rows) / self.norm.n_seq)
+            dl_ds[i] = -M * w * A
+            rows.append((A, s_i, w, abs(lw) > log_c, M))
+        metrics = {"policy": sum(-M * w * s * A for A, s, w, _, M in rows) / self.norm.n_seq}
         if rows:
             n = self.norm.n_pg_seq  # len(rows) in one process; the global count under data parallelism
-            self._add("ratio_mean", sum(r[1] for r in rows) / n)
-            self._add("tbpo/masked_frac", sum(r[4] == 0 for r in rows) / n)
-            self._add("tbpo/masked_pos", sum(r[4] == 0 and r[0] > 0 for r in rows) / n)
-            self._add("tbpo/masked_neg", sum(r[4] == 0 and r[0] < 0 for r in rows) / n)
-            self._add("tbpo/weight_mean", sum(r[2] for r in rows) / n)
-            self._add("tbpo/weight_capped_frac", sum(r[3] for r in rows) / n)
+            metrics.update({"ratio_mean": sum(r[1] for r in rows) / n,
+                            "tbpo/masked_frac": sum(r[4] == 0 for r in rows) / n,
+                            "tbpo/masked_pos": sum(r[4] == 0 and r[0] > 0 for r in rows) / n,
+                            "tbpo/masked_neg": sum(r[4] == 0 and r[0] < 0 for r in rows) / n,
+                            "tbpo/weight_mean": sum(r[2] for r in rows) / n,
+                            "tbpo/weight_capped_frac": sum(r[3] for r in rows) / n})
+        return dl_ds, metrics
