@@ -67,16 +67,12 @@ def cmd_plot(args) -> int:
     return 0
 
 
-# exit codes of `backstream verify`, by verdict
-VERIFY_EXIT = {"exact": 0, "refused": 1, "could not build": 2, "wrong": 3, "error": 3}
-
-
 def cmd_verify(args) -> int:
     from backstream.stream.verify import verify  # noqa: PLC0415
 
     report = verify(args.model, seed=args.seed)
     print(report)
-    return VERIFY_EXIT[report.kind]
+    return report.kind.exit_code
 
 
 def cmd_export(args) -> int:

@@ -22,8 +22,10 @@ import subprocess
 import sys
 import time
 
+from backstream.stream.verify import Verdict
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-KINDS = ("exact", "refused", "could not build", "wrong", "error")
+KINDS = tuple(v.value for v in Verdict)
 
 
 def families() -> list[str]:
@@ -59,22 +61,21 @@ def run_family(model_type: str, timeout: float) -> dict:
         err = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
         stages = [line[7:] for line in err.splitlines() if line.startswith("stage: ")]
         last = stages[-1] if stages else "start"
-        kind = "error" if last.startswith("stream_backward") else "could not build"
-        where = "in stream_backward" if kind == "error" else f"at step '{last}'"
-        return _row(model_type, f"{kind}: timed out after {timeout:.0f} s {where}", time.perf_counter() - t0)
+        kind = Verdict.ERROR if last.startswith("stream_backward") else Verdict.COULD_NOT_BUILD
+        where = "in stream_backward" if kind is Verdict.ERROR else f"at step '{last}'"
+        return _row(model_type, kind, f"timed out after {timeout:.0f} s {where}", time.perf_counter() - t0)
     lines = [line for line in p.stdout.splitlines() if line.startswith("{")]
     if p.returncode != 0 or not lines:
         tail = " ".join((p.stderr or "").strip().splitlines()[-1:])[:300]
-        return _row(model_type, f"could not build: the child process failed (exit {p.returncode}): {tail}",
+        return _row(model_type, Verdict.COULD_NOT_BUILD, f"the child process failed (exit {p.returncode}): {tail}",
                     time.perf_counter() - t0)
     rep = json.loads(lines[-1])
     rep["model_type"] = model_type  # as listed (a composite type reports its text model's type otherwise)
     return rep
 
 
-def _row(model_type: str, verdict: str, seconds: float) -> dict:
-    kind = verdict.split(":", 1)[0]
-    return {"model_type": model_type, "verdict": verdict, "kind": kind, "reason": verdict.split(":", 1)[1].strip(),
+def _row(model_type: str, kind: Verdict, reason: str, seconds: float) -> dict:
+    return {"model_type": model_type, "verdict": f"{kind.value}: {reason}", "kind": kind.value, "reason": reason,
             "worst_error": None, "architecture": "", "features": {}, "seconds": round(seconds, 1)}
 
 
@@ -108,7 +109,8 @@ def write(rows: list[dict], out: str) -> dict:
         f"**{len(rows)} families: " + ", ".join(f"{counts[k]} {k}" for k in KINDS) + ".**",
         "",
         "- exact: every parameter's gradient and every log-prob within 1e-10 (relative);",
-        "- refused: the engine raised a `model:` error (a guard of the family contract, DESIGN §6b);",
+        "- refused: the engine refused the model (a `ModelContractError`, `model: …`, from a guard of the family "
+        "contract, DESIGN §6b);",
         "- wrong: it ran and the gradient differs (the worst outcome: a guard is missing);",
         "- could not build: the miniature or the reference itself failed (not a verdict on the engine);",
         "- error: `stream_backward` crashed with some other exception.",

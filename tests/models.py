@@ -1,8 +1,8 @@
 """Tiny random models of several HF families, built from configs (no download), for float64 tests.
 
 HF's RMSNorm (and the Qwen3-MoE router's softmax) compute in float32 even in a float64 model;
-`exact_norms` (backstream/verify.py) runs them in float64, so that a real 1e-7 error cannot hide under that noise
-(DESIGN §2).
+`exact_norms` (backstream/stream/miniature.py) runs them in float64, so that a real 1e-7 error cannot hide
+under that noise (DESIGN §2).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig,
                           MixtralForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
-from backstream.stream.verify import exact_norms  # noqa: F401  (re-exported for the tests)
+from backstream.stream.miniature import exact_norms  # noqa: F401  (re-exported for the tests)
 
 VOCAB = 61
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,

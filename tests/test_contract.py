@@ -13,7 +13,7 @@ from backstream import stream_backward
 from backstream.stream import planner
 from backstream.stream import adapter
 from backstream.stream.family import Unsupported
-from backstream.stream.verify import exact_norms
+from backstream.stream.miniature import exact_norms
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 SMALL = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,

@@ -13,6 +13,7 @@ from models import FAMILIES, VOCAB, lora, make
 from backstream import Objective, TokenWeights, reference_backward, stream_backward
 from backstream.stream import adapter
 from backstream.stream import family
+from backstream.stream.verify import relative_errors, token_tree
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 TOL = 1e-10
@@ -29,10 +30,8 @@ def assert_same(model, seqs, weights, **kw):
     g, r = grads(model, stream_backward, seqs, weights, **kw)
     assert g.keys() == g_ref.keys() and g
     # a parameter whose true gradient is 0 (q_proj when every query sees one key) holds rounding
-    # noise only: judge it against a thousandth of the largest gradient instead of its own norm
-    floor = 1e-3 * max(float(x.norm()) for x in g_ref.values())
-    for n in g_ref:
-        err = (g[n] - g_ref[n]).norm() / max(float(g_ref[n].norm()), floor, 1e-300)
+    # noise only: relative_errors judges it against a thousandth of the largest gradient instead
+    for n, err in relative_errors(g, g_ref).items():
         assert err <= TOL, f"{n}: relative error {err:.3g}"
     for i, (a, b) in enumerate(zip(r.logprobs, r_ref.logprobs)):
         active = weights[i] != 0
@@ -47,22 +46,9 @@ def rand_ids(n, gen):
 
 def group_batch(gen, prompt=9, lens=(5, 7, 3, 7)):
     """A GRPO group (shared prompt, unequal responses), a duplicate, a multi-turn continuation, an
-    unrelated sequence, a one-token sequence and an all-zero-weight sequence."""
-    P = rand_ids(prompt, gen)
-    seqs = [torch.cat([P, rand_ids(n, gen)]) for n in lens]
-    seqs.append(seqs[1].clone())  # exact duplicate
-    seqs.append(torch.cat([seqs[0], rand_ids(4, gen)]))  # a second turn on top of response 0
-    seqs.append(rand_ids(6, gen))
-    seqs.append(rand_ids(1, gen))
-    seqs.append(torch.cat([P, rand_ids(5, gen)]))  # zero advantage
-    weights = [torch.randn(len(s), generator=gen, dtype=torch.float64) for s in seqs]
-    for i, w in enumerate(weights):
-        w[0] = 0
-        if i < len(lens) + 2:
-            w[:prompt] = 0  # no loss on the prompt
-    weights[-1].zero_()
-    weights[-2].zero_()
-    return seqs, weights
+    unrelated sequence, a one-token sequence and an all-zero-weight sequence: `verify`'s token tree
+    over the whole vocabulary (the same draws as `rand_ids`)."""
+    return token_tree(gen, torch.arange(VOCAB), prompt, lens)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

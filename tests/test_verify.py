@@ -11,10 +11,10 @@ import torch
 from transformers import AutoConfig, Qwen3Config, Qwen3ForCausalLM
 
 from backstream import cli, config, trainer
-from backstream.stream import engine
+from backstream.stream import engine, family
 from backstream.default_model import build_tokenizer
-from backstream.stream.verify import (TOL, VERIFY_KINDS, VerifyReport, keep_float64, miniature, miniature_config, role,
-                               verify)
+from backstream.stream.miniature import keep_float64, miniature, miniature_config
+from backstream.stream.verify import TOL, Verdict, VerifyReport, role, verify
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 verify_mod = sys.modules["backstream.stream.verify"]  # `backstream.stream.verify` is the function
@@ -148,6 +148,22 @@ def test_a_wrong_engine_is_caught(monkeypatch):
     assert rep.verdict == "error: RuntimeError: boom"
 
 
+def test_a_refusal_is_known_by_its_type(monkeypatch):
+    """A ModelContractError is a refusal whatever its message says; any other exception, even one
+    whose message starts with `model:`, is an error of stream_backward."""
+
+    def raising(e):
+        def fn(*a, **k):
+            raise e
+        return fn
+
+    monkeypatch.setattr(engine, "stream_backward", raising(family.Unsupported("reworded, no prefix")))
+    rep = verify("llama")
+    assert rep.kind == Verdict.REFUSED and rep.verdict == "refused: reworded, no prefix"
+    monkeypatch.setattr(engine, "stream_backward", raising(ValueError("model: looks like a refusal")))
+    assert verify("llama").verdict == "error: ValueError: model: looks like a refusal"
+
+
 def test_could_not_build(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "no_such_family"}))
     rep = verify(str(tmp_path))
@@ -175,13 +191,22 @@ def test_roles():
 # -- the command line --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("verdict, code", [("exact", 0), ("refused: model: no", 1), ("could not build: x", 2),
-                                           ("wrong", 3), ("error: RuntimeError: x", 3)])
-def test_cli_exit_codes(monkeypatch, capsys, verdict, code):
-    monkeypatch.setattr(verify_mod, "verify", lambda name, seed=0: VerifyReport(model_type=name, verdict=verdict))
+CLI_CASES = [  # (kind, reason) of the report, the verdict printed, the exit code
+    (Verdict.EXACT, "", "exact", 0),
+    (Verdict.REFUSED, "model: no", "refused: model: no", 1),
+    (Verdict.COULD_NOT_BUILD, "x", "could not build: x", 2),
+    (Verdict.WRONG, "", "wrong", 3),
+    (Verdict.ERROR, "RuntimeError: x", "error: RuntimeError: x", 3),
+]
+
+
+@pytest.mark.parametrize("kind, reason, verdict, code", CLI_CASES)
+def test_cli_exit_codes(monkeypatch, capsys, kind, reason, verdict, code):
+    monkeypatch.setattr(verify_mod, "verify", lambda name, seed=0: VerifyReport(model_type=name, kind=kind,
+                                                                                reason=reason))
     assert cli.main(["verify", "llama"]) == code
     assert f"verdict: {verdict}" in capsys.readouterr().out
-    assert set(VERIFY_KINDS) == set(cli.VERIFY_EXIT)
+    assert {c[0] for c in CLI_CASES} == set(Verdict)  # every verdict has its exit code checked
 
 
 def test_cli_runs_verify(capsys, tmp_path):
@@ -214,7 +239,7 @@ def test_trainer_verifies_unless_told_not_to(tmp_path, monkeypatch):
 
     def fake(model, **kw):
         calls.append(model)
-        return VerifyReport(model_type="qwen3", verdict="exact")
+        return VerifyReport(model_type="qwen3", kind=Verdict.EXACT)
 
     monkeypatch.setattr(verify_mod, "verify", fake)
     monkeypatch.setattr(trainer, "_VERIFIED", {})
@@ -228,7 +253,7 @@ def test_trainer_verifies_unless_told_not_to(tmp_path, monkeypatch):
 
 def test_trainer_stops_before_writing_when_not_exact(tmp_path, monkeypatch):
     monkeypatch.setattr(verify_mod, "verify", lambda model, **kw: VerifyReport(
-        model_type="qwen3", verdict="refused: model: chunked attention"))
+        model_type="qwen3", kind=Verdict.REFUSED, reason="model: chunked attention"))
     monkeypatch.setattr(trainer, "_VERIFIED", {})
     with pytest.raises(ValueError, match=r"engine.verify: .*refused: model: chunked attention.*engine.verify = false"):
         _run(tmp_path)

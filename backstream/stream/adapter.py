@@ -30,11 +30,11 @@ def check_model(model) -> nn.Module:
     function; returns the underlying PreTrainedModel."""
     base = base_model(model)
     if not isinstance(model, nn.Module) or not hasattr(base, "config"):
-        raise TypeError("model: expected a transformers causal LM (or a PEFT model around one), "
-                        f"got {type(model).__name__}")
+        raise family.ModelTypeError("model: expected a transformers causal LM (or a PEFT model around one), "
+                                    f"got {type(model).__name__}")
     params = inspect.signature(base.forward).parameters
     if not getattr(base, "_supports_attention_backend", False) or "past_key_values" not in params:
-        raise TypeError(
+        raise family.ModelTypeError(
             f"model: {type(base).__name__} does not support transformers' Cache and AttentionInterface "
             "(needs `_supports_attention_backend` and a `past_key_values` argument); stream_backward cannot drive it"
         )
@@ -114,7 +114,8 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
     if not _ACTIVE:
         raise RuntimeError("the backstream attention function runs only inside stream_backward")
     if dropout and dropout > 0:
-        raise ValueError("model: attention dropout breaks exactness; call model.eval() or set attention_dropout=0")
+        raise family.ModelContractError(
+            "model: attention dropout breaks exactness; call model.eval() or set attention_dropout=0")
     family.check_attention_kwargs(module, kwargs)
     batch = _ACTIVE[-1]
     window = family.attention_window(module, attention_mask, sliding_window, batch.p0, batch.Q)

@@ -197,7 +197,7 @@ class _Batch:
         out = run_model(self, kwargs)
         logits = out.logits if eng.has_logits_to_keep else out.logits[keep]
         if self.attn_calls == 0 or len(self.cache.new) == 0:
-            raise TypeError(
+            raise family.ModelTypeError(
                 f"model: {type(eng.model).__name__} did not route attention through transformers' "
                 "AttentionInterface and the Cache passed as past_key_values; stream_backward needs both"
             )
@@ -530,8 +530,9 @@ def _run_local(model, sequences, obj, *, block_size, batch_tokens, memory_budget
     router = router_term(model, obj, across_ranks) if backward else None
     if router is not None:
         if kv is not None:
-            raise ValueError("kv: the router load-balancing loss needs the routing counts of every token, which "
-                             "only the prefill gives; do not pass kv= (trainer: engine.reuse_rollout_kv = false)")
+            raise family.ModelContractError(
+                "kv: the router load-balancing loss needs the routing counts of every token, which only the prefill "
+                "gives; do not pass kv= (trainer: engine.reuse_rollout_kv = false)")
         obj = Terms(obj, router)
     family.check_deterministic(model)
     family.check_positions(model, max(len(s) for s in sequences))

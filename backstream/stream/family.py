@@ -7,8 +7,9 @@ sliding-window mask [+ sink])·v over the K/V that `cache.update` returned, posi
 through `position_ids`, and the forward is deterministic. Each guard here checks one of those from
 what the engine *sees* (attention keywords, the mask function transformers builds, tensor identity,
 the RoPE type, dropout modules), not from a list of class names, so that a family no test names is
-covered by the same checks. A model that fails one gets `Unsupported` (or a `ValueError` when the
-user can fix it in one line), never a silently different gradient.
+covered by the same checks. A model that fails one gets a `ModelContractError` (`Unsupported`, or
+the `ModelContractError` itself, a `ValueError`, when the user can fix it in one line), never a
+silently different gradient.
 """
 
 from __future__ import annotations
@@ -23,9 +24,21 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 
-class Unsupported(NotImplementedError):
+class ModelContractError(ValueError):
+    """The model breaks the family contract or cannot be driven by the engine (or K/V handed over
+    with `kv=` do not fit it): the streamed backward refuses rather than compute another gradient.
+    The message starts with `model:` (or `kv:` / `kv[i]:`) and names what to do. `backstream
+    verify` calls exactly these errors refusals, whatever their message says."""
+
+
+class Unsupported(ModelContractError, NotImplementedError):
     """The model uses a feature the streamed backward cannot (yet) compute exactly. The message
     starts with `model:` and names the feature and what the user can do."""
+
+
+class ModelTypeError(ModelContractError, TypeError):
+    """The object is not a model the engine can drive (no transformers config, no Cache or
+    attention interface)."""
 
 
 ENGINE_HINT = 'compute this model\'s gradient with reference_backward (trainer: engine.backward = "reference")'
@@ -254,7 +267,7 @@ def check_deterministic(model: nn.Module) -> None:
         if not mod.training:
             continue
         if getattr(mod, "gradient_checkpointing", False) is True:
-            raise ValueError(
+            raise ModelContractError(
                 "model: gradient checkpointing is on in training mode (model.gradient_checkpointing_enable()); "
                 "transformers then runs without a cache, which the streamed backward needs. It already keeps one "
                 "block's activations at a time: call model.gradient_checkpointing_disable() or model.eval()")
@@ -265,7 +278,7 @@ def check_deterministic(model: nn.Module) -> None:
                 active.append(f"{name}.{attr}={val}")
     if active:
         shown = ", ".join(active[:4]) + (f" and {len(active) - 4} more" if len(active) > 4 else "")
-        raise ValueError(
+        raise ModelContractError(
             f"model: dropout is active in training mode ({shown}): the forward is random, so the blocks and the "
             "prefill would not see the same values. Call model.eval() (the streamed backward needs no train mode) or "
             "set the dropout probabilities to 0 (LoRA: lora_dropout=0)")

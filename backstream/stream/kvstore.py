@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache
 
+from backstream.stream.family import ModelContractError
 from backstream.stream.schedule import Row
 from backstream.stream.tree import TokenTree
 
@@ -85,7 +86,7 @@ class KVStore:
         for n in nodes:
             for j, (x, own) in enumerate(zip(self.kv[n][layer], (key_BHQD, value_BHQD))):
                 if x.shape[0] != own.shape[1] or x.shape[2] != own.shape[3]:
-                    raise ValueError(
+                    raise ModelContractError(
                         f"kv: layer {layer}'s {'KV'[j]} has shape [{x.shape[0]}, length, {x.shape[2]}] but the model's "
                         f"{'KV'[j]} at that layer are [{own.shape[1]}, length, {own.shape[3]}] ([kv_heads, length, "
                         "head_dim]): pass the K/V of this model's own cache")
@@ -94,21 +95,22 @@ class KVStore:
         """The store from caller-given K/V: one entry per sequence, a batch-1 Cache or a list over
         layers of (K, V) of shape [kv_heads, length, head_dim]."""
         if not isinstance(kv, (list, tuple)) or len(kv) != len(sequences):
-            raise ValueError(f"kv: expected one entry per sequence ({len(sequences)}), got {type(kv).__name__}")
+            raise ModelContractError(
+                f"kv: expected one entry per sequence ({len(sequences)}), got {type(kv).__name__}")
         self.given = True
         per_seq = []
         for i, entry in enumerate(kv):
             if isinstance(entry, Cache):
                 rows = {layer.keys.shape[0] for layer in entry.layers if getattr(layer, "keys", None) is not None}
                 if rows != {1}:
-                    raise ValueError(
+                    raise ModelContractError(
                         f"kv[{i}]: a Cache of batch {sorted(rows)}; each entry is the K/V of one sequence: pass a "
                         "batch-1 Cache per sequence, or per sequence a list over layers of (K, V) of shape "
                         "[kv_heads, length, head_dim]")
                 entry = [(layer.keys[0], layer.values[0]) for layer in entry.layers]
             if not isinstance(entry, (list, tuple)) or len(entry) != num_layers:
-                raise ValueError(f"kv[{i}]: expected a Cache or a list of {num_layers} (K, V) pairs, got "
-                                 f"{type(entry).__name__}")
+                raise ModelContractError(f"kv[{i}]: expected a Cache or a list of {num_layers} (K, V) pairs, got "
+                                         f"{type(entry).__name__}")
             per_seq.append(entry)
         for i, path in enumerate(self.tree.paths):
             for n in path:
@@ -118,10 +120,11 @@ class KVStore:
                 per_node = {}
                 for layer, (k, v) in enumerate(per_seq[i]):
                     if k.dim() != 3 or v.dim() != 3 or k.shape[:2] != v.shape[:2]:
-                        raise ValueError(f"kv[{i}][{layer}]: expected K and V of shape [kv_heads, length, head_dim], "
-                                         f"got {tuple(k.shape)} and {tuple(v.shape)}")
+                        raise ModelContractError(
+                            f"kv[{i}][{layer}]: expected K and V of shape [kv_heads, length, head_dim], got "
+                            f"{tuple(k.shape)} and {tuple(v.shape)}")
                     if k.shape[1] < node.end:
-                        raise ValueError(
+                        raise ModelContractError(
                             f"kv[{i}][{layer}]: covers {k.shape[1]} positions but sequence {i} needs the K/V of its "
                             f"first {node.end} tokens (a sliding-window cache that dropped history cannot be reused)")
                     per_node[layer] = [x[:, node.start:node.end].to(device, dtype) for x in (k, v)]
