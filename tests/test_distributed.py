@@ -173,6 +173,67 @@ def test_group_splits_over_ranks():
     assert [len(round_share(2, 1, 2, r, [4, 0])) for r in range(2)] == [0, 2]  # as even as it can be
 
 
+def _fake_round(groups: list[int], G: int, with_kv: bool):
+    """A rank's rollout of `groups`: completion and reward of sample g·G+i are (g, i); K/V a tag."""
+    from backstream.rl.rollout import Rollout
+
+    n = len(groups) * G
+    ids = [torch.tensor([g, i]) for g in groups for i in range(G)]
+    r = Rollout(prompt_index=[g for g in groups for _ in range(G)], prompt_ids=[torch.tensor([7])] * n,
+                completion_ids=ids, logprobs=[torch.zeros(2)] * n, finish_reason=["eos"] * n,
+                kv=[f"kv{g}.{i}" for g in groups for i in range(G)] if with_kv else None, group_size=G)
+    total = torch.tensor([10.0 * g + i for g in groups for i in range(G)])
+    return r, total, {"f": total + 0.5}
+
+
+def test_the_data_parallel_object_without_processes():
+    """The split policy of `Torchrun` on 2 simulated ranks (each rank's gather answered with both
+    ranks' parts, as the collective would): the joined round is every group once, in the round's order,
+    with the rewards of its samples and K/V only where this rank sampled them; with the rollout's K/V
+    a DAPO refill goes to the rank that keeps fewer groups, and each rank trains what it sampled. The
+    one-process object hands everything through unchanged."""
+    import dataclasses
+
+    from backstream.rl.parallel import DataParallel, DistributedConfig, Torchrun
+
+    G, gen = 2, torch.Generator()
+    ranks = [Torchrun(DistributedConfig(), device=torch.device("cpu"), seed=0, minibatches=1, reuse_kv=True,
+                      generator=gen, world_size=2, this_rank=r) for r in range(2)]
+    assert [r.main for r in ranks] == [True, False]
+    assert ranks[0].generator(5).initial_seed() == ranks[1].generator(5).initial_seed() != gen.initial_seed()
+
+    def round_(need: int, refill: bool):
+        rounds = [rk.round_groups(need, refill) for rk in ranks]
+        local = [_fake_round(g, G, with_kv=True) for g in rounds]
+        parts = [(g, dataclasses.replace(r, kv=None), t, f) for g, (r, t, f) in zip(rounds, local)]
+        return rounds, [rk.join(parts, r.kv) for rk, (r, _, _) in zip(ranks, local)]
+
+    for rk in ranks:
+        rk.begin_step()
+    rounds, joined = round_(4, refill=False)
+    assert rounds == [[0, 1], [2, 3]]
+    for r, (roll, total, per_fn) in enumerate(joined):
+        assert [int(c[0]) for c in roll.completion_ids] == [0, 0, 1, 1, 2, 2, 3, 3]  # the round's order
+        assert torch.equal(total, torch.tensor([0.0, 1, 10, 11, 20, 21, 30, 31]))
+        assert torch.equal(per_fn["f"], total + 0.5)
+        mine = rounds[r]
+        assert [k is not None for k in roll.kv] == [g in mine for g in range(4) for _ in range(G)]
+        assert ranks[r].owner == [0, 0, 1, 1]
+    for rk in ranks:  # DAPO kept groups 0, 1 and 2: rank 0 holds 2 groups, rank 1 one
+        rk.kept([0, 1, 2])
+    rounds, _ = round_(1, refill=True)
+    assert rounds == [[], [0]]  # the refill goes to the rank that keeps fewer: shares end 2 + 2
+    kv = [None] * 2 + ["x"] * 2 + [None] * 2 + ["y"] * 2  # this rank's samples of groups 1 and 3
+    assert ranks[1].train_groups(4, kv) == [1, 3]
+    assert ranks[1].train_groups(4, None) == [2, 3]  # without K/V: its half of the minibatch
+    # one process: the round is the whole batch, nothing moves
+    one = DataParallel(gen)
+    roll, total, per_fn = _fake_round(one.round_groups(3, refill=True), G, with_kv=False)
+    assert one.join_round(roll, total, per_fn) == (roll, total, per_fn)
+    assert one.generator(9) is gen and one.train_groups(3, None) == [0, 1, 2] and one.gather(5) == [5]
+    assert one.gather_rows([0, 1], ["a", "b"], 2) == ["a", "b"] and one.on_main(lambda: 4) == 4
+
+
 def _returns_3():
     return 3
 

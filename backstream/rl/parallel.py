@@ -396,11 +396,15 @@ class Torchrun(DataParallel):
     """One rank of a torchrun job (see the module docstring); `init` has started the process group."""
 
     def __init__(self, cfg: DistributedConfig, *, device: torch.device, seed: int, minibatches: int,
-                 reuse_kv: bool, generator: torch.Generator):
+                 reuse_kv: bool, generator: torch.Generator, world_size: int | None = None,
+                 this_rank: int | None = None):
+        """`world_size`/`this_rank`: the process group's unless given (tests of the split policy)."""
         super().__init__(generator)
         self.cfg, self.device, self.seed, self.minibatches = cfg, device, seed, minibatches
         self.reuse_kv = reuse_kv  # a rank trains the groups it sampled: it holds their K/V
-        self.world, self.rank, self.main = world(), rank(), is_main()
+        self.world = world() if world_size is None else world_size
+        self.rank = rank() if this_rank is None else this_rank
+        self.main = self.rank == 0
         self.held = [0] * self.world
         self.groups: list[int] = []  # this rank's groups of the current round
         self.owner: list[int] = []  # the rank that sampled each group of the current round
@@ -448,15 +452,20 @@ class Torchrun(DataParallel):
         return group_generator(self.seed, position)
 
     def join_round(self, rollout, total, per_fn):
-        parts = gather((self.groups, dataclasses.replace(rollout, kv=None), total, per_fn))
+        return self.join(self.gather((self.groups, dataclasses.replace(rollout, kv=None), total, per_fn)), rollout.kv)
+
+    def join(self, parts: list[tuple], kv: list | None):
+        """`join_round` once every rank's (groups, rollout without K/V, total, per_fn) is here; `kv`:
+        this rank's K/V of its own samples (None without engine.reuse_rollout_kv)."""
+        group_size = parts[self.rank][1].group_size
         # this rank's samples keep their K/V (engine.reuse_rollout_kv); the others' are not here
-        joined = Rollout.concat([p if rollout.kv is None else
-                                 dataclasses.replace(p, kv=rollout.kv if k == self.rank else [None] * len(p))
+        joined = Rollout.concat([p if kv is None else
+                                 dataclasses.replace(p, kv=kv if k == self.rank else [None] * len(p))
                                  for k, (_, p, _, _) in enumerate(parts)])
         need = sum(len(groups) for groups, *_ in parts)
         offsets = [0]
         for _, p, _, _ in parts:
-            offsets.append(offsets[-1] + len(p) // rollout.group_size)
+            offsets.append(offsets[-1] + len(p) // group_size)
         where = {j: offsets[k] + g for k, (groups, *_) in enumerate(parts) for g, j in enumerate(groups)}
         owner = {j: k for k, (groups, *_) in enumerate(parts) for j in groups}
         self.owner = [owner[j] for j in range(need)]
@@ -482,7 +491,7 @@ class Torchrun(DataParallel):
 
     def gather_rows(self, rows: list[int], values: list, n: int) -> list:
         out = [None] * n
-        for part_rows, part in gather((rows, values)):
+        for part_rows, part in self.gather((rows, values)):
             for r, v in zip(part_rows, part):
                 out[r] = v
         return out
