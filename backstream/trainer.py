@@ -67,7 +67,7 @@ def verify_engine(model) -> None:
     """engine.verify: the streamed backward must be exact on a miniature of `model`'s architecture
     (same config, same LoRA config, same train/eval mode; `backstream.stream.verify`), else stop before
     the run folder is written."""
-    from backstream.stream.verify import verify  # noqa: PLC0415
+    from backstream.stream.verify import Verdict, verify  # noqa: PLC0415
 
     base = base_model(model)
     peft = getattr(model, "peft_config", None)
@@ -79,7 +79,7 @@ def verify_engine(model) -> None:
     if report is None:
         report = _VERIFIED[key] = verify(model)
     if not report.ok:
-        detail = f"{report.verdict} ({report.reason})" if report.kind == "wrong" else report.verdict
+        detail = f"{report.verdict} ({report.reason})" if report.kind is Verdict.WRONG else report.verdict
         raise ValueError("engine.verify: the streamed backward is not exact on a miniature of this model's "
                          f"architecture ({report.model_type}): {detail}. `backstream verify` prints the details; set "
                          "engine.backward = \"reference\" to train with the naive backward, or engine.verify = false "

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from backstream import logprobs
+from backstream.stream.verify import relative_errors
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 TOL = 1e-10
@@ -36,10 +37,8 @@ def assert_close(got: dict, want: dict, what: str) -> float:
     """Relative error per parameter (judged against a thousandth of the largest gradient where the
     true one is ~0, as tests/test_engine.py does); returns the largest."""
     assert got.keys() == want.keys() and got, what
-    floor = 1e-3 * max(float(x.norm()) for x in want.values())
     worst = 0.0
-    for n in want:
-        err = float((got[n] - want[n]).norm()) / max(float(want[n].norm()), floor)
+    for n, err in relative_errors(got, want).items():
         assert err <= TOL, f"{what}: {n}: relative error {err:.3g}"
         worst = max(worst, err)
     return worst

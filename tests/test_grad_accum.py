@@ -10,7 +10,7 @@ import torch
 from models import VOCAB, make
 
 from backstream import TokenWeights, reference_backward, stream_backward
-from backstream.stream.verify import exact_norms
+from backstream.stream.miniature import exact_norms
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -17,6 +17,7 @@ from backstream.stream.engine import logprobs as engine_logprobs
 from backstream.rl.losses import (GSPOConfig, PPOClipConfig, PPOClipISObjective, PPOClipObjective, build_objective,
                                   naive_loss)
 from backstream.stream.objective import BlockView, Objective, flat_offsets
+from backstream.stream.verify import relative_errors
 from backstream.rl.offpolicy import (error_token_share, mismatch_metrics, mismatch_weights, repeated_ngram,
                                   sequence_log_ratios)
 
@@ -251,9 +252,7 @@ def assert_streamed_equals_reference(model, cfg, seqs, **kw) -> dict:
     obj2 = build_objective(cfg, sequences=seqs, **kw)
     g = grads_of(model, stream_backward, seqs, obj2, block_size=3)
     assert g.keys() == g_ref.keys() and g
-    floor = 1e-3 * max(float(x.norm()) for x in g_ref.values())
-    for n in g_ref:
-        err = (g[n] - g_ref[n]).norm() / max(float(g_ref[n].norm()), floor)
+    for n, err in relative_errors(g, g_ref).items():
         assert err <= 1e-10, f"{n}: relative error {err:.3g}"
     m = obj2.metrics()
     for k, v in obj.metrics().items():

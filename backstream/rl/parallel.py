@@ -57,7 +57,7 @@ from backstream.checks import at_least, choice
 from backstream.rl.rollout import Rollout
 from backstream.stream import fsdp
 
-MIXED_PRECISION = ["none", "bf16"]
+MIXED_PRECISION = {"none": False, "bf16": True}  # distributed.mixed_precision → forwards in bfloat16
 
 
 @dataclass(kw_only=True)
@@ -70,7 +70,7 @@ class DistributedConfig:
     error (a rank that died or hangs); also the wait for every rank to join at start."""
 
     def __post_init__(self):
-        choice("distributed.mixed_precision", self.mixed_precision, MIXED_PRECISION)
+        choice("distributed.mixed_precision", self.mixed_precision, list(MIXED_PRECISION))
         at_least("distributed.timeout_s", self.timeout_s, 1)
 
 
@@ -411,7 +411,7 @@ class Torchrun(DataParallel):
 
     def prepare(self, model, ref) -> None:
         check_same_weights(model)
-        bf16 = self.cfg.mixed_precision == "bf16"
+        bf16 = MIXED_PRECISION[self.cfg.mixed_precision]
         fsdp.shard(model, self.device, bf16)
         if ref is not None:  # 1/N of a copy per rank, gathered per log-prob pass
             fsdp.shard(ref, self.device, bf16)

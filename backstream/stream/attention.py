@@ -197,15 +197,25 @@ def merged_attention_math(q_BHQD: Tensor, parts: list[Part], qpos_Q: Tensor, sca
     return out
 
 
+KERNELS = ("auto", "flash", "math")
+
+
+def use_flash(kernel: str, device: torch.device) -> bool:
+    """Does `kernel` run the fused flash kernel: "flash" yes, "math" (the naive reference) no, "auto"
+    on CPU only (elsewhere the naive path, until a fused GPU path exists). The one place a kernel's
+    name is read."""
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel: expected one of {list(KERNELS)}, got {kernel!r}")
+    return kernel == "flash" or (kernel == "auto" and device.type == "cpu")
+
+
 def merged_attention(q_BHQD: Tensor, parts: list[Part], qpos_Q: Tensor, scale: float,
                      window: int | None, kernel: str = "auto", *, softcap: float | None = None,
                      sinks_H: Tensor | None = None) -> Tensor:
     """Attention of q over the union of `parts`; returns [B, H, Q, Dv]. kernel: auto | flash | math.
     softcap: logit soft-capping c (scores c·tanh(s/c)); sinks_H: per-head sink logits [H]."""
     parts = [p for p in parts if p.k.shape[2] > 0]
-    if kernel == "auto":
-        kernel = "flash" if q_BHQD.device.type == "cpu" else "math"
-    if kernel == "math" or softcap is not None:  # the fused kernel cannot soft-cap its scores
+    if not use_flash(kernel, q_BHQD.device) or softcap is not None:  # the fused kernel cannot soft-cap its scores
         return merged_attention_math(q_BHQD, parts, qpos_Q, scale, window, softcap, sinks_H)
     Dk, Dv = q_BHQD.shape[-1], parts[0].v.shape[-1]
     if Dk != Dv:  # the kernel wants one head size: zero-pad the narrower side, keep Dv columns

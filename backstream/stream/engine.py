@@ -37,7 +37,7 @@ from torch import Tensor, nn
 from backstream.stream import family, fsdp
 from backstream.stream.adapter import (ATTN_NAME, BlockCache, check_model, concat_layers, run_model,
                                        use_backstream_attention)
-from backstream.stream.attention import Part
+from backstream.stream.attention import Part, use_flash
 from backstream.stream.hf import base_model, takes_logits_to_keep
 from backstream.stream.kvstore import KVStore
 from backstream.stream.objective import BlockView, Objective, Terms, TokenWeights, flat_offsets
@@ -350,8 +350,7 @@ class _Engine:
         self.base = base_model(model)
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        # the attention kernel, decided once: the fused flash kernel on CPU, the naive one elsewhere
-        self.kernel = ("flash" if self.device.type == "cpu" else "math") if kernel == "auto" else kernel
+        self.kernel = kernel  # attention.use_flash reads it
         self.pad_id = pad_id
         self.tree = tree
         self.schedule = batches(tree, block_size, batch_tokens)
@@ -520,8 +519,7 @@ def _run_local(model, sequences, obj, *, block_size, batch_tokens, memory_budget
     for name, val in (("block_size", block_size), ("batch_tokens", batch_tokens), ("memory_budget", memory_budget)):
         if val is not None and (not isinstance(val, int) or isinstance(val, bool) or val < 1):
             raise ValueError(f"{name}: expected a positive integer, got {val!r}")
-    if kernel not in ("auto", "flash", "math"):
-        raise ValueError(f"kernel: expected 'auto', 'flash' or 'math', got {kernel!r}")
+    use_flash(kernel, torch.device("cpu"))  # a name it does not know is refused here, before any work
     active = obj.active(sequences)
     if len(active) != len(sequences) or any(a.shape != s.shape for a, s in zip(active, sequences)):
         raise ValueError("objective.active: must return one bool tensor per sequence, of the sequence's shape")

@@ -33,8 +33,7 @@ from torch import Tensor, nn
 from backstream.stream.family import ModelContractError, Unsupported
 from backstream.stream.hf import EXPERT_KEYS, TOP_K_KEYS, base_model
 from backstream.stream.miniature import VOCAB, WINDOW_KEYS, keep_float64, load_config, miniature, special_ids
-# re-exported: they lived here before the miniature had a module of its own
-from backstream.stream.miniature import exact_norms, miniature_config  # noqa: F401
+
 
 TOL = 1e-10
 BLOCK_SIZES = (1, 3, 16)
