@@ -1,7 +1,9 @@
 """Command line: a thin layer over the Python API, one function per subcommand.
 
     backstream demo [--steps N] [--output DIR]      the built-in default: tiny model, arith task
-    backstream train CONFIG.toml [--set section.key=value ...] [--resume RUN_DIR] [--overwrite]
+    backstream train [CONFIG.toml] [--set section.key=value ...] [--resume RUN_DIR [--allow-changed-files]]
+                     [--overwrite]                  exit 0 done, 2 a mistake in the input (named), 130 / 143
+                                                     interrupted (SIGINT / SIGTERM; resume with --resume)
     torchrun --nproc_per_node N -m backstream train CONFIG.toml ...
                                                      the same on N processes (GPUs), data parallel (FSDP2)
     backstream train --help                          every config key, its default and meaning
@@ -30,7 +32,8 @@ def cmd_train(args) -> int:
     from backstream.rl import parallel  # noqa: PLC0415
 
     try:
-        run_dir = trainer.train(args.config, args.set or [], resume=args.resume, overwrite=args.overwrite)
+        run_dir = trainer.train(args.config, args.set or [], resume=args.resume, overwrite=args.overwrite,
+                                allow_changed_files=args.allow_changed_files)
         if parallel.is_main():
             print(f"run folder: {run_dir}")
     finally:
@@ -122,6 +125,9 @@ def main(argv=None) -> int:
     t.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its latest checkpoint")
     t.add_argument("--overwrite", action="store_true",
                    help="train.output_dir holds an earlier run: move it aside (to DIR.old-TIME) and start anew")
+    t.add_argument("--allow-changed-files", action="store_true",
+                   help="with --resume: go on although a file the run read (its data, a reward function's source) "
+                        "changed since it started (the change is recorded in the run folder)")
     t.set_defaults(fn=cmd_train)
     d = sub.add_parser("demo", help="train the built-in tiny model on the arith task (no download)")
     d.add_argument("--steps", type=int, default=60)
@@ -148,11 +154,19 @@ def main(argv=None) -> int:
     e.add_argument("--overwrite", action="store_true", help="--out holds files: move it aside (to DIR.old-TIME)")
     e.set_defaults(fn=cmd_export)
     args = ap.parse_args(argv)
+    from backstream.trainer import Interrupted  # noqa: PLC0415
+
     try:
         return args.fn(args)
-    except ValueError as e:
+    except ValueError as e:  # a user's mistake (a config key, a file, a model): named, no traceback
         print(f"backstream: error: {e}", file=sys.stderr)
         return 2
+    except Interrupted as e:
+        print(f"backstream: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:  # before the run's own handler was installed (loading the model, say)
+        print("backstream: interrupted before training started; nothing was saved", file=sys.stderr)
+        return 130
 
 
 def entry() -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import os
 import textwrap
 import tomllib
 import types
@@ -30,7 +31,7 @@ from backstream.rl.losses import LOSS_TYPES, LossConfig, PPOClipConfig
 from backstream.rl.model import ModelConfig
 from backstream.rl.optim import OptimConfig
 from backstream.rl.parallel import DistributedConfig
-from backstream.rl.rewards import RewardConfig
+from backstream.rl.rewards import RewardConfig, absolute_spec, spec_files
 from backstream.rl.rollout import SamplingConfig
 from backstream.rl.shaping import OVERLONG
 
@@ -76,9 +77,14 @@ class TrainConfig:
     output_dir: str = "runs/demo"
     """Run folder: config, metrics.jsonl, checkpoints, plots."""
     save_every: int = 0
-    """Checkpoint every N steps (0: only at the end and on SIGINT/SIGTERM)."""
+    """Also checkpoint every N steps (0: no step interval)."""
+    save_every_minutes: float = 10.0
+    """Checkpoint when this many minutes passed since the last checkpoint, so that a kill loses at most
+    about that much work; with it (or save_every) on, step 1 is checkpointed too (a run is resumable at
+    once, and a checkpoint path that cannot be written fails at once). 0 with save_every = 0: only at
+    the end and on SIGINT/SIGTERM. Checkpoints are also written at the end and on SIGINT/SIGTERM."""
     keep_checkpoints: int = 2
-    """Checkpoints kept in the run folder (oldest deleted first)."""
+    """Checkpoints kept in the run folder (oldest deleted first): the disk a run takes is bounded."""
     log_tensorboard: bool = False
     """Also log to TensorBoard, in RUN_DIR/tensorboard (needs the tensorboard package)."""
     log_wandb: bool = False
@@ -93,7 +99,14 @@ class TrainConfig:
         at_least("train.steps", self.steps, 1)
         at_least("train.prompts_per_step", self.prompts_per_step, 1)
         at_least("train.save_every", self.save_every, 0)
+        if not (isinstance(self.save_every_minutes, (int, float)) and 0 <= self.save_every_minutes < float("inf")):
+            raise ValueError(f"train.save_every_minutes: got {self.save_every_minutes!r}, expected a number >= 0 "
+                             "(0: no time interval)")
         at_least("train.keep_checkpoints", self.keep_checkpoints, 1)
+
+    @property
+    def periodic_checkpoints(self) -> bool:
+        return self.save_every > 0 or self.save_every_minutes > 0
 
 
 LOSSES = LOSS_TYPES  # [loss] is the variant its `type` key names (the registry of backstream.rl.losses)
@@ -127,6 +140,27 @@ class RunConfig:
     def to_dict(self) -> dict:
         return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
 
+    def flat(self) -> dict[str, Any]:
+        """{"section.key": value} of every key."""
+        return {f"{sec}.{k}": v for sec, values in self.to_dict().items() for k, v in values.items()}
+
+    def with_absolute_paths(self) -> RunConfig:
+        """A copy whose file paths are absolute (relative ones resolved against the current directory):
+        the run folder's config.toml then names the same files wherever the run is resumed from."""
+        data = dataclasses.replace(self.data, path=os.path.abspath(self.data.path)) if self.data.path else self.data
+        model = (dataclasses.replace(self.model, name=os.path.abspath(self.model.name))
+                 if self.model.name != "default" and os.path.isdir(self.model.name) else self.model)
+        reward = dataclasses.replace(self.reward, functions=[absolute_spec(f) for f in self.reward.functions])
+        return dataclasses.replace(self, data=data, model=model, reward=reward)
+
+    def files_read(self) -> dict[str, str]:
+        """The user's files the run reads (absolute path → the key that names it): the data and the
+        reward functions' source files; a run records their fingerprints and a resume checks them."""
+        files = {self.data.path: "data.path"} if self.data.path and os.path.exists(self.data.path) else {}
+        for spec in self.reward.functions:
+            files.update({path: "reward.functions" for path in spec_files(spec)})
+        return files
+
     def validate(self, world_size: int | None = None) -> None:
         """Raise a ValueError naming the keys when two sections ask for things that cannot go together.
         `world_size`: the number of ranks under torchrun (1 included), None in a plain process."""
@@ -144,7 +178,12 @@ class RunConfig:
         if loss.kl_coef > 0 and not ac.kl_reference:
             raise ValueError("loss.kl_coef > 0 needs algorithm.kl_reference = true (a frozen reference policy)")
         t_sample = self.rollout.temperature
-        if t_sample > 0 and loss.temperature != t_sample:
+        if t_sample == 0:
+            raise ValueError(f"rollout.temperature: 0 samples greedily, so the {self.rollout.group_size} samples of "
+                             f"a prompt are the same, every group advantage (algorithm.advantage = {ac.advantage}) is "
+                             "0 and nothing is learned; sample with rollout.temperature > 0 (e.g. 1.0, and the same "
+                             "loss.temperature)")
+        if loss.temperature != t_sample:
             raise ValueError(f"loss.temperature: got {loss.temperature}, but rollout.temperature is {t_sample}; "
                              "the learner must score tokens at the sampling temperature (set both the same)")
         G = self.rollout.group_size
@@ -219,7 +258,8 @@ def _build(section: str, cls: type, values: dict):
 
 
 def parse_override(text: str) -> tuple[str, str, Any]:
-    """'section.key=value' → (section, key, value); the value is read as TOML, else as a string."""
+    """'section.key=value' → (section, key, value); the value is read as TOML, else as a string
+    (a list or table that is not valid TOML is refused with the quoting it needs)."""
     if "=" not in text or "." not in text.split("=", 1)[0]:
         raise ValueError(f"--set {text!r}: expected section.key=value, e.g. --set optim.lr=3e-4")
     lhs, rhs = text.split("=", 1)
@@ -227,6 +267,9 @@ def parse_override(text: str) -> tuple[str, str, Any]:
     try:
         value = tomllib.loads(f"v = {rhs}")["v"]
     except tomllib.TOMLDecodeError:
+        if rhs.strip().startswith(("[", "{")):
+            raise ValueError(f"--set {text!r}: {rhs} is not a TOML value; strings inside a list need quotes, and the "
+                             f"shell must leave them there: --set '{lhs}=[\"a\", \"b\"]'") from None
         value = rhs
     return section, key, value
 
@@ -235,6 +278,9 @@ def load(path: str | None = None, overrides: list[str] = (), base: dict | None =
     """Read a TOML run file (or none: all defaults), apply overrides, validate every section."""
     raw: dict = dict(base or {})
     if path:
+        if not os.path.isfile(path):
+            raise ValueError(f"config: no file {path!r} (from {os.getcwd()}); pass the TOML run file's path, or no "
+                             "file for the defaults (`backstream train --help` lists every key)")
         with open(path, "rb") as f:
             try:
                 raw = tomllib.load(f)
@@ -283,4 +329,59 @@ def describe() -> str:
                 lines.append(f"  {f.name} = {getattr(inst, f.name)!r}")
                 if f.name in docs:
                     lines.append(f"      {docs[f.name]}")
+    return "\n".join(lines)
+
+
+# -- resuming a run ------------------------------------------------------------------------------
+
+RESUMABLE = {
+    "train.steps": "how long the run goes on",
+    "train.save_every": "checkpoint cadence", "train.save_every_minutes": "checkpoint cadence",
+    "train.keep_checkpoints": "checkpoint cadence",
+    "train.progress": "logging", "train.log_tensorboard": "logging", "train.log_wandb": "logging",
+    "train.wandb_project": "logging",
+    "reward.timeout_s": "a time limit", "distributed.timeout_s": "a time limit",
+    "optim.max_nonfinite_steps": "a safety limit", "engine.verify": "a check before training",
+    "model.device": "where the run continues (float-close, not bitwise)",
+    "train.output_dir": "the run folder is where --resume found it",
+}
+"""The keys a resume may change (`backstream train --resume RUN [run.toml] [--set ...]`): they are
+applied and written to the run's config.toml, with what changed and when in config_changes.jsonl.
+Any other key is the run's: the optimizer, its schedule, the data order and the sampler's state in
+the checkpoint belong to it, so a change is refused rather than half-applied."""
+
+
+def resume_changes(run_dir: str, wanted: RunConfig) -> list[tuple[str, Any, Any]]:
+    """What `wanted` (the config a resume asks for, paths absolute) changes in the run's own config:
+    the (key, old, new) of the RESUMABLE keys; a ValueError naming every other key that differs."""
+    path = os.path.join(run_dir, "config.toml")
+    if not os.path.isfile(path):
+        raise ValueError(f"--resume: {run_dir} is not a run folder (no config.toml)")
+    old, new = load(path).flat(), wanted.flat()
+    changes = [(k, old.get(k), new.get(k)) for k in dict.fromkeys([*old, *new]) if old.get(k) != new.get(k)]
+    refused = [(k, a, b) for k, a, b in changes if k not in RESUMABLE]
+    if refused:
+        what = "; ".join(f"{k} = {b!r} (the run's: {a!r})" for k, a, b in refused)
+        raise ValueError(f"--resume: {what}. A resumed run keeps its own settings but for "
+                         f"{', '.join(sorted(RESUMABLE))}; start a new run (another train.output_dir) to change "
+                         f"{'this' if len(refused) == 1 else 'these'}, or drop the change")
+    return changes
+
+
+def to_toml(d: dict, notes: list[str] = ()) -> str:
+    """The resolved config as TOML (flat sections of scalars and lists), `notes` as comments on top."""
+    def val(v):
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, str):
+            return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        if isinstance(v, list):
+            return "[" + ", ".join(val(x) for x in v) + "]"
+        return repr(v)
+
+    lines = [f"# {n}" for n in notes] + ([""] if notes else [])
+    for section, values in d.items():
+        lines.append(f"[{section}]")
+        lines += [f"{k} = {val(v)}" for k, v in values.items() if v is not None]
+        lines.append("")
     return "\n".join(lines)

@@ -2,12 +2,21 @@
 
 The loop calls one `Logger` whatever is enabled; optional backends are imported lazily and only
 when asked for, so the loop never branches on them.
+
+Every `metrics.jsonl` line has the same keys, in the same order: the run's `keys` (declared by the
+trainer before the first step), `null` where a value is undefined on that step (no loss term when
+every advantage was 0, say), and `time/wall`, the local time the step ended (ISO 8601). On a
+terminal a bar redraws in place, says which phase of the step is running (`phase`) and fits the
+terminal's width; in a log there is one plain line per step.
 """
 
 from __future__ import annotations
 
+import datetime
 import json
+import math
 import os
+import shutil
 import sys
 import uuid
 
@@ -49,8 +58,10 @@ def _keep_steps_up_to(path: str, step: int) -> None:
 class Logger:
     def __init__(self, run_dir: str, *, progress=True, tensorboard=False, wandb=False, config: dict | None = None,
                  total_steps: int | None = None, append: bool = False, wandb_project: str = "backstream",
-                 start_step: int = 0):
+                 start_step: int = 0, keys: list[str] | None = None):
+        """`keys`: every key a step's line holds (more keys that a step brings are added after them)."""
         check_backends(tensorboard, wandb)
+        self.keys = ["step", "time/wall", *[k for k in keys or [] if k not in ("step", "time/wall")]]
         self.path = os.path.join(run_dir, "metrics.jsonl")
         if append:
             _keep_steps_up_to(self.path, start_step)
@@ -82,32 +93,55 @@ class Logger:
                               name=os.path.basename(os.path.abspath(run_dir)))
 
     def log(self, metrics: dict) -> None:
-        self.file.write(json.dumps(metrics) + "\n")
+        metrics = {**metrics, "time/wall": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}
+        self.keys += [k for k in metrics if k not in self.keys]
+        row = {k: _finite_or_none(metrics.get(k)) for k in self.keys}
+        self.file.write(json.dumps(row) + "\n")
         self.file.flush()
         step = metrics["step"]
+        numbers = {k: v for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
         if self.tb is not None:
-            for k, v in metrics.items():
-                if isinstance(v, (int, float)) and k != "step":
+            for k, v in numbers.items():
+                if k != "step":
                     self.tb.add_scalar(k, v, step)
         if self.wb is not None:
-            self.wb.log(metrics, step=step)
+            self.wb.log({k: v for k, v in numbers.items() if k != "step"}, step=step)
         if self.bar is not None:
+            self.bar.set_description_str(f"step {step}")
             self.bar.update(step - self.bar.n)
-            self.bar.set_postfix_str(self.line(metrics).split(" | ", 1)[1])
+            self.bar.set_postfix_str(self._fit(row))
         elif self.progress:
-            print(self.line(metrics), file=sys.stderr, flush=True)
+            print(self.line(row), file=sys.stderr, flush=True)
 
-    def line(self, m: dict) -> str:
+    def phase(self, step: int, what: str) -> None:
+        """What the current step is doing (`rollout 3/16`, `backward 2/4`): on a terminal's bar only."""
+        if self.bar is not None:
+            self.bar.set_description_str(f"step {step}: {what}"[: max(12, _columns() // 3)])
+
+    def line(self, m: dict, parts: int = 5) -> str:
+        """The step's line; `parts` < 5 leaves out the least telling fields (mismatch, memory, timing)."""
         total = f"/{self.total}" if self.total else ""
-        t = m.get("time/step", 0.0)
+        num = lambda k: m.get(k) if isinstance(m.get(k), (int, float)) else 0.0  # noqa: E731  (null: 0)
         phases = ("time/rollout", "time/reward", "time/prefill", "time/backward")
-        split = " ".join(f"{k.split('/')[1]} {m[k]:.1f}s" for k in phases if k in m)
-        # sampler/learner mismatch: k3 KL(sampler‖learner) per token, and the share of error-token responses
-        mm = (f" | mismatch kl {m['mismatch/kl']:.1e} err {m.get('mismatch/error_token_share', 0.0):.2f}"
-              if "mismatch/kl" in m else "")
-        return (f"step {m['step']}{total} | reward {m['reward/mean']:.3f} | len {m['response_length/mean']:.1f} | "
-                f"{m.get('throughput/tokens_per_s', 0):.0f} tok/s | {t:.1f}s ({split}) | "
-                f"peak {m.get('memory/peak_mib', 0):.0f} MiB{mm}")
+        split = " ".join(f"{k.split('/')[1]} {num(k):.1f}s" for k in phases if m.get(k) is not None)
+        fields = [f"step {m['step']}{total}", f"reward {num('reward/mean'):.3f}",
+                  f"len {num('response_length/mean'):.1f}", f"{num('throughput/tokens_per_s'):.0f} tok/s",
+                  f"{num('time/step'):.1f}s ({split})",
+                  f"peak {num('memory/peak_mib'):.0f} MiB"]
+        if m.get("mismatch/kl") is not None:
+            # sampler/learner mismatch: k3 KL(sampler‖learner) per token, and the share of error-token responses
+            fields.append(f"mismatch kl {num('mismatch/kl'):.1e} err {num('mismatch/error_token_share'):.2f}")
+        keep = {5: len(fields), 4: 6, 3: 5, 2: 4, 1: 3}[max(1, min(parts, 5))]
+        return " | ".join(fields[:keep])
+
+    def _fit(self, row: dict) -> str:
+        """The bar's postfix: the fullest line that leaves the bar itself room on the terminal."""
+        room = _columns() - 48  # tqdm's counter, percentage, rate and a short bar
+        for parts in (5, 4, 3, 2, 1):
+            text = self.line(row, parts).split(" | ", 1)[1]
+            if len(text) <= room or parts == 1:
+                return text[: max(room, 16)]
+        return ""
 
     def close(self) -> None:
         self.file.close()
@@ -119,6 +153,15 @@ class Logger:
             self.wb.finish()
 
 
+def _columns() -> int:
+    return shutil.get_terminal_size((100, 24)).columns
+
+
+def _finite_or_none(v):
+    """JSON has no NaN/inf: an undefined number is null."""
+    return None if isinstance(v, float) and not math.isfinite(v) else v
+
+
 def read(run_dir: str) -> list[dict]:
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.isfile(path):
@@ -128,14 +171,25 @@ def read(run_dir: str) -> list[dict]:
         return [json.loads(x) for x in f if x.strip()]
 
 
+# figure → (y-axis label, [(series key, its spread: a key of ± band, or a (low, high) pair, or None)])
 PLOTS = {
-    "reward": ["reward/mean"], "length": ["response_length/mean"], "kl": ["loss/kl"],
-    "entropy": ["loss/entropy"], "clip_fraction": ["loss/clip_frac_low", "loss/clip_frac_high"],
+    "reward": ("reward (mean ± std over the step's samples)", [("reward/mean", "reward/std")]),
+    "length": ("completion tokens (mean)", [("response_length/mean", None)]),
+    "kl": ("KL to the reference (per token)", [("loss/kl", None)]),
+    "entropy": ("entropy (nats per token)", [("loss/entropy", None)]),
+    "clip_fraction": ("share of tokens clipped", [("loss/clip_frac_low", None), ("loss/clip_frac_high", None)]),
+    "mismatch": ("k3 KL(sampler ‖ learner) per token", [("mismatch/kl", None)]),
 }
 
 
+def _series(rows: list[dict], key: str) -> list[tuple[int, float]]:
+    return [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+
+
 def plot(run_dir: str) -> list[str]:
-    """PNG curves of the run's metrics; returns the files written."""
+    """PNG curves of the run's metrics (one per entry of `PLOTS`, plus one curve per reward function
+    in `reward.png`); returns the files written. Each file is written under a temporary name and
+    renamed, so a reader never sees half a PNG."""
     try:
         import matplotlib  # noqa: PLC0415
 
@@ -144,23 +198,34 @@ def plot(run_dir: str) -> list[str]:
     except ImportError:
         raise ValueError("backstream plot: needs `pip install 'backstream[plot]'` (matplotlib)") from None
     rows = read(run_dir)
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    per_fn = [k for k in keys if k.startswith("reward/") and k not in ("reward/mean", "reward/std")]
     out = []
-    for name, keys in PLOTS.items():
-        series = [(k, [(r["step"], r[k]) for r in rows if k in r]) for k in keys]
-        series = [(k, s) for k, s in series if s]
-        if not series:
+    for name, (ylabel, entries) in PLOTS.items():
+        entries = list(entries) + ([(k, None) for k in per_fn] if name == "reward" else [])
+        drawn = [(k, band, s) for k, band in entries if (s := _series(rows, k))]
+        if not drawn:
             continue
-        fig, ax = plt.subplots(figsize=(5, 3.2), dpi=100)
-        for k, s in series:
-            ax.plot([x for x, _ in s], [y for _, y in s], label=k)
+        fig, ax = plt.subplots(figsize=(6, 3.6), dpi=100)
+        for k, band, s in drawn:
+            xs, ys = [x for x, _ in s], [y for _, y in s]
+            (line,) = ax.plot(xs, ys, label=k, linewidth=2 if band else 1.2)
+            spread = dict(_series(rows, band)) if band else {}
+            if spread:
+                lo = [y - spread.get(x, 0.0) for x, y in s]
+                hi = [y + spread.get(x, 0.0) for x, y in s]
+                ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.18, linewidth=0)
         ax.set_xlabel("step")
+        ax.set_ylabel(ylabel)
         ax.set_title(name)
         ax.grid(alpha=0.3)
-        if len(series) > 1:
-            ax.legend()
+        if len(drawn) > 1:
+            ax.legend(fontsize=8)
         fig.tight_layout()
         path = os.path.join(run_dir, f"{name}.png")
-        fig.savefig(path)
+        tmp = os.path.join(run_dir, f".{name}.tmp.png")
+        fig.savefig(tmp)
         plt.close(fig)
+        os.replace(tmp, path)
         out.append(path)
     return out

@@ -29,25 +29,28 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import importlib.util
 import json
 import math
 import os
 import resource
 import signal
+import sys
 import time
+import traceback
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from backstream import checkpoint, config as cfgmod, runfolder
-from backstream.metrics import Logger, check_backends
+from backstream.metrics import Logger, check_backends, plot
 from backstream.quant.linear import quant_linears, quantize_model, quantized
 from backstream.rl import data as datamod, parallel
 from backstream.rl.advantages import ADVANTAGES
 from backstream.rl.losses import Normalisers, build_objective
 from backstream.rl.offpolicy import error_token_share, mismatch_metrics
-from backstream.rl.rewards import Rewards
+from backstream.rl.rewards import Rewards, TrainerState
 from backstream.rl.rollout import Rollout, generate
 from backstream.rl.shaping import informative_groups, overlong_shaping
 from backstream.stream import fsdp
@@ -55,6 +58,9 @@ from backstream.stream.hf import base_model
 from backstream.stream.router import moe_spec
 
 PHASES = ("rollout", "reward", "prefill", "backward", "optim")  # the step's time split, as logged
+ZERO_ADVANTAGE_STEPS = 5  # this many steps in a row with every advantage 0 get a warning
+MISMATCH_KEYS = ("mismatch/kl", "mismatch/abs_log_ratio/mean", "mismatch/logprob_abs", "mismatch/ratio/max",
+                 "mismatch/tokens", "mismatch/error_token_share")
 
 
 # -- set-up --------------------------------------------------------------------------------------
@@ -113,6 +119,9 @@ class _NoLogger:
     def log(self, metrics: dict) -> None:
         pass
 
+    def phase(self, step: int, what: str) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
@@ -140,12 +149,22 @@ class Trainer:
     torchrun job (see the module docstring)."""
 
     def __init__(self, cfg: cfgmod.RunConfig, run_dir: str | None = None, resume: bool = False,
-                 model=None, tokenizer=None, overwrite: bool = False):
+                 model=None, tokenizer=None, overwrite: bool = False, allow_changed_files: bool = False):
         """`model`/`tokenizer`: objects to train instead of loading `cfg.model.name` (LoRA and the
-        dtype from `cfg.model` are still applied to it). Everything that can fail on bad input is
-        checked before the run folder is touched."""
+        dtype from `cfg.model` are still applied to it). `resume`: continue the run in `run_dir`, with
+        `cfg` its config (config.RESUMABLE keys may differ; others are refused) and the files it read
+        unchanged unless `allow_changed_files`. Everything that can fail on bad input is checked
+        before the run folder is touched."""
+        if resume and overwrite:
+            raise ValueError("--overwrite: not with --resume (--resume continues the run in its folder; --overwrite "
+                             "moves an earlier run aside to start a new one); pass one of them")
+        self.run_dir = run_dir or cfg.train.output_dir
+        if resume:  # the run lives where it was found (its folder may have moved)
+            cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, output_dir=os.path.abspath(run_dir)))
+        cfg = cfg.with_absolute_paths()  # the run folder names the same files wherever it is resumed from
         self.cfg = cfg
         tc = cfg.train
+        changes = cfgmod.resume_changes(self.run_dir, cfg) if resume else []
         torch.manual_seed(tc.seed)
         self.device = cfg.model.torch_device()
         cfg.validate(world_size=parallel.requested_world())  # None in a plain process
@@ -173,29 +192,58 @@ class Trainer:
         self.skipped_nonfinite = 0  # optimizer steps skipped for a NaN/inf gradient norm, this process
         self.nonfinite_in_a_row = 0
         self.times = dict.fromkeys(PHASES, 0.0)
-        self.run_dir = run_dir or tc.output_dir
         self.eos = self.tok.eos_token_id
+        self._stop: int = 0  # the signal that asked the run to stop, 0 while none did
+        self.zero_adv_steps = 0  # steps in a row on which every advantage was 0
         # rank 0 owns the run folder (lock, config, metrics); its errors stop every rank
         self.lock = self.dp.on_main(lambda: runfolder.claim(self.run_dir, resume=resume, overwrite=overwrite))
         try:
             self.dp.check_shared(self.run_dir, os.path.join(self.run_dir, runfolder.LOCK))
             if resume:
+                self.dp.on_main(lambda: self._record_resume(changes, allow_changed_files))
                 self._resume()
             else:
-                self.dp.on_main(self._write_config)
+                self.dp.on_main(self._start_run_folder)
             self.logger = self.dp.on_main(lambda: Logger(
                 self.run_dir, progress=tc.progress, tensorboard=tc.log_tensorboard, wandb=tc.log_wandb,
                 config=cfg.to_dict(), total_steps=tc.steps, append=resume, wandb_project=tc.wandb_project,
-                start_step=self.step)) or _NoLogger()
-        except BaseException:
+                start_step=self.step, keys=self.metric_keys())) or _NoLogger()
+        except BaseException as e:
+            self._record_error(e)
             if self.lock is not None:
                 self.lock.release()
             raise
-        self._stop = False
+
+    def _start_run_folder(self) -> None:
+        """A new run: its resolved config and the fingerprints of the files it reads."""
+        self._write_config()
+        runfolder.record_fingerprints(self.run_dir, self.cfg.files_read())
+
+    def _record_resume(self, changes: list, allow_changed_files: bool) -> None:
+        """A resume: the files the run read must be unchanged (or allowed); what the resume changed is
+        applied, logged with its step and time, and config.toml rewritten to say what the run now is."""
+        changed = runfolder.check_fingerprints(self.run_dir, allow_changed_files)
+        step = _checkpoint_step(checkpoint.latest_intact(self.run_dir))
+        changes = changes + [("file", None, c) for c in changed]
+        if changes:
+            runfolder.record_changes(self.run_dir, step, changes)
+            self._write_config()
 
     def _write_config(self) -> None:
+        notes = [f"resumed at step {c['step']} ({c['time']}): {c['key']} {c['old']!r} -> {c['new']!r}"
+                 for c in runfolder.read_changes(self.run_dir)]
         with open(os.path.join(self.run_dir, "config.toml"), "w") as f:
-            f.write(to_toml(self.cfg.to_dict()))
+            f.write(cfgmod.to_toml(self.cfg.to_dict(), notes))
+
+    def _record_error(self, e: BaseException) -> None:
+        """The error that stopped the run, with its traceback, in RUN_DIR/error.log (rank 0, a folder
+        this run claimed); a user's mistake is named there as on the terminal."""
+        if not self.dp.main or isinstance(e, (KeyboardInterrupt, Interrupted)):
+            return
+        if os.path.isdir(self.run_dir) and os.path.exists(os.path.join(self.run_dir, "config.toml")):
+            path = runfolder.record_error(self.run_dir, "".join(traceback.format_exception(e)))
+            if path is not None:
+                print(f"backstream: the error and its traceback are in {path}", file=sys.stderr, flush=True)
 
     def _load_prompts(self) -> None:
         """The examples, their prompts' token ids and text; a prompt whose completion could run
@@ -235,15 +283,36 @@ class Trainer:
         """A checkpoint of the current step (collective under torchrun: every rank calls it)."""
         self._check_finite_weights()
         with self.dp.guard(f"the checkpoint of step {self.step}"):
-            return checkpoint.save(self.run_dir, self.step, self.model, self.tok, self.state(),
+            path = checkpoint.save(self.run_dir, self.step, self.model, self.tok, self.state(),
                                    self.cfg.train.keep_checkpoints)
+        self.last_save = time.monotonic()
+        self.dp.on_main(self._plot)
+        return path
+
+    def _plot(self) -> None:
+        """The PNG curves beside the checkpoint (when matplotlib is installed; a plot that fails is
+        reported, never a reason to stop a run)."""
+        if importlib.util.find_spec("matplotlib") is None or not os.path.exists(os.path.join(self.run_dir,
+                                                                                               "metrics.jsonl")):
+            return
+        try:
+            plot(self.run_dir)
+        except Exception as e:  # noqa: BLE001
+            print(f"backstream: warning: the plots were not written ({type(e).__name__}: {e})", file=sys.stderr)
 
     def _resume(self) -> None:
         """Weights, optimizer, schedule, RNG, data position and step of the latest intact checkpoint
         (written by any number of ranks: DCP reshards)."""
         path = self.dp.broadcast(self.dp.on_main(lambda: checkpoint.latest_intact(self.run_dir)))
         if path is None:
-            raise ValueError(f"--resume: {self.run_dir} holds no complete checkpoint")
+            tc = self.cfg.train
+            cadence = (f"train.save_every_minutes = {tc.save_every_minutes}, train.save_every = {tc.save_every}: a "
+                       "checkpoint after step 1 and then at that cadence" if tc.periodic_checkpoints else
+                       "train.save_every = train.save_every_minutes = 0: checkpoints only at the end or on Ctrl-C")
+            raise ValueError(f"--resume: {self.run_dir} holds no complete checkpoint ({cadence}); the run stopped "
+                             "before its first one, so there is nothing to resume: start it again with `backstream "
+                             "train CONFIG` (the folder is taken over, as it holds nothing of value), and keep "
+                             "train.save_every_minutes > 0 so that a kill can be resumed")
         st = checkpoint.restore(path, self.model, self.opt, self.sched)
         checkpoint.restore_rng(st["rng"], self.gen)
         self.stream.position = st["data_position"]
@@ -279,7 +348,8 @@ class Trainer:
         with quantized(self.model, self.cfg.quant.enabled), fsdp.gathered(self.model):
             r = generate(self.model, [self.prompts[idx[j]] for j in groups], self.cfg.rollout,
                          eos_token_id=self.eos, tokenizer=self.tok, return_kv=self.cfg.engine.reuse_rollout_kv,
-                         generator=[self.dp.generator(start + j) for j in groups])
+                         generator=[self.dp.generator(start + j) for j in groups],
+                         progress=lambda done, n: self.logger.phase(self.step + 1, f"rollout {done}/{n}"))
         r.prompt_index = [idx[j] for j in groups for _ in range(r.group_size)]
         return r
 
@@ -290,14 +360,22 @@ class Trainer:
         with self._timed("rollout"):
             r = self.rollout_round(n_prompts, refill)
         with self._timed("reward"):
+            self.logger.phase(self.step + 1, "reward")
             total, per_fn = self.score(r) if len(r) else (torch.zeros(0), {})
         return self.dp.join_round(r, total, per_fn)
 
     def score(self, r: Rollout) -> tuple[Tensor, dict[str, Tensor]]:
-        """Total reward per sample and each reward function's, given the prompts and the columns."""
+        """Total reward per sample and each reward function's, called as TRL calls them: chat prompts
+        give the prompt's messages and the completion as an assistant message, text prompts strings;
+        with the completions' token ids, the step and every other column."""
         texts = r.texts(self.tok)
-        cols = {k: [self.examples[i][k] for i in r.prompt_index] for k in self.examples[0] if k != "prompt"}
-        return self.rewards(texts, [self.prompt_text[i] for i in r.prompt_index], cols)
+        rows = [self.examples[i] for i in r.prompt_index]
+        chat = [isinstance(row["prompt"], list) for row in rows]
+        prompts = [row["prompt"] if c else self.prompt_text[i] for row, c, i in zip(rows, chat, r.prompt_index)]
+        completions = [[{"role": "assistant", "content": t}] if c else t for t, c in zip(texts, chat)]
+        cols = {k: [row[k] for row in rows] for k in self.examples[0] if k != "prompt"}
+        return self.rewards(completions, prompts, cols, completions_ids=[c.tolist() for c in r.completion_ids],
+                            trainer_state=TrainerState(global_step=self.step, max_steps=self.cfg.train.steps))
 
     def collect(self) -> Batch:
         """Rollout rounds until `prompts_per_step` groups are kept: sample, score, shape the overlong
@@ -366,7 +444,10 @@ class Trainer:
                                       ref_logprobs=take(ref, rows), rollout_logprobs=take(sampler_l, rows),
                                       old_is_current=self.cfg.engine.reuse_rollout_kv, normalisers=norm)
                 self.model.train(False)  # no dropout: the backward must be that of the sampled policy
-                res = self.engine.backward(self.model, take(seqs_l, rows), obj, kv=take(kv_l, rows))
+                where = f"minibatch {len(logged.get('grad_norm', [])) + 1}/{ac.epochs * ac.minibatches}"
+                res = self.engine.backward(self.model, take(seqs_l, rows), obj, kv=take(kv_l, rows),
+                                           progress=lambda phase, done, n, where=where: self.logger.phase(
+                                               self.step + 1, f"{phase} {done}/{n} ({where})"))
                 self.times["prefill"] += res.stats.prefill_s
                 self.times["backward"] += res.stats.backward_s
                 if epoch == 0:  # sampler/learner agreement on the tokens the learner computed
@@ -401,6 +482,16 @@ class Trainer:
             with self._timed("prefill"):
                 ref = self._ref_logprobs(seqs, mask)
         return old, ref
+
+    def metric_keys(self) -> list[str]:
+        """Every key of a step's metrics line, in order (`Logger` writes each on every line, null where
+        a step leaves it undefined)."""
+        loss = [k if "/" in k else f"loss/{k}" for k in self.cfg.loss.metric_keys()]
+        loss += ["loss/router_aux"] * (self.cfg.loss.router_aux_coef > 0)
+        return ["step", "reward/mean", "reward/std", "response_length/mean", "batch/groups", "batch/zero_adv_frac",
+                *[f"reward/{name}" for name in self.rewards.functions], *loss, "optim/grad_norm", *MISMATCH_KEYS,
+                "optim/skipped_nonfinite", *[f"time/{p}" for p in PHASES], "time/step", "throughput/tokens_per_s",
+                "optim/lr", "memory/peak_mib"]
 
     def metrics(self, batch: Batch, adv: Tensor, logged: dict[str, list[float]], mismatch: dict[str, float],
                 step_time: float) -> dict:
@@ -468,21 +559,71 @@ class Trainer:
             return self.engine.logprobs(self.model, seqs, mask)
 
     def _signal(self, signum, frame):
-        self._stop = True
+        """First SIGINT/SIGTERM: finish the step, save, stop. A second: stop at once (a checkpoint
+        being written is left unpublished; the last complete one stays)."""
+        if self._stop:
+            raise KeyboardInterrupt
+        self._stop = signum
+        if self.dp.main:
+            last = checkpoint.latest(self.run_dir)
+            print(f"\nbackstream: {signal.Signals(signum).name} received: finishing step {self.step + 1} and saving; "
+                  f"press Ctrl-C again to stop now (the last checkpoint stays: {last or 'none yet'})",
+                  file=sys.stderr, flush=True)
+
+    def _checkpoint_due(self) -> bool:
+        """After step 1, every train.save_every steps, and when train.save_every_minutes have passed
+        since the last checkpoint (rank 0's clock decides for every rank)."""
+        tc = self.cfg.train
+        due = tc.periodic_checkpoints and self.step == 1
+        due |= bool(tc.save_every) and self.step % tc.save_every == 0
+        due |= tc.save_every_minutes > 0 and time.monotonic() - self.last_save >= 60 * tc.save_every_minutes
+        return self.dp.broadcast(due)
+
+    def _watch_advantages(self, m: dict) -> None:
+        """ZERO_ADVANTAGE_STEPS steps in a row on which every advantage was 0 learn nothing: say why."""
+        self.zero_adv_steps = self.zero_adv_steps + 1 if m["batch/zero_adv_frac"] == 1.0 else 0
+        if self.zero_adv_steps == ZERO_ADVANTAGE_STEPS and self.dp.main:
+            first = self.step - ZERO_ADVANTAGE_STEPS + 1
+            print(f"backstream: warning: steps {first}-{self.step} had every advantage 0: within each group every "
+                  "sample got the same reward, so nothing is learned. Check that the reward functions tell samples "
+                  "apart (reward/<function> in metrics.jsonl), raise rollout.temperature or rollout.group_size, or "
+                  "set algorithm.dynamic_sampling = true to replace the groups without signal",
+                  file=sys.stderr, flush=True)
 
     def run(self) -> str:
+        """Train until train.steps; returns the run folder. On SIGINT/SIGTERM, saves and raises
+        `Interrupted` (the CLI exits 130 / 143 with where to resume)."""
         tc = self.cfg.train
+        if self.step >= tc.steps:
+            self.logger.close()
+            if self.lock is not None:
+                self.lock.release()
+            if self.dp.main:
+                print(f"backstream: the run in {self.run_dir} is finished (step {self.step} of train.steps = "
+                      f"{tc.steps}); to train on, resume it with --set train.steps=N (N > {self.step})",
+                      file=sys.stderr)
+            return self.run_dir
         old = {s: signal.signal(s, self._signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        self.last_save = time.monotonic()
         try:
             # a signal may reach one rank only: every rank stops at the same step boundary
-            while self.step < tc.steps and not self.dp.any(self._stop):
+            while self.step < tc.steps and not self.dp.any(bool(self._stop)):
                 m = self.train_step()
                 self.logger.log(m)
-                if tc.save_every and self.step % tc.save_every == 0:
+                self._watch_advantages(m)
+                if self._checkpoint_due():
                     self.save()
             self.save()
+            stop = self.dp.broadcast(self._stop)
+            if stop:
+                raise Interrupted(stop, self.step, self.run_dir, checkpoint.latest(self.run_dir), saved=True)
+        except KeyboardInterrupt:  # a second Ctrl-C, or one outside the handler's reach
+            raise Interrupted(self._stop or signal.SIGINT, self.step, self.run_dir, checkpoint.latest(self.run_dir),
+                              saved=False) from None
         except BaseException as e:
-            self.dp.failed(e)  # under torchrun: say so now, leave the group so that the others stop too
+            if not isinstance(e, Interrupted):
+                self._record_error(e)
+                self.dp.failed(e)  # under torchrun: say so now, leave the group so that the others stop too
             raise
         finally:
             for s, h in old.items():
@@ -491,6 +632,24 @@ class Trainer:
             if self.lock is not None:
                 self.lock.release()
         return self.run_dir
+
+
+class Interrupted(Exception):
+    """The run stopped on SIGINT or SIGTERM: after finishing and saving its step (`saved`), or at once
+    on a second one (the last complete checkpoint stays). `exit_code` is the shell's 128 + signal."""
+
+    def __init__(self, signum: int, step: int, run_dir: str, last: str | None, saved: bool):
+        self.signum, self.step, self.run_dir, self.last, self.saved = int(signum), step, run_dir, last, saved
+        self.exit_code = 128 + self.signum
+        name = signal.Signals(self.signum).name
+        where = (f"after step {step}, saved" if saved else
+                 f"at once during step {step + 1}; the last checkpoint stays ({last or 'none'})")
+        resume = f"resume with: backstream train --resume {run_dir}" if last else "no checkpoint to resume from"
+        super().__init__(f"interrupted ({name}) {where}; {resume}")
+
+
+def _checkpoint_step(path: str | None) -> int:
+    return int(os.path.basename(path).split("-", 1)[1]) if path else 0
 
 
 def sum_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
@@ -505,36 +664,24 @@ def sum_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
     return out
 
 
-def to_toml(d: dict) -> str:
-    """The resolved config as TOML (flat sections of scalars and lists)."""
-    def val(v):
-        if isinstance(v, bool):
-            return "true" if v else "false"
-        if isinstance(v, str):
-            return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
-        if isinstance(v, list):
-            return "[" + ", ".join(val(x) for x in v) + "]"
-        return repr(v)
-
-    lines = []
-    for section, values in d.items():
-        lines.append(f"[{section}]")
-        lines += [f"{k} = {val(v)}" for k, v in values.items() if v is not None]
-        lines.append("")
-    return "\n".join(lines)
-
-
 def train(config: cfgmod.RunConfig | str | None = None, overrides: list[str] = (), resume: str | None = None,
-          model=None, tokenizer=None, overwrite: bool = False) -> str:
+          model=None, tokenizer=None, overwrite: bool = False, allow_changed_files: bool = False) -> str:
     """Run a training job; returns the run folder. `config` is a RunConfig, a TOML path or None
-    (defaults); `resume` a run folder to continue; `model`/`tokenizer` objects to train instead of
-    loading `model.name`; `overwrite` moves an earlier run in `train.output_dir` aside (a new run
-    refuses a folder that holds one otherwise)."""
+    (defaults), `overrides` "section.key=value" strings on top of it; `resume` a run folder to
+    continue, its own config.toml the config unless `config` is given (keys of `config.RESUMABLE` may
+    change, others are refused); `allow_changed_files`: resume although a file the run read (data,
+    reward source) changed; `model`/`tokenizer` objects to train instead of loading `model.name`;
+    `overwrite` moves an earlier run in `train.output_dir` aside (a new run refuses a folder that
+    holds one otherwise). Raises `Interrupted` after SIGINT/SIGTERM."""
     if resume:
         path = os.path.join(resume, "config.toml")
         if not os.path.exists(path):
             raise ValueError(f"--resume: {resume} is not a run folder (no config.toml)")
-        cfg = cfgmod.load(path, overrides)
-        return Trainer(cfg, run_dir=resume, resume=True, model=model, tokenizer=tokenizer).run()
+        if isinstance(config, cfgmod.RunConfig):
+            cfg = config
+        else:
+            cfg = cfgmod.load(config or path, overrides)
+        return Trainer(cfg, run_dir=resume, resume=True, model=model, tokenizer=tokenizer, overwrite=overwrite,
+                       allow_changed_files=allow_changed_files).run()
     cfg = config if isinstance(config, cfgmod.RunConfig) else cfgmod.load(config, overrides)
     return Trainer(cfg, model=model, tokenizer=tokenizer, overwrite=overwrite).run()

@@ -15,9 +15,11 @@ SEEN: list[dict] = []
 
 
 def record_columns(completions, prompts, **columns):
-    """Records what the trainer passes (TRL's call: prompts and the dataset's columns); rewards as count_digits."""
-    SEEN.append({"prompts": list(prompts), **{k: list(v) for k, v in columns.items()}})
-    return count_digits(completions)
+    """Records what the trainer passes (TRL's call: prompts, completions, completions_ids, trainer_state
+    and the dataset's columns); rewards as count_digits on the completions' text."""
+    SEEN.append({"prompts": list(prompts), "completions": list(completions),
+                 **{k: v if k == "trainer_state" else list(v) for k, v in columns.items()}})
+    return count_digits([c if isinstance(c, str) else c[-1]["content"] for c in completions])
 
 
 FLAT_PROMPT = "1+1="

@@ -80,7 +80,7 @@ def test_help_lists_every_key_with_its_doc():
 
 
 def test_resolved_config_round_trips(tmp_path):
-    from backstream.trainer import to_toml
+    from backstream.config import to_toml
 
     cfg = config.load(None, ["optim.lr=2e-4", "rollout.stop=['#']", "loss.type=gspo"])
     p = tmp_path / "config.toml"

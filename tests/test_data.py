@@ -37,11 +37,17 @@ def test_chat_prompts_and_columns_reach_the_reward(tmp_path):
     model, tok = chat_tiny()
     _train_on(tmp_path, path, model, tok)
     (call,) = rewards_for_tests.SEEN
-    # 2 prompts × 4 samples, each prompt rendered with the chat template, its columns alongside
-    assert len(call["prompts"]) == 8 and set(call) == {"prompts", "answer", "level"}
-    for p, a, lv in zip(call["prompts"], call["answer"], call["level"]):
+    # 2 prompts × 4 samples in TRL's conversational format: the prompt's messages, the completion as an
+    # assistant message, its token ids, the step, the columns alongside
+    assert len(call["prompts"]) == 8
+    assert set(call) == {"prompts", "completions", "completions_ids", "trainer_state", "answer", "level"}
+    assert call["trainer_state"].global_step == 0 and call["trainer_state"].max_steps == 1
+    for p, c, ids, a, lv in zip(call["prompts"], call["completions"], call["completions_ids"], call["answer"],
+                                call["level"]):
         row = next(r for r in ROWS if r["answer"] == a)
-        assert p == f"<system>add\n<user>{row['prompt'][1]['content']}\n<assistant>" and lv == row["level"]
+        assert p == row["prompt"] and lv == row["level"]
+        assert len(c) == 1 and c[0]["role"] == "assistant"
+        assert c[0]["content"] == tok.decode(ids, skip_special_tokens=True)
 
 
 @pytest.mark.parametrize("as_dict", [False, True])
@@ -55,8 +61,9 @@ def test_datasets_folder(tmp_path, as_dict):
     assert len(data.load_examples(str(folder))) == 6
     model, tok = tiny(torch.float32)
     _train_on(tmp_path, folder, model, tok)
-    (call,) = rewards_for_tests.SEEN
-    assert set(call) == {"prompts", "answer"} and all(p.endswith("=") for p in call["prompts"])
+    (call,) = rewards_for_tests.SEEN  # text prompts: TRL's standard format, strings
+    assert set(call) == {"prompts", "completions", "completions_ids", "trainer_state", "answer"}
+    assert all(p.endswith("=") for p in call["prompts"]) and all(isinstance(c, str) for c in call["completions"])
 
 
 @pytest.mark.parametrize("text, tokenizer_has_template, match", [

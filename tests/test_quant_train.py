@@ -25,7 +25,7 @@ def test_quant_section_loads_and_documents_itself():
     assert type(cfg.loss).__name__ == "TBPOConfig" and cfg.loss.seq_tis_imp_ratio_cap == 3.0
     text = config.describe()
     assert "[quant]" in text and "aligned" in text and '(type = "tbpo")' in text
-    assert "[quant]" in trainer.to_toml(cfg.to_dict())
+    assert "[quant]" in config.to_toml(cfg.to_dict())
 
 
 @pytest.mark.parametrize("overrides, match", [

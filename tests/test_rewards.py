@@ -271,7 +271,7 @@ def test_error_raises_only_on_the_whole_batch():
     [
         ((1.0, 2.0), ["returned 2 values for 3 samples", "sample 2"]),
         ([1.0] * 4, ["returned 4 values for 3 samples", "sample 3"]),
-        (torch.ones(3), ["returned a Tensor", "list of 3 floats"]),
+        (torch.ones(3, 1), ["returned a Tensor", "list of 3 floats"]),  # a 1-D tensor is accepted
         (None, ["returned a NoneType"]),
         ([1.0, "1", 0.0], ["'1' (str)", "sample 1", "What is 2+2?"]),
         ([1.0, 0.0, None], ["None (NoneType)", "sample 2", "What is 3+3?"]),
@@ -412,3 +412,92 @@ def test_reward_model_from_folder(tmp_path):
     )
     with pytest.raises(ValueError, match="batch_size=0"):
         RewardModel(model, tokenizer, batch_size=0)
+
+
+# ------------------------------------------------------------------ TRL's documented reward functions
+# The examples of TRL's GRPOTrainer documentation ("Using a custom reward function"), called through
+# `Rewards` with the inputs TRL documents for them: they must give the results TRL documents.
+
+
+def trl_token_length(completions_ids, **kwargs):  # TRL example 1
+    return [float(len(ids)) for ids in completions_ids]
+
+
+def trl_char_length(completions, **kwargs):  # TRL example 1.1 (standard format)
+    return [float(len(completion)) for completion in completions]
+
+
+def trl_think_answer_format(completions, **kwargs):  # TRL example 2 (conversational format)
+    import re
+
+    pattern = r"^<think>.*?</think><answer>.*?</answer>$"
+    return [1.0 if re.match(pattern, completion[0]["content"]) else 0.0 for completion in completions]
+
+
+def trl_boxed_ground_truth(completions, ground_truth, **kwargs):  # TRL example 3 (standard format)
+    import re
+
+    matches = [re.search(r"\\boxed\{(.*?)\}", completion) for completion in completions]
+    contents = [m.group(1) if m else "" for m in matches]
+    return [1.0 if c == gt else 0.0 for c, gt in zip(contents, ground_truth)]
+
+
+def test_trl_documented_examples_standard_format():
+    prompts = ["The sky is", "The sun is"]
+    completions = [" blue.", " in the sky."]
+    ids = [[6303, 13], [304, 279, 12884, 13]]
+    _, per = Rewards([(trl_token_length, 1.0), (trl_char_length, 1.0)])(prompts=prompts, completions=completions,
+                                                                         columns={}, completions_ids=ids)
+    assert per["trl_token_length"].tolist() == [2.0, 4.0] and per["trl_char_length"].tolist() == [6.0, 12.0]
+    prompts = ["Problem: Solve the equation $2x + 3 = 7$. Solution:", "Problem: Solve the equation $3x - 5 = 10$."]
+    total, _ = Rewards([(trl_boxed_ground_truth, 1.0)])(
+        [r" The solution is \boxed{2}.", r" The solution is \boxed{6}."], prompts, {"ground_truth": ["2", "5"]})
+    assert total.tolist() == [1.0, 0.0]
+
+
+def test_trl_documented_examples_conversational_format():
+    prompts = [[{"role": "assistant", "content": "What is the result of (1 + 2) * 4?"}],
+               [{"role": "assistant", "content": "What is the result of (3 + 1) * 2?"}]]
+    completions = [[{"role": "assistant", "content": "<think>The sum of 1 and 2 is 3, which we multiply by 4 to get "
+                                                     "12.</think><answer>(1 + 2) * 4 = 12</answer>"}],
+                   [{"role": "assistant", "content": "The sum of 3 and 1 is 4, which we multiply by 2 to get 8. So "
+                                                     "(3 + 1) * 2 = 8."}]]
+    total, _ = Rewards([(trl_think_answer_format, 1.0)])(completions, prompts, {})
+    assert total.tolist() == [1.0, 0.0]
+    # the built-ins read the same format: the completion's last message is its text
+    total, _ = Rewards([("exact_match", 1.0), ("format:<think>.*", 1.0)])(
+        completions, prompts, {"answer": ["nope", "(3 + 1) * 2 = 8."]})
+    assert total.tolist() == [1.0, 0.0]
+
+
+def test_trl_multi_task_none_async_and_array_rewards():
+    """TRL example 4: a function returns None where it does not apply and the others score the
+    sample; example 5: an async function; numpy arrays, tensors and numpy numbers are rewards."""
+    import numpy as np
+
+    def math_only(prompts, completions, task, **kwargs):
+        return [1.0 if t == "math" else None for t in task]
+
+    def code_only(prompts, completions, task, **kwargs):
+        return [None if t == "math" else -1.0 for t in task]
+
+    async def nonempty(prompts, completions, **kwargs):
+        return [1.0 if c else 0.0 for c in completions]
+
+    total, per = Rewards([(math_only, 1.0), (code_only, 2.0), (nonempty, 0.5)])(
+        ["4", ""], ["2+2?", "def f"], {"task": ["math", "code"]})
+    assert total.tolist() == [1.5, -2.0]  # 1 + 0.5·1 ; 2·(−1) + 0.5·0
+    assert torch.isnan(per["math_only"][1]) and per["code_only"][1] == -1.0
+    for returned in (np.array([0.25, 1]), torch.tensor([0.25, 1.0]), [np.float32(0.25), np.int64(1)]):
+        total, _ = Rewards([(lambda completions, **kw: returned, 1.0)])(["a", "b"], ["p", "q"], {})
+        assert total.tolist() == [0.25, 1.0]
+
+
+def test_a_function_without_kwargs_gets_what_it_names():
+    """TRL passes every argument to every function; one that names only some gets those."""
+    def plain(completions, answer):
+        return [float(c == a) for c, a in zip(completions, answer)]
+
+    total, _ = Rewards([(plain, 1.0)])(["1", "2"], ["p", "q"], {"answer": ["1", "3"], "level": [0, 1]},
+                                       completions_ids=[[1], [2]], trainer_state=R.TrainerState(3, 10))
+    assert total.tolist() == [1.0, 0.0]

@@ -306,8 +306,11 @@ def test_sigterm_checkpoints_at_the_next_step_boundary(tmp_path):
         "        os.kill(os.getpid(), signal.SIGTERM)\n"
         "    return [c.count('1') / max(1, len(c)) for c in completions]\n")
     model, tok = tiny(torch.float32)
-    run = trainer.train(run_cfg(tmp_path, "sig", 'model.dtype="float32"', "train.steps=10",
-                                f"reward.functions=['{killer}:reward']"), model=model, tokenizer=tok)
+    with pytest.raises(trainer.Interrupted) as stopped:  # the run stops non-zero, saying where to resume
+        trainer.train(run_cfg(tmp_path, "sig", 'model.dtype="float32"', "train.steps=10",
+                              f"reward.functions=['{killer}:reward']"), model=model, tokenizer=tok)
+    run = stopped.value.run_dir
+    assert stopped.value.exit_code == 143 and stopped.value.saved and "--resume" in str(stopped.value)
     rows = [json.loads(x) for x in open(os.path.join(run, "metrics.jsonl"))]
     assert len(rows) == 2  # the step in flight finished, then the run stopped
     assert checkpoint.load_state(checkpoint.latest(run))["step"] == 2

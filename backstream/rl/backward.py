@@ -30,8 +30,8 @@ class StreamedBackward:
         if ec.memory_budget_mb:
             self.kw["memory_budget"] = ec.memory_budget_mb * 2**20
 
-    def backward(self, model, sequences: list[Tensor], objective, kv: list | None) -> StreamResult:
-        return stream_backward(model, sequences, objective=objective, kv=kv, **self.kw)
+    def backward(self, model, sequences: list[Tensor], objective, kv: list | None, progress=None) -> StreamResult:
+        return stream_backward(model, sequences, objective=objective, kv=kv, progress=progress, **self.kw)
 
     def logprobs(self, model, sequences: list[Tensor], mask: list[Tensor]) -> list[Tensor]:
         return logprobs(model, sequences, mask)
@@ -44,7 +44,7 @@ class ReferenceBackward:
     def __init__(self, ec: EngineConfig, device: torch.device):
         self.device = device
 
-    def backward(self, model, sequences: list[Tensor], objective, kv: list | None) -> StreamResult:
+    def backward(self, model, sequences: list[Tensor], objective, kv: list | None, progress=None) -> StreamResult:
         t = time.perf_counter()
         res = reference_backward(model, sequences, objective=objective)
         res.stats.backward_s = time.perf_counter() - t  # the reference does not time itself

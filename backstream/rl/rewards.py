@@ -1,28 +1,44 @@
 """Reward functions: the step between the rollout and the advantages (DESIGN §1).
 
-A reward function has TRL's signature, so functions written for TRL work unchanged:
+A reward function has TRL's signature, so functions written for TRL's GRPOTrainer work unchanged:
 
-    f(completions: list[str], **kwargs) -> list[float]
+    f(completions, **kwargs) -> list[float]
 
-where kwargs hold `prompts` and every dataset column (e.g. `answer`), one entry per sample.
-`Rewards` calls each function once per step on the whole batch and returns the weighted sum.
-A reward that raises, returns the wrong number of values, a non-number or a NaN stops the step:
-a silent 0 or NaN would turn into advantages, and then into an update, before anyone noticed.
+with, per sample, as TRL passes them (its "Using a custom reward function" documentation):
+- `prompts` and `completions` in the dataset's format: plain text prompts give strings (TRL's
+  *standard* format); chat prompts (a list of {"role", "content"} messages) give the prompt's message
+  list and the completion as a list of messages, `[{"role": "assistant", "content": text}]` (TRL's
+  *conversational* format);
+- `completions_ids`: the completion's token ids (a list of ints);
+- `trainer_state`: an object with `global_step` (steps done) and `max_steps`;
+- every other dataset column (e.g. `answer`), one entry per sample.
+A function without `**kwargs` is given only the arguments it names. It may return a list or tuple of
+numbers, a 1-D numpy array or tensor, or `None` for a sample it does not apply to (TRL's multi-task
+functions): a sample's total is the weighted sum over the functions that scored it, and a sample no
+function scores stops the step. `async def` functions are awaited.
 
-Built-ins: `exact_match`, `math` (Math-Verify), `format_reward(pattern)`, `RewardModel`.
-`load_reward(spec)` turns the strings of a run file into functions.
+`Rewards` calls each function once per step on the whole batch and returns the weighted sum. A reward
+that raises, returns the wrong number of values, a non-number or a NaN stops the step: a silent 0 or
+NaN would turn into advantages, and then into an update, before anyone noticed.
+
+Built-ins: `exact_match`, `math` (Math-Verify), `format_reward(pattern)`, `RewardModel`; each reads
+either format. `load_reward(spec)` turns the strings of a run file into functions (`SPEC_FORMS`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import copy
 import importlib
 import importlib.util
 import inspect
 import math as _math
 import numbers
+import os
 import re
 import sys
 import threading
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -31,14 +47,34 @@ import torch
 
 RewardFn = Callable[..., Sequence[float]]
 
-SPEC_FORMS = (
-    "'exact_match', 'math', 'format:<regex>', 'package.module:function', "
-    "'path/to/file.py:function', 'reward_model:<local folder>'"
-)
 
 
 class RewardError(ValueError):
     """A reward function failed or returned something unusable; the step cannot go on."""
+
+
+class NotCallableSpec(ValueError, TypeError):
+    """A reward spec names something that is not callable: a mistake in the run file (ValueError), of
+    the kind Python calls a TypeError."""
+
+
+def text_of(x) -> str:
+    """The text of a prompt or completion in either of TRL's formats: a string as it is; a list of
+    chat messages, the content of its last message (a completion's answer)."""
+    if isinstance(x, str):
+        return x
+    if isinstance(x, list) and x and isinstance(x[-1], dict):
+        return str(x[-1].get("content", ""))
+    raise TypeError(f"expected text or a list of chat messages, got {type(x).__name__}")
+
+
+@dataclass(frozen=True)
+class TrainerState:
+    """What TRL's `trainer_state` offers a reward function that this trainer has: the steps done and
+    the run's length (for curricula)."""
+
+    global_step: int = 0
+    max_steps: int = 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -89,7 +125,7 @@ def exact_match(completions: list[str], answer: list[str], **kwargs: Any) -> lis
     Both sides go through `final_answer`, so a GSM8K answer column ("... #### 72") works as is;
     numbers compare numerically ("72.0" == "72", "1,000" == "1000").
     """
-    return [float(_answers_equal(c, str(a))) for c, a in zip(completions, answer, strict=True)]
+    return [float(_answers_equal(text_of(c), str(a))) for c, a in zip(completions, answer, strict=True)]
 
 
 def _import_math_verify():
@@ -112,6 +148,7 @@ def math(completions: list[str], answer: list[str], **kwargs: Any) -> list[float
     timeout = 5 if threading.current_thread() is threading.main_thread() else None
     rewards = []
     for completion, gold_text in zip(completions, answer, strict=True):
+        completion = text_of(completion)
         gold_text = str(gold_text).rsplit("####", 1)[-1].strip()
         gold = mv.parse(gold_text, parsing_timeout=timeout) or mv.parse(
             f"${gold_text}$", parsing_timeout=timeout
@@ -129,7 +166,7 @@ def format_reward(pattern: str, flags: int = re.DOTALL) -> RewardFn:
     regex = re.compile(pattern, flags)
 
     def reward(completions: list[str], **kwargs: Any) -> list[float]:
-        return [float(regex.fullmatch(c) is not None) for c in completions]
+        return [float(regex.fullmatch(text_of(c)) is not None) for c in completions]
 
     reward.__name__ = f"format:{pattern}"
     return reward
@@ -138,11 +175,11 @@ def format_reward(pattern: str, flags: int = re.DOTALL) -> RewardFn:
 class RewardModel:
     """Scores `prompt + completion` with a sequence-classification model: the logit of label 0.
 
-    The text is the plain concatenation; apply the reward model's chat template to the prompts
-    beforehand if it was trained on one. Sequences are right-padded, whatever the tokenizer's
-    setting: positions then stay those of the unpadded text (left padding shifts them, which
-    RoPE forgives but absolute position embeddings do not), so a batch scores like one sample
-    at a time.
+    The text is the plain concatenation (of the message contents for chat data); apply the reward
+    model's chat template to the prompts beforehand if it was trained on one. Sequences are
+    right-padded, whatever the tokenizer's setting: positions then stay those of the unpadded text
+    (left padding shifts them, which RoPE forgives but absolute position embeddings do not), so a
+    batch scores like one sample at a time.
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any, *, batch_size: int = 8):
@@ -173,7 +210,8 @@ class RewardModel:
         self, completions: list[str], prompts: list[str] | None = None, **kwargs: Any
     ) -> list[float]:
         prompts = prompts if prompts is not None else [""] * len(completions)
-        texts = [p + c for p, c in zip(prompts, completions, strict=True)]
+        joined = lambda x: x if isinstance(x, str) else "".join(str(m.get("content", "")) for m in x)  # noqa: E731
+        texts = [joined(p) + joined(c) for p, c in zip(prompts, completions, strict=True)]
         device = next(self.model.parameters()).device
         # similar lengths in one batch waste less compute on padding
         order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
@@ -194,53 +232,128 @@ class RewardModel:
 # Specs: the strings of a run file
 
 
-def _spec_kind(spec: str) -> str:
-    """Which of the accepted forms `spec` is, without importing or loading anything."""
-    if spec in ("exact_match", "math"):
-        return spec
-    for prefix in ("format:", "reward_model:"):
-        if spec.startswith(prefix) and len(spec) > len(prefix):
-            return prefix[:-1]
+def _from_file(spec: str) -> RewardFn:
+    target, _, name = spec.rpartition(":")
+    path = Path(target)
+    if not path.is_file():
+        raise ValueError(f"reward spec {spec!r}: no file {str(path)!r}")
+    module_name = f"backstream_user_reward_{path.stem}"
+    module_spec = importlib.util.spec_from_file_location(module_name, path)
+    assert module_spec is not None and module_spec.loader is not None
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[module_name] = module  # dataclasses and pickling look the module up here
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as e:  # noqa: BLE001  (the user's file: name the file and line, no traceback of ours)
+        sys.modules.pop(module_name, None)
+        raise ValueError(f"reward spec {spec!r}: {_where_in(e, path)}") from e
+    return _attribute(spec, module, target, name)
+
+
+def _from_module(spec: str) -> RewardFn:
+    target, _, name = spec.rpartition(":")
+    try:
+        module = importlib.import_module(target)
+    except ModuleNotFoundError as e:
+        raise ValueError(f"reward spec {spec!r}: cannot import {target!r} ({e})") from e
+    except Exception as e:  # noqa: BLE001  (the user's module raised while importing)
+        raise ValueError(f"reward spec {spec!r}: importing {target!r} failed: {_where_in(e, None)}") from e
+    return _attribute(spec, module, target, name)
+
+
+def _attribute(spec: str, module, target: str, name: str) -> RewardFn:
+    fn = getattr(module, name, None)
+    if fn is None:
+        raise ValueError(f"reward spec {spec!r}: {target!r} has no attribute {name!r}")
+    if not callable(fn):
+        raise NotCallableSpec(f"reward spec {spec!r}: {name!r} is a {type(fn).__name__}, not callable; name a "
+                              "function (or a callable object) of that file or module")
+    return fn
+
+
+def _where_in(e: BaseException, path: Path | None) -> str:
+    """An exception raised by a user's file, as `file, line N: Type: message` (the innermost frame
+    in `path`, or in any file outside this package when `path` is None)."""
+    if isinstance(e, SyntaxError):
+        return f"{e.filename}, line {e.lineno}: SyntaxError: {e.msg}"
+    here = Path(__file__).resolve().parent.parent
+    frame = None
+    for f in traceback.extract_tb(e.__traceback__):
+        p = Path(f.filename).resolve()
+        if (path is not None and p == path.resolve()) or (path is None and here not in p.parents
+                                                          and "importlib" not in f.filename):
+            frame = f
+    where = f"{frame.filename}, line {frame.lineno}: " if frame is not None else ""
+    return f"{where}{type(e).__name__}: {e}"
+
+
+def _is_path_spec(spec: str) -> bool:
     target, sep, name = spec.rpartition(":")
-    if sep and target and name.isidentifier():
-        return "file" if target.endswith(".py") else "module"
+    return bool(sep and target and name.isidentifier() and target.endswith(".py"))
+
+
+def _is_module_spec(spec: str) -> bool:
+    target, sep, name = spec.rpartition(":")
+    return bool(sep and target and name.isidentifier() and not target.endswith(".py"))
+
+
+def _load_math(spec: str) -> RewardFn:
+    _import_math_verify()  # fail when the run starts, not at the first reward
+    return math
+
+
+# The spec strings of a run file: (form shown to users, does a spec have this form, its function).
+# The first form that matches decides.
+SPECS: tuple[tuple[str, Callable[[str], bool], Callable[[str], RewardFn]], ...] = (
+    ("exact_match", lambda s: s == "exact_match", lambda s: exact_match),
+    ("math", lambda s: s == "math", _load_math),
+    ("format:<regex>", lambda s: s.startswith("format:") and len(s) > len("format:"),
+     lambda s: format_reward(s[len("format:"):])),
+    ("reward_model:<local folder>", lambda s: s.startswith("reward_model:") and len(s) > len("reward_model:"),
+     lambda s: RewardModel.from_pretrained(s[len("reward_model:"):])),
+    ("path/to/file.py:function", _is_path_spec, _from_file),
+    ("package.module:function", _is_module_spec, _from_module),
+)
+SPEC_FORMS = ", ".join(f"'{form}'" for form, _, _ in SPECS)
+
+
+def _spec_form(spec: str):
+    """The entry of `SPECS` that `spec` has, without importing or loading anything."""
+    for entry in SPECS:
+        if entry[1](spec):
+            return entry
     raise ValueError(f"unknown reward spec {spec!r}; accepted forms: {SPEC_FORMS}")
 
 
 def load_reward(spec: str) -> RewardFn:
     """Resolve a spec string (one of `SPEC_FORMS`) to a reward function."""
-    kind = _spec_kind(spec)
-    if kind == "exact_match":
-        return exact_match
-    if kind == "math":
-        _import_math_verify()  # fail when the run starts, not at the first reward
-        return math
-    if kind == "format":
-        return format_reward(spec[len("format:") :])
-    if kind == "reward_model":
-        return RewardModel.from_pretrained(spec[len("reward_model:") :])
-    target, _, name = spec.rpartition(":")
-    if kind == "file":
-        path = Path(target)
-        if not path.is_file():
-            raise ValueError(f"reward spec {spec!r}: no file {str(path)!r}")
-        module_name = f"backstream_user_reward_{path.stem}"
-        module_spec = importlib.util.spec_from_file_location(module_name, path)
-        assert module_spec is not None and module_spec.loader is not None
-        module = importlib.util.module_from_spec(module_spec)
-        sys.modules[module_name] = module  # dataclasses and pickling look the module up here
-        module_spec.loader.exec_module(module)
-    else:
-        try:
-            module = importlib.import_module(target)
-        except ModuleNotFoundError as e:
-            raise ValueError(f"reward spec {spec!r}: cannot import {target!r} ({e})") from e
-    fn = getattr(module, name, None)
-    if fn is None:
-        raise ValueError(f"reward spec {spec!r}: {target!r} has no attribute {name!r}")
-    if not callable(fn):
-        raise TypeError(f"reward spec {spec!r}: {name!r} is a {type(fn).__name__}, not callable")
-    return fn
+    return _spec_form(spec)[2](spec)
+
+
+def spec_files(spec: str) -> list[str]:
+    """The source file a spec's function comes from, when it is the user's own (a `file.py:fn`, or a
+    module outside site-packages): the files a run fingerprints, so that a resume notices a change."""
+    target, _, _ = spec.rpartition(":")
+    if _is_path_spec(spec):
+        return [os.path.abspath(target)]
+    if _is_module_spec(spec):
+        found = importlib.util.find_spec(target.split(".")[0]) if target else None
+        origin = getattr(importlib.util.find_spec(target), "origin", None) if found is not None else None
+        if origin and os.path.isfile(origin) and "site-packages" not in origin and "dist-packages" not in origin \
+                and not origin.startswith(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))):
+            return [os.path.abspath(origin)]
+    return []
+
+
+def absolute_spec(spec: str) -> str:
+    """The spec with a relative file path made absolute (a resumed run finds the same file from
+    any directory); other forms as they are."""
+    if _is_path_spec(spec):
+        target, _, name = spec.rpartition(":")
+        return f"{os.path.abspath(target)}:{name}"
+    if spec.startswith("reward_model:") and os.path.isdir(spec[len("reward_model:"):]):
+        return "reward_model:" + os.path.abspath(spec[len("reward_model:"):])
+    return spec
 
 
 @dataclass(kw_only=True)
@@ -265,7 +378,7 @@ class RewardConfig:
             if not isinstance(spec, str):
                 raise ValueError(f"reward functions entry {spec!r}: must be a string spec")
             try:
-                _spec_kind(spec)
+                _spec_form(spec)
             except ValueError as e:
                 raise ValueError(f"reward functions entry {spec!r}: {e}") from None
         self.functions = list(self.functions)
@@ -338,37 +451,54 @@ class Rewards:
         self.timeout_s = timeout_s
 
     def __call__(
-        self, completions: list[str], prompts: list[str], columns: dict[str, list]
+        self, completions: list, prompts: list, columns: dict[str, list], *,
+        completions_ids: list[list[int]] | None = None, trainer_state: TrainerState | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """(total [N] float32 = Σ weight·reward, {name: unweighted reward [N] float32})."""
+        """(total [N] float32 = Σ over the functions that scored a sample of weight·reward,
+        {name: unweighted reward [N] float32, NaN where the function returned None})."""
         n = len(completions)
         if len(prompts) != n:
             raise ValueError(f"Rewards: {len(prompts)} prompts for {n} completions")
         for key, values in columns.items():
-            if key in ("completions", "prompts"):
+            if key in ("completions", "prompts", "completions_ids", "trainer_state"):
                 raise ValueError(f"Rewards: column {key!r} clashes with a reward argument")
             if len(values) != n:
                 raise ValueError(f"Rewards: column {key!r} has {len(values)} rows for {n} samples")
+        if completions_ids is not None and len(completions_ids) != n:
+            raise ValueError(f"Rewards: {len(completions_ids)} completions_ids for {n} completions")
         total = torch.zeros(n, dtype=torch.float64)
+        scored = torch.zeros(n, dtype=torch.bool)
         per_function = {}
         for name, fn in self.functions.items():
             # fresh lists per function: one that mutates its inputs cannot affect the next
-            kwargs = {"completions": list(completions), "prompts": list(prompts)}
+            kwargs = {"completions": copy.deepcopy(list(completions)), "prompts": copy.deepcopy(list(prompts))}
+            if completions_ids is not None:
+                kwargs["completions_ids"] = [list(ids) for ids in completions_ids]
             kwargs |= {k: list(v) for k, v in columns.items()}
+            if trainer_state is not None:
+                kwargs["trainer_state"] = trainer_state
             values = self._run(name, fn, kwargs, prompts)
-            total += self.weights[name] * values
+            known = ~torch.isnan(values)
+            total[known] += self.weights[name] * values[known]
+            scored |= known
             per_function[name] = values.float()
+        if n and not bool(scored.all()):
+            i = int(torch.nonzero(~scored)[0])
+            names = ", ".join(repr(k) for k in self.functions)
+            raise RewardError(f"no reward function scored {_where(prompts, i)}: {names} returned None (NoneType) "
+                              "for it (None means 'does not apply', as in TRL's multi-task functions; at least one "
+                              "function must score every sample)")
         return total.float(), per_function
 
     def _invoke(self, name: str, fn: RewardFn, kwargs: dict) -> Any:
         if self.timeout_s is None:
-            return fn(**kwargs)
+            return _call(fn, kwargs)
         # a daemon thread: Python cannot kill a hung thread, but it must not block the exit either
         box: dict[str, Any] = {}
 
         def target() -> None:
             try:
-                box["value"] = fn(**kwargs)
+                box["value"] = _call(fn, kwargs)
             except BaseException as e:  # re-raised in the caller's thread
                 box["error"] = e
 
@@ -384,16 +514,15 @@ class Rewards:
             raise box["error"]
         return box["value"]
 
-    def _run(self, name: str, fn: RewardFn, kwargs: dict, prompts: list[str]) -> torch.Tensor:
+    def _run(self, name: str, fn: RewardFn, kwargs: dict, prompts: list) -> torch.Tensor:
         n = len(prompts)
-
-        def where(i: int) -> str:
-            return f"sample {i} (prompt {prompts[i][:80]!r})"
-
         try:
-            params = inspect.signature(fn).parameters.values()
+            params = list(inspect.signature(fn).parameters.values())
         except (TypeError, ValueError):
             params = []
+        if params and not any(p.kind == p.VAR_KEYWORD for p in params):
+            # TRL passes every argument to every function; one without **kwargs gets what it names
+            kwargs = {k: v for k, v in kwargs.items() if k in {p.name for p in params}}
         missing = [
             p.name
             for p in params
@@ -402,24 +531,18 @@ class Rewards:
             and p.name not in kwargs
         ]
         if missing:
-            raise RewardError(
-                f"reward function {name!r} needs column(s) {missing}, but the dataset gives "
-                f"{sorted(set(kwargs) - {'completions', 'prompts'})}"
-            )
+            given = sorted(set(kwargs) - {"completions", "prompts", "completions_ids", "trainer_state"})
+            raise RewardError(f"reward function {name!r} needs column(s) {missing}, but the dataset gives {given}")
         try:
             values = self._invoke(name, fn, kwargs)
         except RewardError:
             raise
         except Exception as e:
-            culprit = self._culprit(name, fn, kwargs, where)
+            culprit = self._culprit(name, fn, kwargs, prompts)
             raise RewardError(
                 f"reward function {name!r} raised {type(e).__name__}: {e}; {culprit}"
             ) from e
-        if not isinstance(values, (list, tuple)):
-            raise RewardError(
-                f"reward function {name!r} returned a {type(values).__name__}; "
-                f"expected a list of {n} floats"
-            )
+        values = _as_list(name, values, n)
         if len(values) != n:
             first_bad = min(len(values), n)
             raise RewardError(
@@ -427,23 +550,48 @@ class Rewards:
                 f"(first unmatched: sample {first_bad})"
             )
         for i, v in enumerate(values):
+            if v is None:
+                continue
             if not isinstance(v, numbers.Real):
                 raise RewardError(
                     f"reward function {name!r} returned {v!r} ({type(v).__name__}) "
-                    f"for {where(i)}; expected a float"
+                    f"for {_where(prompts, i)}; expected a float"
                 )
             if not _math.isfinite(v):
-                raise RewardError(f"reward function {name!r} returned {v} for {where(i)}")
-        return torch.tensor([float(v) for v in values], dtype=torch.float64)
+                raise RewardError(f"reward function {name!r} returned {v} for {_where(prompts, i)}")
+        return torch.tensor([_math.nan if v is None else float(v) for v in values], dtype=torch.float64)
 
-    def _culprit(self, name: str, fn: RewardFn, kwargs: dict, where: Callable[[int], str]) -> str:
+    def _culprit(self, name: str, fn: RewardFn, kwargs: dict, prompts: list) -> str:
         """Find the sample that makes `fn` raise by calling it on one sample at a time.
 
         Only on the failure path, which ends the step anyway; a function that only fails on the
         whole batch (e.g. one that normalises within it) gets no index."""
         for i in range(len(kwargs["completions"])):
             try:
-                self._invoke(name, fn, {k: v[i : i + 1] for k, v in kwargs.items()})
+                self._invoke(name, fn, {k: v[i : i + 1] if isinstance(v, list) else v for k, v in kwargs.items()})
             except Exception:
-                return f"called alone, {where(i)} fails"
+                return f"called alone, {_where(prompts, i)} fails"
         return "no single sample fails when called alone"
+
+
+def _where(prompts: list, i: int) -> str:
+    return f"sample {i} (prompt {text_of(prompts[i])[:80]!r})"
+
+
+def _call(fn: RewardFn, kwargs: dict) -> Any:
+    """fn(**kwargs); an `async def` function is awaited (in this thread's own event loop)."""
+    out = fn(**kwargs)
+    return asyncio.run(out) if inspect.iscoroutine(out) else out
+
+
+def _as_list(name: str, values: Any, n: int) -> list:
+    """A reward function's return as a list: a list or tuple, or a 1-D numpy array or tensor."""
+    if isinstance(values, (list, tuple)):
+        return list(values)
+    if isinstance(values, torch.Tensor) or type(values).__module__ == "numpy":
+        shape = tuple(values.shape)
+        if len(shape) == 1:
+            return values.tolist()
+        raise RewardError(f"reward function {name!r} returned a {type(values).__name__} of shape {shape}; "
+                          f"expected a list of {n} floats (or a 1-D array or tensor of {n})")
+    raise RewardError(f"reward function {name!r} returned a {type(values).__name__}; expected a list of {n} floats")

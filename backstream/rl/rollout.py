@@ -228,6 +228,7 @@ def generate(
     tokenizer=None,
     generator: torch.Generator | list[torch.Generator] | None = None,
     return_kv: bool = False,
+    progress=None,
 ) -> Rollout:
     """Sample `config.group_size` completions for every prompt (1-D token-id tensors).
 
@@ -235,6 +236,7 @@ def generate(
     tokenizer: anything with `decode(ids) -> str`; needed only for `config.stop`.
     generator: seeds the sampling, so that a seeded run is reproducible; or one generator per prompt
       (the same object may repeat: the groups then draw from it one after the other).
+    progress: optional `progress(groups done, groups in all)`, called after each prompt's group.
     return_kv: also return each sample's K/V (as the model's cache holds them, post-RoPE) for the
       streamed backward at the same weights (`stream_backward(..., kv=rollout.kv)`).
     The model runs as it is: call `model.eval()` first if it has dropout.
@@ -267,4 +269,6 @@ def generate(
         out.finish_reason += reasons
         if return_kv:
             out.kv += kv
+        if progress is not None:
+            progress(j + 1, len(prompts))
     return out

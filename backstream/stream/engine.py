@@ -361,6 +361,7 @@ class _Engine:
         self.offsets_t = torch.tensor(flat_offsets([len(s) for s in sequences]), dtype=torch.long)
         self.concat_layers = concat_layers(self.base)  # attention reading K/V derived from the cache
         self.every_token = False  # the objective reads every token's router logits (views carry them)
+        self.progress = None  # progress(phase, batches done, batches in all), after each block batch
         self.mult: dict[int, Tensor] = {}  # then: node → float64 [len], sequences containing each token
 
     def needs_work(self, row: Row) -> bool:
@@ -372,7 +373,7 @@ class _Engine:
         reads (the tail of a response) is left to the backward unless the objective asked for
         every log-prob before the backward (`all_logprobs`)."""
         with torch.no_grad():
-            for parent, rows in self.schedule:
+            for done, (parent, rows) in enumerate(self.schedule, 1):
                 if not all_logprobs:
                     rows = [r for r in rows if read_later(self.tree, r)]
                     if not rows:
@@ -386,6 +387,8 @@ class _Engine:
                     self.record(view, logprobs)
                 batch.release()
                 stats.prefill_tokens += sum(r.hi - r.lo for r in rows)
+                if self.progress is not None:
+                    self.progress("prefill", done, len(self.schedule))
 
     @staticmethod
     def record(view: BlockView, logprobs: list[Tensor]) -> None:
@@ -394,7 +397,9 @@ class _Engine:
             logprobs[s][t] = x
 
     def backward(self, objective: Objective, logprobs: list[Tensor], stats: StreamStats, record: bool) -> None:
-        for parent, rows in reversed(self.schedule):
+        for done, (parent, rows) in enumerate(reversed(self.schedule), 1):
+            if self.progress is not None:
+                self.progress("backward", done, len(self.schedule))
             work = [r for r in rows if self.needs_work(r)]
             stats.blocks_skipped += len(rows) - len(work)
             stats.skipped_tokens += sum(r.hi - r.lo for r in rows if r not in work)
@@ -445,6 +450,7 @@ def stream_backward(
     kv: list | None = None,
     kernel: str = "auto",
     grad_dtype: torch.dtype | None = torch.float32,
+    progress=None,
 ) -> StreamResult:
     """Accumulate into `.grad` the gradient of Σ_i Σ_t weights[i][t]·log πθ(x_i[t] | x_i[:t]) — or of
     the sum of `objective`'s block terms — block by block, shared prefixes once.
@@ -461,6 +467,8 @@ def stream_backward(
       block batches in this dtype and `.grad` receives the sum once, at the end (one rounding
       instead of one per block batch; memory: one such buffer per parameter during the call).
       None: every block batch adds straight into `.grad`. Under FSDP2 its own accumulation applies.
+    progress: optional `progress(phase, done, total)`, called as the prefill and the backward go
+      through their block batches ("prefill" / "backward"; a progress bar's hook).
     An objective with `router_aux_coef > 0` (MoE models) adds the router load-balancing loss over
     every token (`backstream.stream.router`); its value is in `stats.router_aux_loss`.
     Returns the log-probs at the current weights (NaN where no target was active) and stats.
@@ -474,7 +482,7 @@ def stream_backward(
         raise ValueError(f"grad_dtype: expected a floating torch.dtype or None, got {grad_dtype!r}")
     return _run(model, sequences, obj, block_size=block_size, batch_tokens=batch_tokens,
                 memory_budget=memory_budget, kv=kv, kernel=kernel, backward=True,
-                grad_dtype=None if sharded else grad_dtype)
+                grad_dtype=None if sharded else grad_dtype, progress=progress)
 
 
 class _Mask(Objective):
@@ -513,7 +521,8 @@ def _run(model, sequences, obj, **kw) -> StreamResult:
 
 
 def _run_local(model, sequences, obj, *, block_size, batch_tokens, memory_budget, kv, kernel,
-               backward, across_ranks: bool = False, grad_dtype: torch.dtype | None = None) -> StreamResult:
+               backward, across_ranks: bool = False, grad_dtype: torch.dtype | None = None,
+               progress=None) -> StreamResult:
     from backstream.stream.planner import plan  # noqa: PLC0415  (planner imports engine stats)
 
     for name, val in (("block_size", block_size), ("batch_tokens", batch_tokens), ("memory_budget", memory_budget)):
@@ -545,6 +554,7 @@ def _run_local(model, sequences, obj, *, block_size, batch_tokens, memory_budget
     stats.block_size, stats.batch_tokens, stats.peak_bytes_predicted = p.block_size, p.batch_tokens, p.peak_bytes
 
     eng = _Engine(model, seqs_cpu, tree, p.block_size, p.batch_tokens, kernel, pad_id=0)
+    eng.progress = progress
     if obj.needs_router_logits:
         eng.every_token, eng.mult = True, _multiplicities(tree, inputs)
     lp_dtype = torch.promote_types(eng.dtype, torch.float32)

@@ -33,6 +33,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -157,6 +158,17 @@ class LossConfigBase:
     @property
     def mismatch_mode(self) -> ISMode:
         return IS_MODES[self.is_mode]
+
+    METRICS: ClassVar[tuple[str, ...]] = ()  # what a variant's objective reports when it has a term to report
+
+    def metric_keys(self) -> list[str]:
+        """Every metric this variant's objective can report (a run's metrics.jsonl holds each on every
+        line, null on a step where it is undefined)."""
+        keys = list(self.METRICS) + ["kl"] * (self.kl_coef > 0) + ["entropy"] * (self.entropy_coef > 0)
+        level = self.mismatch_level
+        if level is not None:
+            keys += ["is/weight_mean", f"is/{level.unit}_masked_frac", "is/truncated_frac"]
+        return keys
 
     def build(self, **inputs) -> PolicyObjective:
         """The objective of this variant over one minibatch (the keyword arguments of `build_objective`)."""

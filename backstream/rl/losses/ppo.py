@@ -28,6 +28,7 @@ from backstream.stream.objective import BlockView
 class PPOClipConfig(LossConfigBase):
     type: str = "ppo_clip"
     """Token-level PPO clip: GRPO, DAPO (eps_high > eps_low), Dr.GRPO (seq-mean-token-sum-norm)."""
+    METRICS = ("policy", "ratio_mean", "clip_frac_low", "clip_frac_high")
     eps_low: float = 0.2
     """Lower clip range: ρ ≥ 1 − eps_low."""
     eps_high: float = 0.2

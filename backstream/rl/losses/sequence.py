@@ -83,6 +83,7 @@ class SequenceRatioObjective(SetupObjective):
 class GSPOConfig(LossConfigBase):
     type: str = "gspo"
     """Sequence-level ratio and clipping (GSPO)."""
+    METRICS = ("policy", "ratio_mean", "clip_frac_low", "clip_frac_high")
     eps_low: float = 3e-4
     """Lower clip range of the sequence ratio."""
     eps_high: float = 4e-4

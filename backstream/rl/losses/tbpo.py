@@ -56,6 +56,8 @@ from backstream.rl.offpolicy import sequence_log_ratios
 class TBPOConfig(LossConfigBase):
     type: str = "tbpo"
     """Trust-Band Policy Optimization (QaRL): sequence ratios, responses outside their band masked."""
+    METRICS = ("policy", "ratio_mean", "tbpo/masked_frac", "tbpo/masked_pos", "tbpo/masked_neg",
+               "tbpo/weight_mean", "tbpo/weight_capped_frac")
     seq_clip_ratio_low: float = 3e-4
     """Lower end of PPO's clip of the sequence ratio; never binds in TBPO (positive advantages are
     bounded above only, negative ones by the neg_ band), kept to match the paper's configuration."""
