@@ -23,6 +23,7 @@ reshards), a single process without a process group included.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -80,7 +81,8 @@ def save(run_dir: str, step: int, model, tokenizer, state: dict, keep: int = 2) 
     shutil.rmtree(tmp, ignore_errors=True)  # a write that a kill interrupted
     try:
         os.makedirs(tmp)
-        model.save_pretrained(tmp)
+        with _quiet():
+            model.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         torch.save(state, os.path.join(tmp, STATE))
@@ -90,6 +92,20 @@ def save(run_dir: str, step: int, model, tokenizer, state: dict, keep: int = 2) 
         raise OSError(e.errno, _failed(step, e.strerror or e, latest(run_dir))) from e
     _publish(run_dir, tmp, final, keep)
     return final
+
+
+@contextlib.contextmanager
+def _quiet():
+    """transformers' own progress bar off while it writes the weights (the run's bar is on screen)."""
+    from transformers.utils import logging as hf_logging  # noqa: PLC0415
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
 
 
 def _failed(step: int, why, prev: str | None, rank: int | None = None) -> str:
@@ -163,7 +179,8 @@ def _save_sharded(run_dir: str, step: int, model, tokenizer, state: dict, keep: 
 
     def export():
         if rank == 0:
-            model.save_pretrained(tmp, state_dict=full)
+            with _quiet():
+                model.save_pretrained(tmp, state_dict=full)
             if tokenizer is not None:
                 tokenizer.save_pretrained(tmp)
             torch.save({**states[0], "ranks": states}, os.path.join(tmp, STATE))  # ranks[r]: rank r's

@@ -115,6 +115,16 @@ class _TrainHelp(argparse.Action):
 
 
 def main(argv=None) -> int:
+    """The command line; returns the exit code. A Ctrl-C that lands while the run is already stopping
+    (after its own handler is gone) still ends with 130 and no traceback."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("backstream: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="backstream",
                                  description="Exact streamed-backward RL post-training of causal LMs")
     sub = ap.add_subparsers(dest="cmd", required=True)

@@ -94,6 +94,9 @@ class TrainConfig:
     """W&B project name."""
     progress: bool = True
     """Progress on stderr: a redrawing bar on a terminal, one line per step otherwise."""
+    plots: bool = True
+    """Write the PNG curves (reward per function with its spread, length, KL, entropy, clipping,
+    mismatch) into the run folder at each checkpoint and at the end (needs matplotlib: the plot extra)."""
 
     def __post_init__(self):
         at_least("train.steps", self.steps, 1)
@@ -338,8 +341,8 @@ RESUMABLE = {
     "train.steps": "how long the run goes on",
     "train.save_every": "checkpoint cadence", "train.save_every_minutes": "checkpoint cadence",
     "train.keep_checkpoints": "checkpoint cadence",
-    "train.progress": "logging", "train.log_tensorboard": "logging", "train.log_wandb": "logging",
-    "train.wandb_project": "logging",
+    "train.progress": "logging", "train.plots": "logging", "train.log_tensorboard": "logging",
+    "train.log_wandb": "logging", "train.wandb_project": "logging",
     "reward.timeout_s": "a time limit", "distributed.timeout_s": "a time limit",
     "optim.max_nonfinite_steps": "a safety limit", "engine.verify": "a check before training",
     "model.device": "where the run continues (float-close, not bitwise)",

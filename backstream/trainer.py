@@ -292,8 +292,9 @@ class Trainer:
     def _plot(self) -> None:
         """The PNG curves beside the checkpoint (when matplotlib is installed; a plot that fails is
         reported, never a reason to stop a run)."""
-        if importlib.util.find_spec("matplotlib") is None or not os.path.exists(os.path.join(self.run_dir,
-                                                                                               "metrics.jsonl")):
+        if not self.cfg.train.plots or importlib.util.find_spec("matplotlib") is None:
+            return
+        if not os.path.exists(os.path.join(self.run_dir, "metrics.jsonl")):
             return
         try:
             plot(self.run_dir)

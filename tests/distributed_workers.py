@@ -58,8 +58,8 @@ def run_cfg(out: str, *extra):
     return config.load(None, [
         'model.dtype="float64"', f"train.steps={STEPS}", "train.prompts_per_step=2", "rollout.group_size=4",
         "rollout.max_new_tokens=5", "data.num_examples=32", "optim.lr=1e-2", "train.progress=false",
-        "engine.block_size=3", "distributed.timeout_s=60", "reward.functions=['rewards_for_tests:count_digits']",
-        f'train.output_dir="{out}"', *extra])
+        "train.plots=false", "engine.block_size=3", "distributed.timeout_s=60",
+        "reward.functions=['rewards_for_tests:count_digits']", f'train.output_dir="{out}"', *extra])
 
 
 def full_weights(model) -> dict[str, torch.Tensor]:

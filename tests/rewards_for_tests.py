@@ -29,3 +29,8 @@ def flat_for_one_prompt(completions, prompts, **kwargs):
     """The same reward for every sample of FLAT_PROMPT (a group with no signal); for any other
     prompt, a different reward for each sample of its group (the row number)."""
     return [0.5 if p == FLAT_PROMPT else float(i) for i, p in enumerate(prompts)]
+
+
+def constant(completions, **kwargs):
+    """The same reward for every sample: every group advantage is 0, nothing is learned."""
+    return [0.5] * len(completions)

@@ -277,7 +277,8 @@ def test_a_torchrun_rank_exits_without_interpreter_teardown(monkeypatch, capsys,
 
 def _train_sets(out, steps: int) -> list[str]:
     sets = [f"train.steps={steps}", "train.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=4",
-            "train.progress=false", "data.num_examples=16", f'train.output_dir="{out}"', "train.save_every=1"]
+            "train.progress=false", "train.plots=false", "data.num_examples=16", f'train.output_dir="{out}"',
+            "train.save_every=1"]
     return ["train"] + [a for s in sets for a in ("--set", s)]
 
 

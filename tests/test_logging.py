@@ -136,3 +136,54 @@ def test_progress_bar_on_a_terminal_and_lines_otherwise(tmp_path, monkeypatch, c
     assert "\r" in out and "3/3" in out and "reward" in out and "tok/s" in out
     assert "2/3" in out  # the bar starts at the resumed step
     assert "step 3/3 |" not in out  # no plain lines on a terminal
+
+
+def test_every_metrics_line_has_the_same_keys_and_a_timestamp(tmp_path):
+    """Steps where every advantage is 0 leave the loss terms undefined: their keys stay, null."""
+    import datetime
+
+    model, tok = tiny(torch.float32)
+    run = trainer.train(run_cfg(tmp_path, "k", 'model.dtype="float32"', "train.steps=2", "loss.kl_coef=0.0",
+                                "reward.functions=['rewards_for_tests:constant', 'rewards_for_tests:count_ones']",
+                                "reward.weights=[1.0, 0.0]"), model=model, tokenizer=tok)
+    lines = [json.loads(x) for x in open(os.path.join(run, "metrics.jsonl"))]
+    assert len(lines) == 2 and all(list(x) == list(lines[0]) for x in lines)
+    for x in lines:
+        assert x["batch/zero_adv_frac"] == 1.0 and x["loss/ratio_mean"] is None and x["loss/clip_frac_low"] is None
+        assert x["reward/rewards_for_tests:count_ones"] is not None
+        assert datetime.datetime.fromisoformat(x["time/wall"]).tzinfo is not None
+
+
+def test_train_writes_the_plots_with_each_reward_function(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    import matplotlib.axes
+
+    drawn = []
+    real = matplotlib.axes.Axes.plot
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", lambda self, *a, **k: drawn.append(k.get("label"))
+                        or real(self, *a, **k))
+    monkeypatch.setattr(matplotlib.axes.Axes, "set_ylabel", lambda self, label, **k: drawn.append(("y", label)))
+    model, tok = tiny(torch.float32)
+    run = trainer.train(run_cfg(tmp_path, "p", 'model.dtype="float32"', "train.steps=2", "train.plots=true",
+                                "reward.functions=['rewards_for_tests:count_ones', 'rewards_for_tests:count_digits']"),
+                        model=model, tokenizer=tok)
+    for name in ("reward", "length"):
+        assert os.path.getsize(os.path.join(run, f"{name}.png")) > 1000
+    assert {"reward/mean", "reward/rewards_for_tests:count_ones",
+            "reward/rewards_for_tests:count_digits"} <= set(drawn)  # a curve per function
+    assert ("y", "reward (mean ± std over the step's samples)") in drawn
+    assert not [n for n in os.listdir(run) if n.endswith(".tmp.png")]
+
+
+def test_the_bar_shows_the_phase_inside_a_step(tmp_path, monkeypatch):
+    term = _Terminal()
+    monkeypatch.setattr("sys.stderr", term)
+    model, tok = tiny(torch.float32)
+    trainer.train(run_cfg(tmp_path, "bar", 'model.dtype="float32"', "train.steps=1", "train.progress=true",
+                          "engine.block_size=4", "reward.functions=['rewards_for_tests:flat_for_one_prompt']"),
+                  model=model, tokenizer=tok)
+    out = "".join(term.text)
+    assert "step 1: rollout 1/2" in out and "step 1: rollout 2/2" in out and "step 1: backward" in out
+    lines = [x for part in out.split("\r") for x in part.split("\n")]
+    assert max(len(x) for x in lines) <= 100 + 2  # fits the terminal (100 columns where none is attached)
+    assert "Writing model shards" not in out  # the checkpoint's save_pretrained draws no bar of its own

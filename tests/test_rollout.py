@@ -203,7 +203,7 @@ def test_bf16_model():
     (dict(group_size=True), "group_size"),
 ])
 def test_config_validation_names_field(kw, field):
-    with pytest.raises(ValueError, match=rf"SamplingConfig\.{field}: got .*expected"):
+    with pytest.raises(ValueError, match=rf"rollout\.{field}: got .*expected"):  # the run file's key
         SamplingConfig(**kw)
 
 

@@ -42,7 +42,8 @@ def run_cfg(tmp_path, name, *extra):
     return config.load(None, [
         'model.dtype="float64"', "train.steps=3", "train.prompts_per_step=2", "rollout.group_size=4",
         "rollout.max_new_tokens=6", "data.num_examples=32", "optim.lr=1e-2", "train.progress=false",
-        "reward.functions=['rewards_for_tests:count_ones']", f'train.output_dir="{tmp_path / name}"', *extra])
+        "reward.functions=['rewards_for_tests:count_ones']", f'train.output_dir="{tmp_path / name}"',
+        "train.plots=false", *extra])  # the plots' own tests turn them on
 
 
 def weights(model):

@@ -78,10 +78,15 @@ def check_examples(examples: list[dict], source: str) -> None:
             raise ValueError(f"data: example {i} of {source} has no `prompt` column (columns: {cols})")
 
 
-def render_prompt(prompt, tokenizer) -> str:
-    """Text as is; chat messages through the tokenizer's chat template."""
+def render_prompt(prompt, tokenizer, row: int | None = None) -> str:
+    """Text as is; chat messages through the tokenizer's chat template. `row`: the example's index, for
+    the error messages."""
+    where = "" if row is None else f" (example {row})"
     if isinstance(prompt, str):
         return prompt
+    if isinstance(prompt, list) and not prompt:
+        raise ValueError(f"data: the prompt{where} is an empty list of chat messages; give it at least one "
+                         "{\"role\": \"user\", \"content\": ...} message")
     if isinstance(prompt, list) and all(isinstance(m, dict) and "content" in m for m in prompt):
         if getattr(tokenizer, "chat_template", None) is None:
             raise ValueError("data: the prompt is a list of chat messages but the tokenizer has no chat_template")
@@ -93,14 +98,14 @@ def encode_prompts(examples: list[dict], tokenizer, max_tokens: int) -> list[tor
     """Token ids of every prompt; a prompt longer than `max_tokens` is an error, never truncated."""
     out = []
     for i, ex in enumerate(examples):
-        ids = tokenizer(render_prompt(ex["prompt"], tokenizer), add_special_tokens=True)["input_ids"]
+        ids = tokenizer(render_prompt(ex["prompt"], tokenizer, i), add_special_tokens=True)["input_ids"]
         if len(ids) > max_tokens:
             raise ValueError(
                 f"data: prompt {i} has {len(ids)} tokens, more than data.max_prompt_tokens={max_tokens} "
                 "(raise it, or shorten the prompt; prompts are never truncated)"
             )
         if not ids:
-            raise ValueError(f"data: prompt {i} is empty after tokenization")
+            raise ValueError(f"data: prompt {i} (example {i}) is empty after tokenization; give it some text")
         out.append(torch.tensor(ids, dtype=torch.long))
     return out
 

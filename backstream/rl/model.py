@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from backstream.checks import at_least, choice
+from backstream.stream.hf import locate
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -63,6 +64,7 @@ class ModelConfig:
             return load_default(dtype=dtype)
         from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
 
+        locate(self.name, "model.name")  # a folder or a Hub id, else named at once (no Hub retries)
         try:
             trust = self.trust_remote_code
             tok = AutoTokenizer.from_pretrained(self.name, trust_remote_code=trust)
@@ -78,5 +80,14 @@ class ModelConfig:
             return model
         from peft import LoraConfig, get_peft_model  # noqa: PLC0415
 
-        return get_peft_model(model, LoraConfig(r=self.lora_r, lora_alpha=self.lora_alpha,
-                                                target_modules=self.lora_targets))
+        try:
+            return get_peft_model(model, LoraConfig(r=self.lora_r, lora_alpha=self.lora_alpha,
+                                                    target_modules=self.lora_targets))
+        except ValueError as e:
+            if "not found in the base model" not in str(e) and "Target modules" not in str(e):
+                raise
+            leaves = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                             if isinstance(m, torch.nn.Linear) and n.rsplit(".", 1)[-1] != "lm_head"})
+            raise ValueError(f"model.lora_targets: {self.lora_targets} match no module of {type(model).__name__}; "
+                             f"its linear layers are named {leaves} (set model.lora_targets to some of them, e.g. "
+                             "[\"q_proj\", \"v_proj\"])") from None

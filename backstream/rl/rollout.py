@@ -43,7 +43,7 @@ class SamplingConfig:
 
     def __post_init__(self):
         def bad(name, allowed):
-            raise ValueError(f"SamplingConfig.{name}: got {getattr(self, name)!r}, expected {allowed}")
+            raise ValueError(f"rollout.{name}: got {getattr(self, name)!r}, expected {allowed}")
 
         def is_int(x):
             return isinstance(x, int) and not isinstance(x, bool)

@@ -5,7 +5,11 @@ forward takes `logits_to_keep`. Importing this module changes nothing (no regist
 
 from __future__ import annotations
 
+import difflib
 import inspect
+import os
+import socket
+from urllib.parse import urlparse
 
 from torch import nn
 
@@ -63,3 +67,55 @@ def decoder_layers(model: nn.Module) -> dict[str, nn.Module]:
 def takes_logits_to_keep(model: nn.Module) -> bool:
     """Does the model's forward accept `logits_to_keep` (no [positions × vocab] logits beyond those)?"""
     return "logits_to_keep" in inspect.signature(base_model(model).forward).parameters
+
+
+def locate(name: str, key: str, model_types: bool = False) -> str:
+    """What a model name given as `key` is: "folder" (a local folder holding config.json), "type" (a
+    transformers model_type, when `model_types`) or "hub" (a Hub id found in the local cache, or
+    reachable). Anything else is a ValueError naming `key`, what was found and what to pass — at once:
+    an unreachable Hub is not retried (the nearest model types are listed instead)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING  # noqa: PLC0415
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES  # noqa: PLC0415
+
+    expected = ("a folder holding config.json, " + ("a transformers model_type (e.g. llama), " if model_types else "")
+                + "or a Hub id (org/name)")
+    if os.path.isdir(name):
+        if not os.path.isfile(os.path.join(name, "config.json")):
+            raise ValueError(f"{key}: {name!r} is a folder but holds no config.json, so it is not a Hugging Face "
+                             f"model folder (save_pretrained writes one); pass {expected}")
+        return "folder"
+    if model_types and name in CONFIG_MAPPING:
+        return "type"
+    if name.startswith((".", os.sep, "~")) or name.count("/") > 1 or os.path.splitext(name)[1]:
+        raise ValueError(f"{key}: {name!r} is no folder here; pass {expected} (a relative path starts at "
+                         f"{os.getcwd()})")
+    if _cached(name) or _hub_reachable():
+        return "hub"
+    near = difflib.get_close_matches(name.split("/")[-1].lower(), list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES), n=5,
+                                     cutoff=0.5)
+    hint = f"; the nearest model types: {', '.join(near)}" if near and model_types else ""
+    what = "a folder, a model_type" if model_types else "a folder"
+    raise ValueError(f"{key}: cannot load {name!r}: it is not {what} or a Hub id in the local cache, and the Hub "
+                     f"cannot be reached (offline, or HF_HUB_OFFLINE=1){hint}; pass {expected}")
+
+
+def _cached(repo_id: str) -> bool:
+    try:
+        from huggingface_hub import try_to_load_from_cache  # noqa: PLC0415
+
+        return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+    except Exception:  # noqa: BLE001  (not a valid repo id, no cache: not cached)
+        return False
+
+
+def _hub_reachable(timeout_s: float = 2.0) -> bool:
+    """Can the Hub be reached now? One TCP connection with a short timeout (huggingface_hub itself would
+    retry for tens of seconds before failing); False under HF_HUB_OFFLINE."""
+    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on"):
+        return False
+    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
+    try:
+        socket.create_connection((host, 443), timeout=timeout_s).close()
+        return True
+    except OSError:
+        return False

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from backstream.stream.hf import EXPERT_KEYS, TOP_K_KEYS, base_model
+from backstream.stream.hf import EXPERT_KEYS, TOP_K_KEYS, base_model, locate
 
 # the miniature's sizes
 WIDTH, HEADS, HEAD_DIM, FFN, MOE_FFN, VOCAB, RANK = 32, 4, 8, 48, 16, 61, 16
@@ -97,8 +97,6 @@ def load_config(model_or_config):
     transformers model_type name ("llama") or a Hub id (only config.json is read; a cached one works
     with HF_HUB_OFFLINE=1)."""
     from transformers import AutoConfig, PretrainedConfig  # noqa: PLC0415
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING  # noqa: PLC0415
-
     x = model_or_config
     if isinstance(x, PretrainedConfig):
         return copy.deepcopy(x)
@@ -115,13 +113,11 @@ def load_config(model_or_config):
         from backstream.default_model import DEFAULT_MODEL_DIR  # noqa: PLC0415
 
         return AutoConfig.from_pretrained(DEFAULT_MODEL_DIR, local_files_only=True)
-    if os.path.isdir(name):
+    kind = locate(name, "model", model_types=True)  # a ValueError, at once, for anything else
+    if kind == "folder":
         return AutoConfig.from_pretrained(name, local_files_only=True)
-    if name in CONFIG_MAPPING:
+    if kind == "type":
         return AutoConfig.for_model(name)
-    if name.startswith((".", os.sep, "~")) or name.count("/") > 1:  # a path, not a Hub id "org/name"
-        raise FileNotFoundError(f"model: {name!r} is no folder here; pass a folder holding config.json, a "
-                                "transformers model_type (e.g. llama) or a Hub id (org/name)")
     return AutoConfig.from_pretrained(name)
 
 
