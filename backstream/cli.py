@@ -1,6 +1,7 @@
 """Command line: a thin layer over the Python API, one function per subcommand.
 
-    backstream demo [--steps N] [--output DIR]      the built-in default: tiny model, arith task
+    backstream demo [--task arith|kvlookup|toolcalc] [--steps N] [--output DIR]
+                                                     the built-in default: tiny model, a built-in task
     backstream train [CONFIG.toml] [--set section.key=value ...] [--resume RUN_DIR [--allow-changed-files]]
                      [--overwrite]                  exit 0 done, 2 a mistake in the input (named), 130 / 143
                                                      interrupted (SIGINT / SIGTERM; resume with --resume)
@@ -45,14 +46,18 @@ def cmd_demo(args) -> int:
     from backstream import metrics, trainer  # noqa: PLC0415
     from backstream.config import load  # noqa: PLC0415
 
-    overrides = [f"train.steps={args.steps}", f'train.output_dir="{args.output}"'] + (args.set or [])
-    cfg = load(None, overrides, base=DEMO)
+    output = args.output or ("runs/demo" if args.task == "arith" else f"runs/demo-{args.task}")
+    overrides = [f"train.steps={args.steps}", f'train.output_dir="{output}"'] + (args.set or [])
+    cfg = load(None, overrides, base={**DEMO, "data": {"task": args.task}, **DEMO_TASKS.get(args.task, {})})
     run_dir = trainer.train(cfg, overwrite=True)  # a re-run of the demo moves the earlier one aside
     rows = metrics.read(run_dir)
     first = sum(r["reward/mean"] for r in rows[:3]) / min(3, len(rows))
     last = sum(r["reward/mean"] for r in rows[-3:]) / min(3, len(rows))
     plots = metrics.plot(run_dir) if _has_matplotlib() else []
     print(f"\nmean reward: first 3 steps {first:.3f} → last 3 steps {last:.3f}")
+    if "episode/tool_calls/mean" in rows[0]:
+        calls = [sum(r["episode/tool_calls/mean"] for r in part) / len(part) for part in (rows[:3], rows[-3:])]
+        print(f"tool calls per episode: first 3 steps {calls[0]:.2f} → last 3 steps {calls[1]:.2f}")
     print(f"metrics:    {os.path.join(run_dir, 'metrics.jsonl')}")
     for p in plots:
         print(f"plot:       {p}")
@@ -102,6 +107,8 @@ DEMO = {
     "train": {"prompts_per_step": 16},
     "optim": {"lr": 3e-4},
 }
+# the demo's settings per task beyond the task's own defaults (rl/tasks.py)
+DEMO_TASKS: dict[str, dict] = {"toolcalc": {"train": {"prompts_per_step": 8}}}
 
 
 class _TrainHelp(argparse.Action):
@@ -139,9 +146,12 @@ def _main(argv=None) -> int:
                    help="with --resume: go on although a file the run read (its data, a reward function's source) "
                         "changed since it started (the change is recorded in the run folder)")
     t.set_defaults(fn=cmd_train)
-    d = sub.add_parser("demo", help="train the built-in tiny model on the arith task (no download)")
+    d = sub.add_parser("demo", help="train the built-in tiny model on a built-in task (no download)")
+    d.add_argument("--task", default="arith", choices=["arith", "kvlookup", "toolcalc"],
+                   help="arith (two-digit additions), kvlookup (>1K-token prompts) or toolcalc (multi-turn "
+                        "episodes with an add tool)")
     d.add_argument("--steps", type=int, default=60)
-    d.add_argument("--output", default="runs/demo")
+    d.add_argument("--output", default=None, help="the run folder (default runs/demo, runs/demo-TASK)")
     d.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE")
     d.set_defaults(fn=cmd_demo)
     p = sub.add_parser("plot", help="write PNG curves of a run")

@@ -4,9 +4,9 @@ Each component owns a small `@dataclass(kw_only=True)` beside its code, document
 (attribute docstrings) and validated in `__post_init__`; this module maps TOML sections onto them,
 checks names and types with errors that name the key, the value and the allowed values, and renders
 `backstream train --help` from the same docstrings. The resolved config is saved with the run.
-The sections and where they live: model, data, rollout, reward, loss (one type per variant, picked
-by its `type` key), optim, engine and distributed (only what torchrun's environment does not say) in
-backstream/rl/; quant in backstream/quant/; the trainer's own algorithm and train below.
+The sections and where they live: model, data, rollout, env, reward, loss (one type per variant,
+picked by its `type` key), optim, engine and distributed (only what torchrun's environment does not
+say) in backstream/rl/; quant in backstream/quant/; the trainer's own algorithm and train below.
 """
 
 from __future__ import annotations
@@ -27,11 +27,14 @@ from backstream.quant.linear import QuantConfig
 from backstream.rl.advantages import ADVANTAGES
 from backstream.rl.backward import EngineConfig
 from backstream.rl.data import DataConfig
+from backstream.rl.env import EnvConfig
+from backstream.rl.evaluate import EvalConfig
 from backstream.rl.losses import LOSS_TYPES, LossConfig, PPOClipConfig
 from backstream.rl.model import ModelConfig
 from backstream.rl.optim import OptimConfig
 from backstream.rl.parallel import DistributedConfig
-from backstream.rl.rewards import RewardConfig, absolute_spec, spec_files
+from backstream.rl.rewards import RewardConfig
+from backstream.rl.specs import absolute_spec, spec_files
 from backstream.rl.rollout import SamplingConfig
 from backstream.rl.shaping import OVERLONG
 
@@ -115,9 +118,9 @@ class TrainConfig:
 LOSSES = LOSS_TYPES  # [loss] is the variant its `type` key names (the registry of backstream.rl.losses)
 
 SECTIONS: dict[str, type] = {
-    "model": ModelConfig, "data": DataConfig, "rollout": SamplingConfig, "reward": RewardConfig,
+    "model": ModelConfig, "data": DataConfig, "rollout": SamplingConfig, "env": EnvConfig, "reward": RewardConfig,
     "algorithm": AlgorithmConfig, "loss": PPOClipConfig, "optim": OptimConfig, "engine": EngineConfig,
-    "train": TrainConfig, "quant": QuantConfig, "distributed": DistributedConfig,
+    "train": TrainConfig, "eval": EvalConfig, "quant": QuantConfig, "distributed": DistributedConfig,
 }
 
 
@@ -131,12 +134,14 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: SamplingConfig = field(default_factory=lambda: SamplingConfig(group_size=8, max_new_tokens=8))
+    env: EnvConfig = field(default_factory=EnvConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     loss: LossConfig = field(default_factory=PPOClipConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     quant: QuantConfig = field(default_factory=QuantConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
@@ -154,14 +159,19 @@ class RunConfig:
         model = (dataclasses.replace(self.model, name=os.path.abspath(self.model.name))
                  if self.model.name != "default" and os.path.isdir(self.model.name) else self.model)
         reward = dataclasses.replace(self.reward, functions=[absolute_spec(f) for f in self.reward.functions])
-        return dataclasses.replace(self, data=data, model=model, reward=reward)
+        env = dataclasses.replace(self.env, factory=absolute_spec(self.env.factory) if self.env.factory else "",
+                                  tools=[absolute_spec(t) for t in self.env.tools])
+        ev = dataclasses.replace(self.eval, path=os.path.abspath(self.eval.path)) if self.eval.path else self.eval
+        return dataclasses.replace(self, data=data, model=model, reward=reward, env=env, eval=ev)
 
     def files_read(self) -> dict[str, str]:
         """The user's files the run reads (absolute path → the key that names it): the data and the
         reward functions' source files; a run records their fingerprints and a resume checks them."""
         files = {self.data.path: "data.path"} if self.data.path and os.path.exists(self.data.path) else {}
-        for spec in self.reward.functions:
-            files.update({path: "reward.functions" for path in spec_files(spec)})
+        for key, specs in (("reward.functions", self.reward.functions), ("env.factory", [self.env.factory]),
+                           ("env.tools", self.env.tools)):
+            for spec in filter(None, specs):
+                files.update({path: key for path in spec_files(spec)})
         return files
 
     def validate(self, world_size: int | None = None) -> None:
@@ -296,7 +306,23 @@ def load(path: str | None = None, overrides: list[str] = (), base: dict | None =
     for section in raw:
         if section not in SECTIONS:
             raise ValueError(f"[{section}]: unknown section; the sections are {list(SECTIONS)}")
+    _task_defaults(raw)
     return RunConfig(**{s: _build(s, cls, raw.get(s, {})) for s, cls in SECTIONS.items()})
+
+
+def _task_defaults(raw: dict) -> None:
+    """A built-in task's own defaults (rl/tasks.py `Task.defaults`: toolcalc's environment, say) for
+    the keys the run file leaves unset; the resolved config.toml then states them."""
+    data = raw.get("data", {})
+    if data.get("path") or not isinstance(data.get("task", DataConfig().task), str):
+        return
+    from backstream.rl.tasks import TASKS  # noqa: PLC0415
+
+    task = TASKS.get(data.get("task", DataConfig().task))
+    for key, value in (task.defaults if task else {}).items():
+        section, name = key.split(".", 1)
+        if isinstance(raw.get(section, {}), dict) and name not in raw.get(section, {}):
+            raw.setdefault(section, {})[name] = value
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -343,9 +369,10 @@ RESUMABLE = {
     "train.keep_checkpoints": "checkpoint cadence",
     "train.progress": "logging", "train.plots": "logging", "train.log_tensorboard": "logging",
     "train.log_wandb": "logging", "train.wandb_project": "logging",
-    "reward.timeout_s": "a time limit", "distributed.timeout_s": "a time limit",
+    "reward.timeout_s": "a time limit", "distributed.timeout_s": "a time limit", "env.tool_timeout_s": "a time limit",
     "optim.max_nonfinite_steps": "a safety limit", "engine.verify": "a check before training",
     "model.device": "where the run continues (float-close, not bitwise)",
+    **{f"eval.{f.name}": "evaluation (it changes nothing of the training)" for f in dataclasses.fields(EvalConfig)},
     "train.output_dir": "the run folder is where --resume found it",
 }
 """The keys a resume may change (`backstream train --resume RUN [run.toml] [--set ...]`): they are

@@ -179,6 +179,9 @@ PLOTS = {
     "entropy": ("entropy (nats per token)", [("loss/entropy", None)]),
     "clip_fraction": ("share of tokens clipped", [("loss/clip_frac_low", None), ("loss/clip_frac_high", None)]),
     "mismatch": ("k3 KL(sampler ‖ learner) per token", [("mismatch/kl", None)]),
+    "eval": ("held-out reward, pass@k, avg@k", [("eval/reward/mean", None)]),
+    "episode": ("per episode (mean)", [("episode/turns/mean", None), ("episode/tool_calls/mean", None),
+                                       ("episode/tool_errors/mean", None)]),
 }
 
 
@@ -200,9 +203,10 @@ def plot(run_dir: str) -> list[str]:
     rows = read(run_dir)
     keys = list(dict.fromkeys(k for r in rows for k in r))
     per_fn = [k for k in keys if k.startswith("reward/") and k not in ("reward/mean", "reward/std")]
+    eval_k = [k for k in keys if k.startswith(("eval/pass@", "eval/avg@"))]
     out = []
     for name, (ylabel, entries) in PLOTS.items():
-        entries = list(entries) + ([(k, None) for k in per_fn] if name == "reward" else [])
+        entries = list(entries) + [(k, None) for k in {"reward": per_fn, "eval": eval_k}.get(name, [])]
         drawn = [(k, band, s) for k, band in entries if (s := _series(rows, k))]
         if not drawn:
             continue

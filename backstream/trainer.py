@@ -51,13 +51,15 @@ from backstream.rl.advantages import ADVANTAGES
 from backstream.rl.losses import Normalisers, build_objective
 from backstream.rl.offpolicy import error_token_share, mismatch_metrics
 from backstream.rl.rewards import Rewards, TrainerState
-from backstream.rl.rollout import Rollout, generate
+from backstream.rl.episodes import build_sampler, eos_ids
+from backstream.rl.evaluate import Evaluator, with_group_size
+from backstream.rl.rollout import Rollout
 from backstream.rl.shaping import informative_groups, overlong_shaping
 from backstream.stream import fsdp
 from backstream.stream.hf import base_model
 from backstream.stream.router import moe_spec
 
-PHASES = ("rollout", "reward", "prefill", "backward", "optim")  # the step's time split, as logged
+PHASES = ("rollout", "tool", "reward", "prefill", "backward", "optim")  # the step's time split, as logged
 ZERO_ADVANTAGE_STEPS = 5  # this many steps in a row with every advantage 0 get a warning
 MISMATCH_KEYS = ("mismatch/kl", "mismatch/abs_log_ratio/mean", "mismatch/logprob_abs", "mismatch/ratio/max",
                  "mismatch/tokens", "mismatch/error_token_share")
@@ -181,7 +183,12 @@ class Trainer:
         if cfg.engine.verify and cfg.engine.streamed:
             verify_engine(self.model)
         self._load_prompts()
+        self.sampler = build_sampler(cfg.env, cfg.rollout, self.tok, eos_ids(self.model, self.tok),
+                                     cfg.engine.reuse_rollout_kv, self.prompts, self.prompt_text,
+                                     getattr(self.model.config, "max_position_embeddings", None))
+        self.sampler.check_prompts(self.examples)
         self.rewards = Rewards(cfg.reward)
+        self.evaluator = Evaluator.build(cfg.eval, cfg.data, tc.seed, self.examples, self._sampler_for)
         self.ref = self._reference_policy(copy_of_given=model is not None)  # a whole copy, before sharding
         self.dp.prepare(self.model, self.ref)  # after LoRA and quantization; the optimizer then holds the shards
         self.opt, self.sched = cfg.optim.build(self.model.parameters())
@@ -192,7 +199,6 @@ class Trainer:
         self.skipped_nonfinite = 0  # optimizer steps skipped for a NaN/inf gradient norm, this process
         self.nonfinite_in_a_row = 0
         self.times = dict.fromkeys(PHASES, 0.0)
-        self.eos = self.tok.eos_token_id
         self._stop: int = 0  # the signal that asked the run to stop, 0 while none did
         self.zero_adv_steps = 0  # steps in a row on which every advantage was 0
         # rank 0 owns the run folder (lock, config, metrics); its errors stop every rank
@@ -244,6 +250,21 @@ class Trainer:
             path = runfolder.record_error(self.run_dir, "".join(traceback.format_exception(e)))
             if path is not None:
                 print(f"backstream: the error and its traceback are in {path}", file=sys.stderr, flush=True)
+
+    def _sampler_for(self, examples: list[dict], k: int):
+        """The run's kind of sampler over other examples (the evaluation's), k samples per prompt."""
+        prompts = datamod.encode_prompts(examples, self.tok, self.cfg.data.max_prompt_tokens)
+        text = [datamod.render_prompt(e["prompt"], self.tok, i) for i, e in enumerate(examples)]
+        return build_sampler(self.cfg.env, with_group_size(self.cfg.rollout, k), self.tok,
+                             eos_ids(self.model, self.tok), False, prompts, text,
+                             getattr(self.model.config, "max_position_embeddings", None))
+
+    def evaluate(self) -> dict[str, float]:
+        """The held-out metrics at the current weights (rl/evaluate.py), in the rollout's numerics."""
+        ev = self.evaluator
+        self.model.eval()
+        with quantized(self.model, self.cfg.quant.enabled), fsdp.gathered(self.model):
+            return ev.run(self.model, lambda r: self.score(r, ev.sampler, ev.examples)[0], self.dp, self.step)
 
     def _load_prompts(self) -> None:
         """The examples, their prompts' token ids and text; a prompt whose completion could run
@@ -324,6 +345,7 @@ class Trainer:
         """One RL step (DESIGN §1): collect → advantages → update → metrics; returns the metrics."""
         t0 = time.perf_counter()
         self.times = dict.fromkeys(PHASES, 0.0)
+        self.unique_tokens = 0  # tokens the engine's trees held this step (first epoch)
         with self.dp.guard(f"step {self.step + 1}"):
             batch = self.collect()  # the global batch (on every rank under torchrun)
             adv = self.advantages(batch.rewards) * batch.keep
@@ -347,11 +369,11 @@ class Trainer:
         self.model.eval()
         # the sampler runs the rollout format; under FSDP with the parameters gathered once
         with quantized(self.model, self.cfg.quant.enabled), fsdp.gathered(self.model):
-            r = generate(self.model, [self.prompts[idx[j]] for j in groups], self.cfg.rollout,
-                         eos_token_id=self.eos, tokenizer=self.tok, return_kv=self.cfg.engine.reuse_rollout_kv,
-                         generator=[self.dp.generator(start + j) for j in groups],
-                         progress=lambda done, n: self.logger.phase(self.step + 1, f"rollout {done}/{n}"))
-        r.prompt_index = [idx[j] for j in groups for _ in range(r.group_size)]
+            r = self.sampler.sample(self.model, [self.examples[idx[j]] for j in groups], [idx[j] for j in groups],
+                                    [self.dp.generator(start + j) for j in groups],
+                                    progress=lambda done, n: self.logger.phase(self.step + 1, f"rollout {done}/{n}"))
+        self.times["tool"] += self.sampler.tool_s  # tools run inside the rollout: their time on its own line
+        self.times["rollout"] -= self.sampler.tool_s
         return r
 
     def sample_and_score(self, n_prompts: int, refill: bool = False) -> tuple[Rollout, Tensor, dict[str, Tensor]]:
@@ -365,17 +387,15 @@ class Trainer:
             total, per_fn = self.score(r) if len(r) else (torch.zeros(0), {})
         return self.dp.join_round(r, total, per_fn)
 
-    def score(self, r: Rollout) -> tuple[Tensor, dict[str, Tensor]]:
-        """Total reward per sample and each reward function's, called as TRL calls them: chat prompts
-        give the prompt's messages and the completion as an assistant message, text prompts strings;
-        with the completions' token ids, the step and every other column."""
-        texts = r.texts(self.tok)
-        rows = [self.examples[i] for i in r.prompt_index]
-        chat = [isinstance(row["prompt"], list) for row in rows]
-        prompts = [row["prompt"] if c else self.prompt_text[i] for row, c, i in zip(rows, chat, r.prompt_index)]
-        completions = [[{"role": "assistant", "content": t}] if c else t for t, c in zip(texts, chat)]
-        cols = {k: [row[k] for row in rows] for k in self.examples[0] if k != "prompt"}
-        return self.rewards(completions, prompts, cols, completions_ids=[c.tolist() for c in r.completion_ids],
+    def score(self, r: Rollout, sampler=None, examples: list[dict] | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+        """Total reward per sample and each reward function's, called as TRL calls them (the sampler
+        formats prompts and completions: `Sampler.reward_inputs`), with the step and every column.
+        `sampler`/`examples`: those `r` came from (default: the training ones)."""
+        sampler, examples = sampler or self.sampler, examples or self.examples
+        rows = [examples[i] for i in r.prompt_index]
+        completions, prompts, extra = sampler.reward_inputs(r, rows)
+        cols = {k: [row[k] for row in rows] for k in examples[0] if k != "prompt"}
+        return self.rewards(completions, prompts, cols, **extra,
                             trainer_state=TrainerState(global_step=self.step, max_steps=self.cfg.train.steps))
 
     def collect(self) -> Batch:
@@ -452,6 +472,7 @@ class Trainer:
                 self.times["prefill"] += res.stats.prefill_s
                 self.times["backward"] += res.stats.backward_s
                 if epoch == 0:  # sampler/learner agreement on the tokens the learner computed
+                    self.unique_tokens += res.stats.tree_tokens or res.stats.input_tokens
                     for r, lp in zip(rows, res.logprobs):
                         learner_lp[r] = lp
                 step = sum_metrics(self.dp.gather(obj.metrics()))  # additive: the normalisers are global
@@ -489,8 +510,10 @@ class Trainer:
         a step leaves it undefined)."""
         loss = [k if "/" in k else f"loss/{k}" for k in self.cfg.loss.metric_keys()]
         loss += ["loss/router_aux"] * (self.cfg.loss.router_aux_coef > 0)
-        return ["step", "reward/mean", "reward/std", "response_length/mean", "batch/groups", "batch/zero_adv_frac",
-                *[f"reward/{name}" for name in self.rewards.functions], *loss, "optim/grad_norm", *MISMATCH_KEYS,
+        return ["step", *self.evaluator.keys(), "reward/mean", "reward/std", "response_length/mean", "batch/groups",
+                "batch/zero_adv_frac",
+                *[f"reward/{name}" for name in self.rewards.functions], *self.sampler.metric_keys,
+                "tree/tokens_total", "tree/tokens_unique", *loss, "optim/grad_norm", *MISMATCH_KEYS,
                 "optim/skipped_nonfinite", *[f"time/{p}" for p in PHASES], "time/step", "throughput/tokens_per_s",
                 "optim/lr", "memory/peak_mib"]
 
@@ -498,16 +521,20 @@ class Trainer:
                 step_time: float) -> dict:
         """The step's line: rewards as scored, lengths, the loss terms averaged over the optimizer
         steps, sampler/learner mismatch, time per phase, throughput, learning rate, peak memory."""
-        r, n = batch.scored, len(batch.rollout)
+        r, n, ro = batch.scored, len(batch.rollout), batch.rollout
         m = {"step": self.step, "reward/mean": float(r.mean()), "reward/std": float(r.std()) if len(r) > 1 else 0.0,
-             "response_length/mean": float(sum(len(c) for c in batch.rollout.completion_ids) / n),
-             "batch/groups": n // batch.rollout.group_size, "batch/zero_adv_frac": float((adv == 0).float().mean())}
-        m.update({f"reward/{k}": float(v.mean()) for k, v in batch.scored_by_fn.items()})
+             "response_length/mean": float(sum(ro.sampled_tokens()) / n),  # the policy's tokens (of an episode too)
+             "batch/groups": n // ro.group_size, "batch/zero_adv_frac": float((adv == 0).float().mean())}
+        # a function's mean over the samples it scored (None: TRL's "does not apply")
+        m.update({f"reward/{k}": float(v.nanmean()) for k, v in batch.scored_by_fn.items()})
+        m.update(self.sampler.metrics(ro))
+        m["tree/tokens_total"] = sum(len(p) + len(c) for p, c in zip(ro.prompt_ids, ro.completion_ids))
+        m["tree/tokens_unique"] = sum(self.dp.gather(self.unique_tokens))  # the engine's, over every rank
         # loss terms as loss/…; an objective's own groups (is/…, tbpo/…) keep their names
         m.update({"optim/grad_norm" if k == "grad_norm" else k if "/" in k else f"loss/{k}": float(sum(v) / len(v))
                   for k, v in logged.items()})
         m.update(mismatch)
-        m["mismatch/error_token_share"] = error_token_share(batch.rollout.completion_ids)
+        m["mismatch/error_token_share"] = error_token_share(ro.sampled_ids())
         tokens = sum(len(p) + len(c) for p, c in zip(batch.rollout.prompt_ids, batch.rollout.completion_ids))
         m["optim/skipped_nonfinite"] = self.skipped_nonfinite
         m.update({f"time/{k}": v for k, v in self.times.items()})  # rank 0's, under torchrun
@@ -607,9 +634,13 @@ class Trainer:
         old = {s: signal.signal(s, self._signal) for s in (signal.SIGINT, signal.SIGTERM)}
         self.last_save = time.monotonic()
         try:
+            if self.evaluator.at_start and self.step == 0:
+                self.logger.log({"step": 0, **self.evaluate()})
             # a signal may reach one rank only: every rank stops at the same step boundary
             while self.step < tc.steps and not self.dp.any(bool(self._stop)):
                 m = self.train_step()
+                if self.evaluator.due(self.step, tc.steps):
+                    m.update(self.evaluate())
                 self.logger.log(m)
                 self._watch_advantages(m)
                 if self._checkpoint_due():

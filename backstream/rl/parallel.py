@@ -382,6 +382,10 @@ class DataParallel:
     def kept(self, groups: list[int]) -> None:
         """DAPO dynamic sampling kept these groups of the last round for the update."""
 
+    def share(self, n: int) -> list[int]:
+        """This rank's share of n independent items (evaluation prompts): strided over the ranks."""
+        return list(range(self.rank, n, self.world))
+
     def train_groups(self, n_groups: int, kv: list | None) -> list[int]:
         """The groups of the step's batch this rank trains (`kv`: the batch's per-sample K/V, None
         where this rank does not hold them)."""
@@ -452,7 +456,9 @@ class Torchrun(DataParallel):
         return group_generator(self.seed, position)
 
     def join_round(self, rollout, total, per_fn):
-        return self.join(self.gather((self.groups, dataclasses.replace(rollout, kv=None), total, per_fn)), rollout.kv)
+        # K/V stay where they were computed; messages and environments served this rank's reward functions
+        light = dataclasses.replace(rollout, kv=None, messages=None, envs=None)
+        return self.join(self.gather((self.groups, light, total, per_fn)), rollout.kv)
 
     def join(self, parts: list[tuple], kv: list | None):
         """`join_round` once every rank's (groups, rollout without K/V, total, per_fn) is here; `kv`:

@@ -29,21 +29,18 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import importlib
-import importlib.util
 import inspect
 import math as _math
 import numbers
-import os
 import re
-import sys
 import threading
-import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
+
+from backstream.rl.specs import is_module_spec, is_path_spec, load_object
 
 RewardFn = Callable[..., Sequence[float]]
 
@@ -51,11 +48,6 @@ RewardFn = Callable[..., Sequence[float]]
 
 class RewardError(ValueError):
     """A reward function failed or returned something unusable; the step cannot go on."""
-
-
-class NotCallableSpec(ValueError, TypeError):
-    """A reward spec names something that is not callable: a mistake in the run file (ValueError), of
-    the kind Python calls a TypeError."""
 
 
 def text_of(x) -> str:
@@ -232,69 +224,10 @@ class RewardModel:
 # Specs: the strings of a run file
 
 
-def _from_file(spec: str) -> RewardFn:
-    target, _, name = spec.rpartition(":")
-    path = Path(target)
-    if not path.is_file():
-        raise ValueError(f"reward spec {spec!r}: no file {str(path)!r}")
-    module_name = f"backstream_user_reward_{path.stem}"
-    module_spec = importlib.util.spec_from_file_location(module_name, path)
-    assert module_spec is not None and module_spec.loader is not None
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[module_name] = module  # dataclasses and pickling look the module up here
-    try:
-        module_spec.loader.exec_module(module)
-    except Exception as e:  # noqa: BLE001  (the user's file: name the file and line, no traceback of ours)
-        sys.modules.pop(module_name, None)
-        raise ValueError(f"reward spec {spec!r}: {_where_in(e, path)}") from e
-    return _attribute(spec, module, target, name)
-
-
-def _from_module(spec: str) -> RewardFn:
-    target, _, name = spec.rpartition(":")
-    try:
-        module = importlib.import_module(target)
-    except ModuleNotFoundError as e:
-        raise ValueError(f"reward spec {spec!r}: cannot import {target!r} ({e})") from e
-    except Exception as e:  # noqa: BLE001  (the user's module raised while importing)
-        raise ValueError(f"reward spec {spec!r}: importing {target!r} failed: {_where_in(e, None)}") from e
-    return _attribute(spec, module, target, name)
-
-
-def _attribute(spec: str, module, target: str, name: str) -> RewardFn:
-    fn = getattr(module, name, None)
-    if fn is None:
-        raise ValueError(f"reward spec {spec!r}: {target!r} has no attribute {name!r}")
-    if not callable(fn):
-        raise NotCallableSpec(f"reward spec {spec!r}: {name!r} is a {type(fn).__name__}, not callable; name a "
-                              "function (or a callable object) of that file or module")
-    return fn
-
-
-def _where_in(e: BaseException, path: Path | None) -> str:
-    """An exception raised by a user's file, as `file, line N: Type: message` (the innermost frame
-    in `path`, or in any file outside this package when `path` is None)."""
-    if isinstance(e, SyntaxError):
-        return f"{e.filename}, line {e.lineno}: SyntaxError: {e.msg}"
-    here = Path(__file__).resolve().parent.parent
-    frame = None
-    for f in traceback.extract_tb(e.__traceback__):
-        p = Path(f.filename).resolve()
-        if (path is not None and p == path.resolve()) or (path is None and here not in p.parents
-                                                          and "importlib" not in f.filename):
-            frame = f
-    where = f"{frame.filename}, line {frame.lineno}: " if frame is not None else ""
-    return f"{where}{type(e).__name__}: {e}"
-
-
-def _is_path_spec(spec: str) -> bool:
-    target, sep, name = spec.rpartition(":")
-    return bool(sep and target and name.isidentifier() and target.endswith(".py"))
-
-
-def _is_module_spec(spec: str) -> bool:
-    target, sep, name = spec.rpartition(":")
-    return bool(sep and target and name.isidentifier() and not target.endswith(".py"))
+def env_reward(environments: list, **kwargs: Any) -> list[float | None]:
+    """The built-in reward `env`: each episode's environment scores it (`get_reward()`, TRL's
+    contract); None for an environment without one (another function must score that sample)."""
+    return [e.get_reward() if callable(getattr(e, "get_reward", None)) else None for e in environments]
 
 
 def _load_math(spec: str) -> RewardFn:
@@ -311,8 +244,9 @@ SPECS: tuple[tuple[str, Callable[[str], bool], Callable[[str], RewardFn]], ...] 
      lambda s: format_reward(s[len("format:"):])),
     ("reward_model:<local folder>", lambda s: s.startswith("reward_model:") and len(s) > len("reward_model:"),
      lambda s: RewardModel.from_pretrained(s[len("reward_model:"):])),
-    ("path/to/file.py:function", _is_path_spec, _from_file),
-    ("package.module:function", _is_module_spec, _from_module),
+    ("env", lambda s: s == "env", lambda s: env_reward),
+    ("path/to/file.py:function", is_path_spec, lambda s: load_object(s, "reward spec")),
+    ("package.module:function", is_module_spec, lambda s: load_object(s, "reward spec")),
 )
 SPEC_FORMS = ", ".join(f"'{form}'" for form, _, _ in SPECS)
 
@@ -328,32 +262,6 @@ def _spec_form(spec: str):
 def load_reward(spec: str) -> RewardFn:
     """Resolve a spec string (one of `SPEC_FORMS`) to a reward function."""
     return _spec_form(spec)[2](spec)
-
-
-def spec_files(spec: str) -> list[str]:
-    """The source file a spec's function comes from, when it is the user's own (a `file.py:fn`, or a
-    module outside site-packages): the files a run fingerprints, so that a resume notices a change."""
-    target, _, _ = spec.rpartition(":")
-    if _is_path_spec(spec):
-        return [os.path.abspath(target)]
-    if _is_module_spec(spec):
-        found = importlib.util.find_spec(target.split(".")[0]) if target else None
-        origin = getattr(importlib.util.find_spec(target), "origin", None) if found is not None else None
-        if origin and os.path.isfile(origin) and "site-packages" not in origin and "dist-packages" not in origin \
-                and not origin.startswith(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))):
-            return [os.path.abspath(origin)]
-    return []
-
-
-def absolute_spec(spec: str) -> str:
-    """The spec with a relative file path made absolute (a resumed run finds the same file from
-    any directory); other forms as they are."""
-    if _is_path_spec(spec):
-        target, _, name = spec.rpartition(":")
-        return f"{os.path.abspath(target)}:{name}"
-    if spec.startswith("reward_model:") and os.path.isdir(spec[len("reward_model:"):]):
-        return "reward_model:" + os.path.abspath(spec[len("reward_model:"):])
-    return spec
 
 
 @dataclass(kw_only=True)
@@ -453,6 +361,7 @@ class Rewards:
     def __call__(
         self, completions: list, prompts: list, columns: dict[str, list], *,
         completions_ids: list[list[int]] | None = None, trainer_state: TrainerState | None = None,
+        environments: list | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """(total [N] float32 = Σ over the functions that scored a sample of weight·reward,
         {name: unweighted reward [N] float32, NaN where the function returned None})."""
@@ -460,7 +369,7 @@ class Rewards:
         if len(prompts) != n:
             raise ValueError(f"Rewards: {len(prompts)} prompts for {n} completions")
         for key, values in columns.items():
-            if key in ("completions", "prompts", "completions_ids", "trainer_state"):
+            if key in ("completions", "prompts", "completions_ids", "trainer_state", "environments"):
                 raise ValueError(f"Rewards: column {key!r} clashes with a reward argument")
             if len(values) != n:
                 raise ValueError(f"Rewards: column {key!r} has {len(values)} rows for {n} samples")
@@ -477,6 +386,8 @@ class Rewards:
             kwargs |= {k: list(v) for k, v in columns.items()}
             if trainer_state is not None:
                 kwargs["trainer_state"] = trainer_state
+            if environments is not None:
+                kwargs["environments"] = list(environments)
             values = self._run(name, fn, kwargs, prompts)
             known = ~torch.isnan(values)
             total[known] += self.weights[name] * values[known]
@@ -531,7 +442,7 @@ class Rewards:
             and p.name not in kwargs
         ]
         if missing:
-            given = sorted(set(kwargs) - {"completions", "prompts", "completions_ids", "trainer_state"})
+            given = sorted(set(kwargs) - {"completions", "prompts", "completions_ids", "trainer_state", "environments"})
             raise RewardError(f"reward function {name!r} needs column(s) {missing}, but the dataset gives {given}")
         try:
             values = self._invoke(name, fn, kwargs)

@@ -15,6 +15,7 @@ and finished rows are not dropped from the batch.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -76,17 +77,43 @@ class Rollout:
     # per sample, a list over layers of (K, V) [kv_heads, len(prompt) + len(completion) - 1, head_dim]
     kv: list | None = None
     group_size: int = 1
+    # episodes (several turns, rl/episodes.py): per completion token whether the policy sampled it (the
+    # rest, tool results and template tokens, is context without loss; its logprobs are NaN); per
+    # sample its sampled turns, tool calls and tool calls that failed. None for single-turn samples.
+    sampled: list[Tensor] | None = None
+    turns: list[int] | None = None
+    tool_calls: list[int] | None = None
+    tool_errors: list[int] | None = None
+    # per sample, for the reward functions of this process only (never gathered across ranks): the
+    # episode's messages after the prompt and its environment instance
+    messages: list | None = None
+    envs: list | None = None
 
     def __len__(self) -> int:
         return len(self.completion_ids)
+
+    def sampled_ids(self) -> list[Tensor]:
+        """Per sample, the token ids the policy sampled (of an episode: its turns, without what came between)."""
+        if self.sampled is None:
+            return list(self.completion_ids)
+        return [c[m] for c, m in zip(self.completion_ids, self.sampled)]
+
+    def sampled_tokens(self) -> list[int]:
+        """Per sample, how many tokens the policy sampled."""
+        if self.sampled is None:
+            return [len(c) for c in self.completion_ids]
+        return [int(m.sum()) for m in self.sampled]
 
     def sequences(self) -> list[Tensor]:
         """Prompt + completion, one 1-D tensor per sample."""
         return [torch.cat([p, c]) for p, c in zip(self.prompt_ids, self.completion_ids)]
 
     def completion_mask(self) -> list[Tensor]:
-        """Per sample, a bool tensor over `sequences()[i]`: True at the completion tokens."""
-        return [torch.arange(len(p) + len(c)) >= len(p) for p, c in zip(self.prompt_ids, self.completion_ids)]
+        """Per sample, a bool tensor over `sequences()[i]`: True at the tokens the policy sampled (the
+        completion; of an episode, its sampled turns only)."""
+        if self.sampled is None:
+            return [torch.arange(len(p) + len(c)) >= len(p) for p, c in zip(self.prompt_ids, self.completion_ids)]
+        return [torch.cat([torch.zeros(len(p), dtype=torch.bool), m]) for p, m in zip(self.prompt_ids, self.sampled)]
 
     def aligned_logprobs(self) -> list[Tensor]:
         """The sampler's log-probs placed over `sequences()[i]`, NaN at the prompt tokens (the same
@@ -95,7 +122,11 @@ class Rollout:
                 for p, lp in zip(self.prompt_ids, self.logprobs)]
 
     def texts(self, tokenizer, skip_special_tokens: bool = True) -> list[str]:
-        return [tokenizer.decode(c.tolist(), skip_special_tokens=skip_special_tokens) for c in self.completion_ids]
+        """Each completion decoded (of an episode: its sampled tokens only)."""
+        if self.sampled is None:
+            return [tokenizer.decode(c.tolist(), skip_special_tokens=skip_special_tokens) for c in self.completion_ids]
+        return [tokenizer.decode(c[m].tolist(), skip_special_tokens=skip_special_tokens)
+                for c, m in zip(self.completion_ids, self.sampled)]
 
     def group_rows(self, groups: list[int]) -> list[int]:
         """The sample rows of `groups` (group indices), in that order."""
@@ -107,24 +138,29 @@ class Rollout:
         rows = self.group_rows(groups)
 
         def pick(xs):
-            return [xs[r] for r in rows]
+            return None if xs is None else [xs[r] for r in rows]
 
-        return Rollout(prompt_index=pick(self.prompt_index), prompt_ids=pick(self.prompt_ids),
-                       completion_ids=pick(self.completion_ids), logprobs=pick(self.logprobs),
-                       finish_reason=pick(self.finish_reason), kv=None if self.kv is None else pick(self.kv),
-                       group_size=self.group_size)
+        return Rollout(**{f.name: pick(getattr(self, f.name)) for f in dataclasses.fields(self)
+                          if f.name != "group_size"}, group_size=self.group_size)
 
     @staticmethod
     def concat(parts: list[Rollout]) -> Rollout:
         """The samples of every part, in order (same group size; K/V kept only if every part has them)."""
         assert parts and all(p.group_size == parts[0].group_size for p in parts)
-        has_kv = all(p.kv is not None for p in parts)
-        return Rollout(prompt_index=[x for p in parts for x in p.prompt_index],
-                       prompt_ids=[x for p in parts for x in p.prompt_ids],
-                       completion_ids=[x for p in parts for x in p.completion_ids],
-                       logprobs=[x for p in parts for x in p.logprobs],
-                       finish_reason=[x for p in parts for x in p.finish_reason],
-                       kv=[x for p in parts for x in p.kv] if has_kv else None, group_size=parts[0].group_size)
+
+        def join(name):  # a field kept only if every part has it (K/V: only where they were computed)
+            values = [getattr(p, name) for p in parts]
+            return None if any(v is None for v in values) else [x for v in values for x in v]
+
+        return Rollout(**{f.name: join(f.name) for f in dataclasses.fields(Rollout) if f.name != "group_size"},
+                       group_size=parts[0].group_size)
+
+    @staticmethod
+    def empty(group_size: int, like: Rollout | None = None) -> Rollout:
+        """No sample: a rank's share of a round too small to reach it (the fields `like` has, empty)."""
+        fields = {f.name: ([] if like is None or getattr(like, f.name) is not None else None)
+                  for f in dataclasses.fields(Rollout) if f.name != "group_size"}
+        return Rollout(**fields, group_size=group_size)
 
 
 def _filter(scaled_BV: Tensor, top_k: int, top_p: float) -> Tensor:
@@ -172,24 +208,22 @@ def _stop_hit(tokenizer, ids: list[int], stop: list[str], window: int) -> bool:
     return any(s in text for s in stop)
 
 
-def _sample_group(model, prompt: Tensor, config: SamplingConfig, eos: set[int], tokenizer, generator,
-                  return_kv: bool, keep_last: bool):
-    G, P, device = config.group_size, len(prompt), next(model.parameters()).device
-    # Without a config every layer is a DynamicLayer that keeps its whole history: sliding-window
-    # layers built from the config would drop K/V that return_kv hands out (the attention mask
-    # still applies the window, so the samples are the same).
-    cache = DynamicCache()
-    logits_BV = _forward(model, prompt.to(device)[None], 0, cache, keep_last).expand(G, -1)
-    cache.batch_repeat_interleave(G)  # the prompt's K/V, computed once, copied to the G rows
+def decode(model, cache: DynamicCache, logits_BV: Tensor, start: int, config: SamplingConfig, eos: set[int],
+           tokenizer, generator, keep_last: bool, max_new: int | None = None):
+    """Sample up to `max_new` (default config.max_new_tokens) tokens per row of a batch whose next-token
+    logits are `logits_BV` and whose cache holds `start` positions. Rows that finished are still fed
+    (their outputs ignored) so that the batch keeps its shape; the loop ends when every row has
+    finished. Returns per row the sampled ids, their log-probs [n] and the finish reason ("eos",
+    "stop" or "length"); the cache then holds every fed token (a row's last sampled token is not fed)."""
+    B, max_new = logits_BV.shape[0], max_new or config.max_new_tokens
     window = 4 * max((len(s) for s in config.stop), default=0) + 1  # a character may take up to 4 byte tokens
-
-    tokens: list[list[int]] = [[] for _ in range(G)]
-    logps: list[list[Tensor]] = [[] for _ in range(G)]
-    reason: list[str | None] = [None] * G
+    tokens: list[list[int]] = [[] for _ in range(B)]
+    logps: list[list[Tensor]] = [[] for _ in range(B)]
+    reason: list[str | None] = [None] * B
     tok_B: Tensor | None = None  # the tokens sampled at the previous step
-    for t in range(config.max_new_tokens):
+    for t in range(max_new):
         if t > 0:
-            logits_BV = _forward(model, tok_B[:, None], P + t - 1, cache, keep_last)
+            logits_BV = _forward(model, tok_B[:, None], start + t - 1, cache, keep_last)
         tok_B, logp_B = _sample(logits_BV, config, generator)
         for i, tok in enumerate(tok_B.tolist()):  # a CPU-GPU sync per step: the stop checks need the ids
             if reason[i] is not None:
@@ -200,21 +234,34 @@ def _sample_group(model, prompt: Tensor, config: SamplingConfig, eos: set[int], 
                 reason[i] = "eos"
             elif config.stop and _stop_hit(tokenizer, tokens[i], config.stop, window):
                 reason[i] = "stop"
-            elif len(tokens[i]) == config.max_new_tokens:
+            elif len(tokens[i]) == max_new:
                 reason[i] = "length"
         if all(r is not None for r in reason):
             break
+    return tokens, [torch.stack(lp).cpu() for lp in logps], reason
 
-    kv = None
-    if return_kv:
-        for layer in cache.layers:
-            if type(layer) is not DynamicLayer:
-                raise ValueError(f"return_kv: cache layer {type(layer).__name__} does not keep the full K/V history")
-        # views of the decode cache: row i's fed tokens are the prompt and all but its last sampled token
-        kv = [[(layer.keys[i, :, :P + len(tokens[i]) - 1], layer.values[i, :, :P + len(tokens[i]) - 1])
-               for layer in cache.layers] for i in range(G)]
+
+def row_kv(cache: DynamicCache, row: int, length: int) -> list[tuple[Tensor, Tensor]]:
+    """Row `row`'s first `length` positions of every layer of a decode cache, as views [Hkv, L, D]."""
+    for layer in cache.layers:
+        if type(layer) is not DynamicLayer:
+            raise ValueError(f"return_kv: cache layer {type(layer).__name__} does not keep the full K/V history")
+    return [(layer.keys[row, :, :length], layer.values[row, :, :length]) for layer in cache.layers]
+
+
+def _sample_group(model, prompt: Tensor, config: SamplingConfig, eos: set[int], tokenizer, generator,
+                  return_kv: bool, keep_last: bool):
+    G, P, device = config.group_size, len(prompt), next(model.parameters()).device
+    # Without a config every layer is a DynamicLayer that keeps its whole history: sliding-window
+    # layers built from the config would drop K/V that return_kv hands out (the attention mask
+    # still applies the window, so the samples are the same).
+    cache = DynamicCache()
+    logits_BV = _forward(model, prompt.to(device)[None], 0, cache, keep_last).expand(G, -1)
+    cache.batch_repeat_interleave(G)  # the prompt's K/V, computed once, copied to the G rows
+    tokens, logprobs, reason = decode(model, cache, logits_BV, P, config, eos, tokenizer, generator, keep_last)
+    # views of the decode cache: row i's fed tokens are the prompt and all but its last sampled token
+    kv = [row_kv(cache, i, P + len(tokens[i]) - 1) for i in range(G)] if return_kv else None
     completions = [torch.tensor(ids, dtype=torch.long) for ids in tokens]
-    logprobs = [torch.stack(lp).cpu() for lp in logps]
     return completions, logprobs, reason, kv
 
 
@@ -272,3 +319,41 @@ def generate(
         if progress is not None:
             progress(j + 1, len(prompts))
     return out
+
+
+class Sampler:
+    """The trainer's sampler of single-turn completions: G per prompt (`generate`), and the inputs of
+    the reward functions in TRL's formats (`reward_inputs`). `EpisodeSampler` (rl/episodes.py) has the
+    same methods for multi-turn episodes, so the trainer's step reads the same for both."""
+
+    metric_keys: tuple[str, ...] = ()
+
+    def __init__(self, config: SamplingConfig, tokenizer, eos: list[int], return_kv: bool, prompts: list[Tensor],
+                 prompt_text: list[str]):
+        self.config, self.tok, self.eos, self.return_kv = config, tokenizer, eos, return_kv
+        self.prompts, self.prompt_text = prompts, prompt_text  # per example: its token ids and text
+        self.tool_s = 0.0  # seconds spent in tools during the last `sample`
+
+    def sample(self, model, rows: list[dict], indices: list[int], generators: list, progress=None) -> Rollout:
+        """G samples for each example `indices[j]` (the data's rows `rows[j]`), group j drawn with
+        `generators[j]`; `prompt_index` holds the examples' indices."""
+        r = generate(model, [self.prompts[i] for i in indices], self.config, eos_token_id=self.eos,
+                     tokenizer=self.tok, return_kv=self.return_kv, generator=generators, progress=progress)
+        r.prompt_index = [i for i in indices for _ in range(r.group_size)]
+        return r
+
+    def reward_inputs(self, r: Rollout, rows: list[dict]) -> tuple[list, list, dict]:
+        """(completions, prompts, extra keyword arguments) as TRL passes them: chat prompts give the
+        prompt's messages and the completion as an assistant message, text prompts strings."""
+        texts = r.texts(self.tok)
+        chat = [isinstance(row["prompt"], list) for row in rows]
+        prompts = [row["prompt"] if c else self.prompt_text[i] for row, c, i in zip(rows, chat, r.prompt_index)]
+        completions = [[{"role": "assistant", "content": t}] if c else t for t, c in zip(texts, chat)]
+        return completions, prompts, {"completions_ids": [c.tolist() for c in r.completion_ids]}
+
+    def metrics(self, r: Rollout) -> dict[str, float]:
+        return {}
+
+    def check_prompts(self, examples: list[dict]) -> int:
+        """The longest prompt (its tokens were checked against the context when the data was loaded)."""
+        return max((len(p) for p in self.prompts), default=0)

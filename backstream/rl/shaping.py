@@ -25,7 +25,7 @@ def _filter(rollout: Rollout, rewards: Tensor, max_new: int, buffer: int) -> tup
 
 
 def _penalty(rollout: Rollout, rewards: Tensor, max_new: int, buffer: int) -> tuple[Tensor, Tensor]:
-    lens = torch.tensor([len(c) for c in rollout.completion_ids], dtype=torch.float32)
+    lens = torch.tensor(rollout.sampled_tokens(), dtype=torch.float32)
     start = max_new - buffer
     shaped = rewards + torch.clamp((start - lens) / max(buffer, 1), min=-1.0, max=0.0)
     return shaped, torch.ones(len(rewards), dtype=torch.bool)

@@ -19,13 +19,21 @@ trainer does.
 - `kvlookup`: a long-context retrieval task. One prompt of more than 1024 tokens (with the
   default character-level tokenizer) lists key=value pairs and then asks for one key's value; the G
   samples of a GRPO group share that whole prompt, which is the case prefix sharing exists for.
+- `toolcalc`: a multi-turn, tool-using task (DESIGN §6d). The sum of three two-digit numbers, which
+  the tiny default model gets right more often with the environment's `add(a, b)` tool than without:
+  an episode in the plain format (rl/turns.py) reads
+
+      "12+34+56=[add 12 34]<eos>" "\n=46\n" "[add 46 56]<eos>" "\n=102\n" "102<eos>"
+
+  where the quoted parts between the model's turns are the tool results the sampler inserts. Its
+  `defaults` set the environment (`Calculator`), a turn long enough for a call and four turns.
 """
 
 from __future__ import annotations
 
 import random
 import string
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from backstream.rl.rewards import exact_match
@@ -43,6 +51,8 @@ class Task:
     max_new_tokens: int = 8
     """A completion budget with room to spare for the answer and its end-of-sequence token."""
     description: str = ""
+    defaults: dict = field(default_factory=dict)
+    """Config keys ("section.key": value) a run file gets for this task unless it sets them."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -84,6 +94,43 @@ def kvlookup_row(rng: random.Random, n_pairs: int = KV_PAIRS) -> Row:
 
 
 # ---------------------------------------------------------------------------------------------
+# toolcalc
+
+
+def toolcalc_row(rng: random.Random, lo: int = 10, hi: int = 99) -> Row:
+    """"a+b+c=" with a, b, c uniform in [lo, hi]: three two-digit numbers."""
+    a, b, c = (rng.randint(lo, hi) for _ in range(3))
+    return {"prompt": f"{a}+{b}+{c}=", "answer": str(a + b + c), "task": "toolcalc"}
+
+
+def toolcalc_episode(row: Row, use_tool: bool = True) -> list[tuple[str, bool]]:
+    """The correct episode of a toolcalc row as (text, sampled) parts after the prompt, "<eos>" ending
+    each sampled turn: two `add` calls and the answer, or the answer alone (`use_tool` False). The
+    form scripts/make_default_model.py teaches the default model."""
+    a, b, c = map(int, row["prompt"].rstrip("=").split("+"))
+    if not use_tool:
+        return [(f"{a + b + c}<eos>", True)]
+    return [(f"[add {a} {b}]<eos>", True), (f"\n={a + b}\n", False), (f"[add {a + b} {c}]<eos>", True),
+            (f"\n={a + b + c}\n", False), (f"{a + b + c}<eos>", True)]
+
+
+class Calculator:
+    """toolcalc's environment: one tool, `add`; nothing to reset; the reward is the task's exact match."""
+
+    def reset(self, **row) -> None:
+        return None
+
+    def add(self, a: int, b: int) -> int:
+        """Add two integers.
+
+        Args:
+            a: The first number.
+            b: The second number.
+        """
+        return int(a) + int(b)
+
+
+# ---------------------------------------------------------------------------------------------
 # registry
 
 TASKS: dict[str, Task] = {
@@ -98,6 +145,13 @@ TASKS: dict[str, Task] = {
         make_row=kvlookup_row,
         max_new_tokens=6,
         description=f"retrieve one of {KV_PAIRS} key=value pairs from a >1024-token prompt",
+    ),
+    "toolcalc": Task(
+        name="toolcalc",
+        make_row=toolcalc_row,
+        max_new_tokens=16,
+        description="'a+b+c=' of three two-digit numbers, with a tool add(a, b) in a multi-turn episode",
+        defaults={"env.factory": "backstream.rl.tasks:Calculator", "env.max_turns": 4, "rollout.max_new_tokens": 16},
     ),
 }
 

@@ -1,0 +1,237 @@
+"""Multi-turn, tool-using episodes (DESIGN §6d): the sampler that plays an episode against its
+environment and hands the trainer one token sequence per episode.
+
+An episode of a task: the prompt (its tools' schemas and `reset`'s text in it), then turns. A turn is
+what the policy samples up to its end-of-turn token; a turn that calls tools is followed by their
+results, one that does not ends the episode (or, in a text environment, is followed by the next user
+message). Only the sampled tokens carry a loss (`Rollout.sampled`); tool results, template tokens and
+user messages are context of weight 0, and the trie of the streamed backward merges a group's shared
+prompt and any turns its episodes share, so an episode costs its unique tokens.
+
+The cache is kept across turns: the prompt of a task is prefilled once for its G episodes (the first
+turns are sampled as one batch, as single-turn groups are), each episode then keeps its own cache, and
+a turn feeds only its new tokens (the previous turn's last token, the inserted tokens) before it
+samples. Every sampled token keeps the sampler's log-prob; inserted tokens have none (NaN). With
+`return_kv` each episode's K/V (every position but its last token's) go to the engine, no prefill.
+
+Fidelity: an episode's sequence is bitwise the tokens the sampler fed, in order, plus the last token
+it sampled (`EpisodeSampler.fed` keeps them for the test that checks it).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+from transformers import DynamicCache
+
+from backstream.rl.env import Environment, EnvConfig
+from backstream.rl.rollout import Rollout, SamplingConfig, Sampler, _forward, decode, row_kv
+from backstream.rl.turns import make_format
+from backstream.stream.hf import takes_logits_to_keep
+
+METRIC_KEYS = ("episode/turns/mean", "episode/tool_calls/mean", "episode/tool_errors/mean", "episode/truncated")
+
+
+@dataclass
+class _Episode:
+    env: object
+    prompt: list[int]
+    prompt_messages: list[dict]
+    messages: list[dict] = field(default_factory=list)  # after the prompt: assistant, tool and user messages
+    ids: list[int] = field(default_factory=list)  # the completion: every token after the prompt
+    sampled: list[bool] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    pending: list[int] = field(default_factory=list)  # sampled, not fed yet (the turn's last token)
+    turn: list[int] = field(default_factory=list)  # the last turn's sampled tokens
+    turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    reason: str | None = None
+    cache: DynamicCache | None = None
+    fed: list[int] = field(default_factory=list)  # every token fed to the model, in order (fidelity test)
+
+    def add(self, ids: list[int], logprobs: list[float] | None) -> None:
+        self.ids += ids
+        self.sampled += [logprobs is not None] * len(ids)
+        self.logprobs += logprobs if logprobs is not None else [math.nan] * len(ids)
+
+    def length(self) -> int:
+        return len(self.prompt) + len(self.ids)
+
+
+class EpisodeSampler(Sampler):
+    """`Sampler` for `[env]` runs: G episodes per task (see the module docstring)."""
+
+    metric_keys = METRIC_KEYS
+
+    def __init__(self, config: SamplingConfig, env_cfg: EnvConfig, tokenizer, eos: list[int], return_kv: bool,
+                 context: int | None):
+        super().__init__(config, tokenizer, eos, return_kv, [], [])
+        self.env_cfg, self.env = env_cfg, Environment.load(env_cfg)
+        self.format = make_format(env_cfg.format, tokenizer, self.env.schemas, set(eos))
+        limit = env_cfg.max_episode_tokens or context or 10**9
+        self.max_tokens = min(limit, context or limit)
+        self.fed: list[list[int]] = []  # of the last `sample`, per episode
+
+    def check_prompts(self, examples: list[dict]) -> int:
+        """Render every example's prompt once (no environment: reset's text comes at sampling time), so
+        that a prompt the format cannot render fails before the run starts; returns the longest."""
+        return max(len(self.format.prompt(ex["prompt"], None)[0]) for ex in examples)
+
+    @torch.no_grad()
+    def sample(self, model, rows: list[dict], indices: list[int], generators: list, progress=None) -> Rollout:
+        G, keep_last = self.config.group_size, takes_logits_to_keep(model)
+        episodes: list[_Episode] = []
+        self.tool_s, self.fed = 0.0, []
+        for j, (row, index, gen) in enumerate(zip(rows, indices, generators)):
+            group = []
+            for _ in range(G):
+                env, extra = self.env.new(row, index)
+                prompt, messages = self.format.prompt(row["prompt"], extra)
+                group.append(_Episode(env=env, prompt=prompt, prompt_messages=messages))
+            self._first_turns(model, group, gen, keep_last)
+            for ep in group:
+                while ep.reason is None:
+                    self._next_turn(model, ep, gen, keep_last)
+            episodes += group
+            if progress is not None:
+                progress(j + 1, len(rows))
+        return self._rollout(episodes, indices)
+
+    def _first_turns(self, model, group: list[_Episode], gen, keep_last: bool) -> None:
+        """The first turn of a task's episodes: one prefill per distinct prompt (one for the G episodes
+        unless reset's texts differ), its rows sampled as one batch, a cache of its own per episode."""
+        device = next(model.parameters()).device
+        by_prompt: dict[tuple, list[_Episode]] = {}
+        for ep in group:
+            by_prompt.setdefault(tuple(ep.prompt), []).append(ep)
+        for prompt, eps in by_prompt.items():
+            P = len(prompt)
+            if P >= self.max_tokens:
+                raise ValueError(f"env.max_episode_tokens: a prompt of {P} tokens leaves no room for a turn "
+                                 f"(limit {self.max_tokens}); raise it or shorten the prompt")
+            cfg = copy.copy(self.config)
+            cache = DynamicCache()
+            logits = _forward(model, torch.tensor(prompt, device=device)[None], 0, cache, keep_last)
+            cache.batch_repeat_interleave(len(eps))
+            tokens, logps, reasons = decode(model, cache, logits.expand(len(eps), -1), P, cfg, set(self.eos),
+                                            self.tok, gen, keep_last, self._budget(P))
+            for i, ep in enumerate(eps):
+                ep.cache = _own_cache(row_kv(cache, i, P + len(tokens[i]) - 1))
+                ep.fed = list(prompt) + tokens[i][:-1]
+                self._took_turn(ep, tokens[i], logps[i], reasons[i])
+
+    def _budget(self, length: int) -> int:
+        return max(1, min(self.config.max_new_tokens, self.max_tokens - length))
+
+    def _took_turn(self, ep: _Episode, tokens: list[int], logps: Tensor, reason: str) -> None:
+        ep.add(tokens, logps.tolist())
+        ep.turn, ep.pending = tokens, tokens[-1:]
+        ep.turns += 1
+        if reason == "length":
+            ep.reason = "length"  # cut by rollout.max_new_tokens or env.max_episode_tokens
+
+    def _next_turn(self, model, ep: _Episode, gen, keep_last: bool) -> None:
+        """After a turn: its tool calls run (or the text hook), their tokens are fed with the turn's last
+        token, and the next turn is sampled; or the episode ends."""
+        message, calls = self.format.parse(ep.turn)
+        ep.messages.append(message)
+        if calls:
+            results = []
+            for call in calls:
+                content, failed, seconds = self.env.call(ep.env, call)
+                self.tool_s += seconds
+                ep.tool_calls += 1
+                ep.tool_errors += failed
+                results.append((call.name, content))
+                ep.messages.append({"role": "tool", "name": call.name, "content": content})
+            inserted = self.format.tool_results(results)
+        else:
+            text = message.get("content", "")
+            reply = self.env.step(ep.env, text) if self.env.has_step else None
+            if reply is None:
+                ep.reason = "eos"  # an answer: the episode is over
+                return
+            ep.messages.append({"role": "user", "content": reply})
+            inserted = self.format.user(reply)
+        if ep.turns >= self.env_cfg.max_turns:
+            ep.reason = "turns"
+            return
+        if ep.length() + len(inserted) + 1 > self.max_tokens:
+            ep.reason = "length"
+            return
+        device = next(model.parameters()).device
+        new = ep.pending + inserted
+        logits = _forward(model, torch.tensor(new, device=device)[None], ep.length() - 1, ep.cache, keep_last)
+        ep.fed += new
+        ep.add(inserted, None)
+        tokens, logps, reasons = decode(model, ep.cache, logits, ep.length(), self.config, set(self.eos), self.tok,
+                                        gen, keep_last, self._budget(ep.length()))
+        ep.fed += tokens[0][:-1]
+        self._took_turn(ep, tokens[0], logps[0], reasons[0])
+
+    def _rollout(self, episodes: list[_Episode], indices: list[int]) -> Rollout:
+        G = self.config.group_size
+        dtype = episodes[0].cache.layers[0].keys.dtype if episodes else torch.float32
+        lp_dtype = torch.promote_types(dtype, torch.float32)
+        self.fed = [ep.fed for ep in episodes]
+        kv = None
+        if self.return_kv:
+            kv = [[(layer.keys[0], layer.values[0]) for layer in ep.cache.layers] for ep in episodes]
+        for ep in episodes:
+            ep.cache = None  # the K/V above are views of it; the rest goes
+        return Rollout(
+            prompt_index=[i for i in indices for _ in range(G)],
+            prompt_ids=[torch.tensor(ep.prompt, dtype=torch.long) for ep in episodes],
+            completion_ids=[torch.tensor(ep.ids, dtype=torch.long) for ep in episodes],
+            logprobs=[torch.tensor(ep.logprobs, dtype=lp_dtype) for ep in episodes],
+            finish_reason=[ep.reason for ep in episodes], kv=kv, group_size=G,
+            sampled=[torch.tensor(ep.sampled, dtype=torch.bool) for ep in episodes],
+            turns=[ep.turns for ep in episodes], tool_calls=[ep.tool_calls for ep in episodes],
+            tool_errors=[ep.tool_errors for ep in episodes],
+            messages=[(ep.prompt_messages, ep.messages) for ep in episodes], envs=[ep.env for ep in episodes])
+
+    def reward_inputs(self, r: Rollout, rows: list[dict]) -> tuple[list, list, dict]:
+        """As TRL passes them with an environment: each episode's messages after the prompt, its prompt
+        (messages for chat data, text otherwise), its environment instance, its completion's ids."""
+        prompts = [row["prompt"] if isinstance(row["prompt"], list) else pm[0]["content"]
+                   for row, (pm, _) in zip(rows, r.messages)]
+        completions = [m for _, m in r.messages]
+        return completions, prompts, {"completions_ids": [c.tolist() for c in r.completion_ids],
+                                      "environments": list(r.envs)}
+
+    def metrics(self, r: Rollout) -> dict[str, float]:
+        n = max(1, len(r))
+        return {"episode/turns/mean": sum(r.turns) / n, "episode/tool_calls/mean": sum(r.tool_calls) / n,
+                "episode/tool_errors/mean": sum(r.tool_errors) / n,
+                "episode/truncated": sum(x in ("length", "turns") for x in r.finish_reason) / n}
+
+
+def _own_cache(kv: list[tuple[Tensor, Tensor]]) -> DynamicCache:
+    """A batch-1 cache holding these K/V ([Hkv, L, D] per layer): an episode's own, to extend."""
+    cache = DynamicCache()
+    for layer, (k, v) in enumerate(kv):
+        cache.update(k[None], v[None], layer)
+    return cache
+
+
+def eos_ids(model, tokenizer) -> list[int]:
+    """The tokens that end a turn: the tokenizer's EOS and the model's generation config's (a chat
+    model's end-of-turn token, <|im_end|> say, is often only there)."""
+    ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    extra = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids += extra if isinstance(extra, list) else [extra] if isinstance(extra, int) else []
+    return list(dict.fromkeys(ids))
+
+
+def build_sampler(env_cfg: EnvConfig, config: SamplingConfig, tokenizer, eos: list[int], return_kv: bool,
+                  prompts: list[Tensor], prompt_text: list[str], context: int | None) -> Sampler:
+    """The trainer's sampler: episodes against `[env]` when it names an environment or tools, else
+    single-turn completions."""
+    if env_cfg.enabled:
+        return EpisodeSampler(config, env_cfg, tokenizer, eos, return_kv, context)
+    return Sampler(config, tokenizer, eos, return_kv, prompts, prompt_text)

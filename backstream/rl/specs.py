@@ -1,0 +1,119 @@
+"""The `file.py:name` and `package.module:name` strings of a run file (reward functions, environment
+classes, tools): loaded with errors that name the key, the file and the line, made absolute so that
+a resumed run finds the same file from any directory, and traced to the source files a run
+fingerprints."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+
+class NotCallableSpec(ValueError, TypeError):
+    """A spec names something that is not callable: a mistake in the run file (ValueError), of the kind
+    Python calls a TypeError."""
+
+
+def is_path_spec(spec: str) -> bool:
+    target, sep, name = spec.rpartition(":")
+    return bool(sep and target and name.isidentifier() and target.endswith(".py"))
+
+
+def is_module_spec(spec: str) -> bool:
+    target, sep, name = spec.rpartition(":")
+    return bool(sep and target and name.isidentifier() and not target.endswith(".py"))
+
+
+def load_object(spec: str, key: str) -> Any:
+    """The callable a `file.py:name` or `package.module:name` spec names; `key` (the config key or
+    "reward spec") opens every error message."""
+    target, _, name = spec.rpartition(":")
+    if is_path_spec(spec):
+        module = _from_file(spec, key, Path(target))
+    elif is_module_spec(spec):
+        module = _from_module(spec, key, target)
+    else:
+        raise ValueError(f"{key} {spec!r}: expected 'path/to/file.py:name' or 'package.module:name'")
+    obj = getattr(module, name, None)
+    if obj is None:
+        raise ValueError(f"{key} {spec!r}: {target!r} has no attribute {name!r}")
+    if not callable(obj):
+        raise NotCallableSpec(f"{key} {spec!r}: {name!r} is a {type(obj).__name__}, not callable; name a "
+                              "function (or a callable object) of that file or module")
+    return obj
+
+
+def _from_file(spec: str, key: str, path: Path):
+    if not path.is_file():
+        raise ValueError(f"{key} {spec!r}: no file {str(path)!r}")
+    module_name = f"backstream_user_{path.stem}_{abs(hash(str(path.resolve()))) % 10**8}"
+    if module_name in sys.modules:  # the reward and the environment of one file: one module
+        return sys.modules[module_name]
+    module_spec = importlib.util.spec_from_file_location(module_name, path)
+    assert module_spec is not None and module_spec.loader is not None
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[module_name] = module  # dataclasses and pickling look the module up here
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as e:  # noqa: BLE001  (the user's file: name the file and line, no traceback of ours)
+        sys.modules.pop(module_name, None)
+        raise ValueError(f"{key} {spec!r}: {where_in(e, path)}") from e
+    return module
+
+
+def _from_module(spec: str, key: str, target: str):
+    try:
+        return importlib.import_module(target)
+    except ModuleNotFoundError as e:
+        raise ValueError(f"{key} {spec!r}: cannot import {target!r} ({e})") from e
+    except Exception as e:  # noqa: BLE001  (the user's module raised while importing)
+        raise ValueError(f"{key} {spec!r}: importing {target!r} failed: {where_in(e, None)}") from e
+
+
+def where_in(e: BaseException, path: Path | None) -> str:
+    """An exception raised by a user's code, as `file, line N: Type: message` (the innermost frame
+    in `path`, or in any file outside this package when `path` is None)."""
+    if isinstance(e, SyntaxError):
+        return f"{e.filename}, line {e.lineno}: SyntaxError: {e.msg}"
+    here = Path(__file__).resolve().parent.parent
+    frame = None
+    for f in traceback.extract_tb(e.__traceback__):
+        p = Path(f.filename).resolve()
+        if (path is not None and p == path.resolve()) or (path is None and here not in p.parents
+                                                          and "importlib" not in f.filename):
+            frame = f
+    where = f"{frame.filename}, line {frame.lineno}: " if frame is not None else ""
+    return f"{where}{type(e).__name__}: {e}"
+
+
+def spec_files(spec: str) -> list[str]:
+    """The source file a spec's function comes from, when it is the user's own (a `file.py:fn`, or a
+    module outside site-packages): the files a run fingerprints, so that a resume notices a change."""
+    target, _, _ = spec.rpartition(":")
+    if is_path_spec(spec):
+        return [os.path.abspath(target)]
+    if is_module_spec(spec):
+        found = importlib.util.find_spec(target.split(".")[0]) if target else None
+        origin = getattr(importlib.util.find_spec(target), "origin", None) if found is not None else None
+        if origin and os.path.isfile(origin) and "site-packages" not in origin and "dist-packages" not in origin \
+                and not origin.startswith(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))):
+            return [os.path.abspath(origin)]
+    return []
+
+
+def absolute_spec(spec: str) -> str:
+    """The spec with a relative file path made absolute (a resumed run finds the same file from
+    any directory); other forms as they are."""
+    if is_path_spec(spec):
+        target, _, name = spec.rpartition(":")
+        return f"{os.path.abspath(target)}:{name}"
+    if spec.startswith("reward_model:") and os.path.isdir(spec[len("reward_model:"):]):
+        return "reward_model:" + os.path.abspath(spec[len("reward_model:"):])
+    return spec
+
+

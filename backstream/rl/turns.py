@@ -1,0 +1,175 @@
+"""How the turns of an episode become tokens, and tokens tool calls (DESIGN §6d: token-level fidelity).
+
+The sampled tokens of a turn are kept verbatim, never decoded and re-encoded into the sequence: the
+sampler appends to what it already fed only the *new* part — the tool results, a user message and the
+template's opening of the next turn — rendered on its own. So the sequence the engine trains is
+bitwise the one the policy saw. (A chat template that renders earlier turns differently later, e.g.
+one that drops earlier reasoning, would change a re-rendered conversation: the episode continues on
+what the policy actually saw.)
+
+- `ChatFormat`: the tokenizer's chat template, with the tools' schemas (`tools=`) in the prompt. A
+  tool call is read with the tokenizer's own response parser where it defines one
+  (`tokenizer.parse_response`), else as Hermes/Qwen-style `<tool_call>{"name": …, "arguments": {…}}
+  </tool_call>` blocks. The tokens inserted after a turn are those the template renders after an
+  assistant turn for the tool (or user) messages plus the next generation prompt: the difference
+  between a short conversation rendered with and without them (TRL's way), cut at the end-of-turn
+  token the policy sampled.
+- `PlainFormat`: text for a model without a chat template (the built-in default model). A turn is a
+  tool call when its text is `[name arg arg …]` (arguments in the order of the tool's parameters,
+  JSON values where they parse); its result is inserted as "\n=result\n", a user message as
+  "\n" + message + "\n"; any other turn is an answer.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+from backstream.rl.env import ToolCall
+
+_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+_PLAIN_CALL = re.compile(r"\[\s*(\w+)((?:\s+[^\s\]]+)*)\s*\]")
+
+
+class PlainFormat:
+    """The default model's text format (see the module docstring)."""
+
+    name = "plain"
+
+    def __init__(self, tokenizer, schemas: list[dict]):
+        self.tok = tokenizer
+        self.params = {s["function"]["name"]: list(s["function"]["parameters"].get("properties", {}))
+                       for s in schemas}
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok(text, add_special_tokens=False)["input_ids"]
+
+    def prompt(self, prompt, extra: str | None) -> tuple[list[int], list[dict]]:
+        """The episode's first tokens and its prompt as messages (for the reward functions)."""
+        if not isinstance(prompt, str):
+            raise ValueError("env.format: 'plain' takes text prompts; chat prompts need a tokenizer with a chat "
+                             "template (env.format = 'chat')")
+        text = prompt + (extra or "")
+        return self.tok(text, add_special_tokens=True)["input_ids"], [{"role": "user", "content": text}]
+
+    def parse(self, ids: list[int]) -> tuple[dict, list[ToolCall]]:
+        """The assistant message of a sampled turn and the tool calls it makes."""
+        text = self.tok.decode(ids, skip_special_tokens=True)
+        stripped = text.strip()
+        if not stripped.startswith("["):
+            return {"role": "assistant", "content": text}, []
+        m = _PLAIN_CALL.fullmatch(stripped)
+        if m is None:
+            call = ToolCall(name="?", arguments=[],
+                            error=f"malformed tool call {stripped[:60]!r}; write [name arg ...]")
+            return {"role": "assistant", "content": text}, [call]
+        name, args = m.group(1), [_value(a) for a in m.group(2).split()]
+        params = self.params.get(name)
+        if params is not None and len(args) != len(params):
+            call = ToolCall(name=name, arguments=args,
+                            error=f"{name} takes {len(params)} argument(s) ({', '.join(params)}), got {len(args)}")
+        else:
+            call = ToolCall(name=name, arguments=dict(zip(params, args)) if params is not None else args)
+        message = {"role": "assistant", "content": "", "tool_calls": [_as_message_call(call)]}
+        return message, [call]
+
+    def tool_results(self, results: list[tuple[str, str]]) -> list[int]:
+        return self.encode("".join(f"\n={content}\n" for _, content in results))
+
+    def user(self, text: str) -> list[int]:
+        return self.encode(f"\n{text}\n")
+
+
+class ChatFormat:
+    """The tokenizer's chat template (see the module docstring)."""
+
+    name = "chat"
+
+    def __init__(self, tokenizer, schemas: list[dict], end_of_turn: set[int]):
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise ValueError("env.format: 'chat' needs a tokenizer with a chat template; use env.format = 'plain' for "
+                             "a model without one")
+        self.tok, self.schemas, self.end_of_turn = tokenizer, schemas, end_of_turn
+
+    def _render(self, messages: list[dict], generation_prompt: bool) -> list[int]:
+        out = self.tok.apply_chat_template(messages, tools=self.schemas or None, tokenize=True,
+                                           add_generation_prompt=generation_prompt, return_dict=False)
+        return list(out[0] if out and isinstance(out[0], list) else out)
+
+    def prompt(self, prompt, extra: str | None) -> tuple[list[int], list[dict]]:
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
+        if extra:  # appended to the task's first user message
+            first = next((i for i, m in enumerate(messages) if m.get("role") == "user"), len(messages) - 1)
+            messages[first] = {**messages[first], "content": str(messages[first].get("content", "")) + extra}
+        return self._render(messages, True), messages
+
+    def parse(self, ids: list[int]) -> tuple[dict, list[ToolCall]]:
+        if getattr(self.tok, "response_schema", None) is not None or getattr(self.tok, "response_template", None):
+            try:
+                message = self.tok.parse_response(ids)
+                calls = [ToolCall(name=c["function"]["name"], arguments=c["function"].get("arguments") or {})
+                         for c in message.get("tool_calls") or []]
+                return {"role": "assistant", **message}, calls
+            except (ValueError, TypeError, KeyError) as e:  # a malformed call the parser refuses
+                text = self.tok.decode(ids, skip_special_tokens=True)
+                return {"role": "assistant", "content": text}, [ToolCall("?", {}, error=f"malformed tool call ({e})")]
+        text = self.tok.decode(ids, skip_special_tokens=True)
+        calls = []
+        for block in _HERMES.findall(text):
+            try:
+                obj = json.loads(block)
+                args = obj.get("arguments", obj.get("parameters", {}))
+                if isinstance(args, str):
+                    args = json.loads(args)
+                if not isinstance(obj.get("name"), str) or not isinstance(args, dict):
+                    raise ValueError("needs a name and an arguments object")
+                calls.append(ToolCall(name=obj["name"], arguments=args))
+            except (ValueError, AttributeError) as e:
+                calls.append(ToolCall("?", {}, error=f"malformed tool call {block[:60]!r} ({e})"))
+        content = _HERMES.sub("", text).strip()
+        message = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [_as_message_call(c) for c in calls]
+        return message, calls
+
+    def _suffix(self, messages: list[dict], first_tool: str | None) -> list[int]:
+        """The tokens the template renders for `messages` and the next generation prompt after an
+        assistant turn, cut at the end-of-turn token the policy sampled."""
+        call = [{"type": "function", "function": {"name": first_tool or "tool", "arguments": {}}}]
+        dummy = [{"role": "user", "content": "dummy"}, {"role": "assistant", "content": "", "tool_calls": call}]
+        if first_tool is None:
+            dummy = [{"role": "user", "content": "dummy"}, {"role": "assistant", "content": "dummy"}]
+        prefix = self._render(dummy, False)
+        full = self._render(dummy + messages, True)
+        ends = [i for i, t in enumerate(prefix) if t in self.end_of_turn]
+        if ends:  # the sampled turn ends at its end-of-turn token; what the template puts after it is ours
+            prefix = prefix[: ends[-1] + 1]
+        if full[: len(prefix)] != prefix:
+            raise ValueError("env.format: the chat template renders the conversation before the tool results "
+                             "differently once they are added, so the inserted tokens cannot be cut out of it; use "
+                             "a template that extends a conversation at its end")
+        return full[len(prefix):]
+
+    def tool_results(self, results: list[tuple[str, str]]) -> list[int]:
+        return self._suffix([{"role": "tool", "name": n, "content": c} for n, c in results], results[0][0])
+
+    def user(self, text: str) -> list[int]:
+        return self._suffix([{"role": "user", "content": text}], None)
+
+
+def make_format(kind: str, tokenizer, schemas: list[dict], end_of_turn: set[int]):
+    """env.format → the format object ("auto": chat when the tokenizer has a chat template)."""
+    if kind == "auto":
+        kind = "chat" if getattr(tokenizer, "chat_template", None) is not None else "plain"
+    return ChatFormat(tokenizer, schemas, end_of_turn) if kind == "chat" else PlainFormat(tokenizer, schemas)
+
+
+def _value(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def _as_message_call(call: ToolCall) -> dict:
+    return {"type": "function", "function": {"name": call.name, "arguments": call.arguments}}
