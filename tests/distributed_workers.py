@@ -51,6 +51,11 @@ CASES = {
     "dapo_kv": ['engine.backward="stream"', "algorithm.dynamic_sampling=true", "algorithm.max_refills=3",
                 "engine.reuse_rollout_kv=true", "train.prompts_per_step=4",
                 "reward.functions=['distributed_workers:flat_for_half']"],
+    # multi-turn episodes against an environment (a text game: step(text) answers twice), their K/V reused:
+    # each rank plays its groups' episodes with fresh instances, the rewards come back with the rollouts
+    "episodes": ['engine.backward="stream"', 'env.factory="envs_for_tests:Game"', "engine.reuse_rollout_kv=true",
+                 "rollout.max_new_tokens=8", 'rollout.stop=["a", "e", "i", "o", "u", "1", "2", "3", "4", "5"]',
+                 "reward.functions=['rewards_for_tests:ones_in_turns']"],
 }
 
 

@@ -34,3 +34,10 @@ def flat_for_one_prompt(completions, prompts, **kwargs):
 def constant(completions, **kwargs):
     """The same reward for every sample: every group advantage is 0, nothing is learned."""
     return [0.5] * len(completions)
+
+
+def ones_in_turns(completions, **kwargs):
+    """count_ones over an episode's turns (its assistant messages), or over a plain completion."""
+    texts = [c if isinstance(c, str) else "".join(m["content"] for m in c if m["role"] == "assistant")
+             for c in completions]
+    return count_ones(texts)

@@ -56,7 +56,7 @@ class PlainFormat:
         """The assistant message of a sampled turn and the tool calls it makes."""
         text = self.tok.decode(ids, skip_special_tokens=True)
         stripped = text.strip()
-        if not stripped.startswith("["):
+        if not self.params or not stripped.startswith("["):  # no tools: every turn is text
             return {"role": "assistant", "content": text}, []
         m = _PLAIN_CALL.fullmatch(stripped)
         if m is None:
@@ -104,6 +104,8 @@ class ChatFormat:
         return self._render(messages, True), messages
 
     def parse(self, ids: list[int]) -> tuple[dict, list[ToolCall]]:
+        if not self.schemas:  # no tools: every turn is text
+            return {"role": "assistant", "content": self.tok.decode(ids, skip_special_tokens=True)}, []
         if getattr(self.tok, "response_schema", None) is not None or getattr(self.tok, "response_template", None):
             try:
                 message = self.tok.parse_response(ids)
