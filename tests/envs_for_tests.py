@@ -78,3 +78,49 @@ def double(x: int) -> int:
         x: A number.
     """
     return 2 * x
+
+
+class IncrementEnv:
+    """The environment of TRL's GRPOTrainer demo (reset takes no row, one tool), as TRL users write it."""
+
+    def __init__(self):
+        self._counter = 0
+
+    def reset(self) -> None:
+        self._counter = 0
+
+    def increment(self, a: int) -> int:
+        """
+        Increment the integer by a specified value
+
+        Args:
+            a: The value to increment by
+
+        Returns:
+            The incremented integer.
+        """
+        self._counter += a
+        return self._counter
+
+
+class EchoLike:
+    """TRL's OpenEnv echo example's shape: a tool named `step` (its parameter is not `text`), get_reward."""
+
+    def reset(self, **kwargs) -> None:
+        self._reward = 0.0
+
+    def step(self, message: str) -> str:
+        """
+        Echo the message back from the environment.
+
+        Args:
+            message: The message to echo
+
+        Returns:
+            The echoed message.
+        """
+        self._reward = float(len(message))
+        return message
+
+    def get_reward(self) -> float:
+        return self._reward

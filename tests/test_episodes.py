@@ -357,3 +357,24 @@ def test_evaluation_during_training(tmp_path):
     train_rows = make_dataset("arith", 16, 0)
     held = _held_out(EvalConfig(every=1, prompts=50), DataConfig(task="arith"), 0, train_rows)
     assert len(held) == 50 and not {r["prompt"] for r in held} & {r["prompt"] for r in train_rows}
+
+
+def test_trl_environments_run_unchanged(script):
+    """Environments written for TRL's GRPOTrainer: its demo's IncrementEnv (reset() without the row,
+    one tool) and the shape of its echo example (a *tool* named step, get_reward); and the example
+    environment of examples/calc_env.py."""
+    model, tok = tiny(torch.float32)
+    s = sampler(tok, "envs_for_tests:IncrementEnv", G=1)
+    assert [x["function"]["name"] for x in s.env.schemas] == ["increment"] and not s.env.has_step
+    script([["[increment 2]<eos>", "[increment 3]<eos>", "5<eos>"]])
+    r = sample(s, model, [{"prompt": "Increment by two, then three."}])
+    assert text(tok, r, 0).endswith("[increment 2]<eos>\n=2\n[increment 3]<eos>\n=5\n5<eos>")
+    s = sampler(tok, "envs_for_tests:EchoLike", G=1)
+    assert [x["function"]["name"] for x in s.env.schemas] == ["step"] and not s.env.has_step
+    script([['[step "hi"]<eos>', "done<eos>"]])
+    r = sample(s, model, [{"prompt": "echo hi"}])
+    from backstream.rl.rewards import env_reward
+
+    assert r.tool_calls == [1] and env_reward(r.envs) == [2.0]
+    s = sampler(tok, os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples", "calc_env.py") + ":CalcEnv")
+    assert [x["function"]["name"] for x in s.env.schemas] == ["add", "multiply"]
