@@ -378,3 +378,21 @@ def test_trl_environments_run_unchanged(script):
     assert r.tool_calls == [1] and env_reward(r.envs) == [2.0]
     s = sampler(tok, os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples", "calc_env.py") + ":CalcEnv")
     assert [x["function"]["name"] for x in s.env.schemas] == ["add", "multiply"]
+
+
+def test_the_tokenizers_response_parser_reads_tool_calls_where_it_has_one(script):
+    """A tokenizer that defines a response parser (transformers' `parse_response`, set up by its
+    `response_schema`) reads the calls of the chat format; without one, Hermes <tool_call> blocks."""
+    model, tok = tiny(torch.float32)
+    tok.chat_template = CHAT_TEMPLATE
+    s = sampler(tok, G=1, max_new=80, format="chat")
+    msg, calls = s.format.parse(tok('<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call><eos>',
+                                    add_special_tokens=False)["input_ids"])
+    assert [(c.name, c.arguments) for c in calls] == [("add", {"a": 1, "b": 2})] and msg["content"] == ""
+    msg, calls = s.format.parse(tok("<tool_call>{oops</tool_call><eos>", add_special_tokens=False)["input_ids"])
+    assert calls[0].error and "malformed tool call" in calls[0].error
+    tok.response_schema = {"stand-in": True}
+    tok.parse_response = lambda ids: {"content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "add", "arguments": {"a": 5, "b": 6}}}]}
+    msg, calls = s.format.parse([7, 8, 9])
+    assert [(c.name, c.arguments) for c in calls] == [("add", {"a": 5, "b": 6})] and msg["role"] == "assistant"
