@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import traceback
 
@@ -182,6 +183,10 @@ def _main(argv=None) -> int:
         print(f"backstream: error: {e}", file=sys.stderr)
         return 2
     except Interrupted as e:
+        # the run is over and what could be saved is saved: a late second Ctrl-C (after the trainer gave
+        # the signal handlers back) must not turn exit 130 into death by SIGINT during teardown
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, signal.SIG_IGN)
         print(f"backstream: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:  # before the run's own handler was installed (loading the model, say)

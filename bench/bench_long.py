@@ -18,6 +18,7 @@ import time
 import torch
 
 from backstream import reference_backward, stream_backward
+from backstream.stream.hf import returned_cache
 from bench import common
 
 
@@ -39,7 +40,7 @@ def child(args):
         kw["batch_tokens"] = args["block"]
     if args.get("kv"):
         with torch.no_grad():
-            kw["kv"] = [model(input_ids=seq[None], use_cache=True, logits_to_keep=1).past_key_values]
+            kw["kv"] = [returned_cache(model(input_ids=seq[None], use_cache=True, logits_to_keep=1))]
     fn = stream_backward if args["method"] == "stream" else reference_backward
     times = []
     for _ in range(2):

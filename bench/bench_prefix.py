@@ -21,6 +21,7 @@ import sys
 import torch
 
 from backstream import reference_backward, stream_backward
+from backstream.stream.hf import returned_cache
 from bench import common
 
 
@@ -62,7 +63,7 @@ def main(quick=False):
         for share in ([0.9] if quick else [0.5, 0.9, 0.95]):
             seqs, weights, P, S = batch(G, L, share, V)
             with torch.no_grad():
-                caches = [model(input_ids=s[None], use_cache=True).past_key_values for s in seqs]
+                caches = [returned_cache(model(input_ids=s[None], use_cache=True)) for s in seqs]
 
             def run(fn, **kw):
                 def go():

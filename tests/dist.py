@@ -68,7 +68,7 @@ def run(fn, world: int, *args, init: bool = True) -> list:
         try:
             mp.start_processes(_worker, args=(world, free_port(), fn, args, d, init), nprocs=world,
                                start_method="spawn")
-        except mp.ProcessException:
+        except (mp.ProcessRaisedException, mp.ProcessExitedException):
             pass  # the rank's own traceback is in its file
         results = []
         for rank in range(world):

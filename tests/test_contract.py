@@ -14,6 +14,7 @@ from backstream.stream import planner
 from backstream.stream import adapter
 from backstream.stream.family import Unsupported
 from backstream.stream.miniature import exact_norms
+from backstream.stream.hf import cache_arg
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 SMALL = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -289,7 +290,7 @@ def test_kv_cache_with_several_rows_refused():
     seqs = [rand_ids(6, torch.Generator().manual_seed(0)) for _ in range(2)]
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(input_ids=torch.stack(seqs), past_key_values=cache, use_cache=True)
+        model(input_ids=torch.stack(seqs), use_cache=True, **{cache_arg(model): cache})
     weights = [torch.ones(6, dtype=torch.float64) * (torch.arange(6) > 0) for _ in seqs]
     with pytest.raises(ValueError, match=r"^kv\[0\]: a Cache of batch \[2\]"):
         stream_backward(model, seqs, weights, kv=[cache, cache])

@@ -14,6 +14,7 @@ from backstream import Objective, TokenWeights, reference_backward, stream_backw
 from backstream.stream import adapter
 from backstream.stream import family
 from backstream.stream.verify import relative_errors, token_tree
+from backstream.stream.hf import returned_cache
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 TOL = 1e-10
@@ -250,7 +251,7 @@ def test_kv_from_caller_skips_the_prefill():
     gen = torch.Generator().manual_seed(9)
     seqs, weights = group_batch(gen)
     with torch.no_grad():
-        caches = [model(input_ids=s[None], use_cache=True).past_key_values for s in seqs]
+        caches = [returned_cache(model(input_ids=s[None], use_cache=True)) for s in seqs]
     assert_same(model, seqs, weights, block_size=3, kv=caches)
     family.check_default_positions(model, seqs[0])  # the once-per-model probe, before counting
     counter = CountTokens(model)
@@ -267,7 +268,7 @@ def test_kv_too_short_is_refused():
     w = torch.zeros(10, dtype=torch.float64)
     w[-1] = 1
     with torch.no_grad():
-        cache = model(input_ids=seq[None, :4], use_cache=True).past_key_values
+        cache = returned_cache(model(input_ids=seq[None, :4], use_cache=True))
     with pytest.raises(ValueError, match=r"kv\[0\]\[0\]: covers 4 positions"):
         stream_backward(model, [seq], [w], kv=[cache])
 

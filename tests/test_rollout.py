@@ -7,6 +7,7 @@ import torch
 from transformers import DynamicCache
 
 from backstream.rl.rollout import Rollout, SamplingConfig, generate
+from backstream.stream.hf import cache_arg, returned_cache
 from models import VOCAB, lora, make
 
 PROMPTS = [torch.tensor([3, 14, 15, 9, 26]), torch.tensor([5, 35, 8, 9, 7, 9, 3])]
@@ -155,7 +156,7 @@ def test_return_kv_matches_full_forward(family):
     assert len(set(len(c) for c in r.completion_ids)) > 1
     for seq, kv in zip(r.sequences(), r.kv):
         with torch.no_grad():  # a cache without config, so the windowed layers keep every position
-            full = model(seq[None], past_key_values=DynamicCache(), use_cache=True).past_key_values
+            full = returned_cache(model(seq[None], use_cache=True, **{cache_arg(model): DynamicCache()}))
         assert len(kv) == layers
         for (k, v), layer in zip(kv, full.layers):
             assert k.shape == (2, len(seq) - 1, 8)

@@ -10,6 +10,7 @@ from transformers.models.qwen3_moe import modeling_qwen3_moe
 from backstream import TokenWeights, reference_backward, stream_backward
 from backstream.stream.router import load_balancing_loss, load_balancing_sums
 from backstream.stream.verify import relative_errors
+from backstream.stream.hf import returned_cache
 
 TOL = 1e-10
 
@@ -129,7 +130,7 @@ def test_router_loss_refuses_bad_input():
         with pytest.raises(ValueError, match="router_aux_coef: expected a finite number"):
             fn(moe, seqs, objective=TokenWeights(w, router_aux_coef=float("nan")))
     with torch.no_grad():
-        cache = moe(input_ids=seqs[0][None], use_cache=True).past_key_values
+        cache = returned_cache(moe(input_ids=seqs[0][None], use_cache=True))
     with pytest.raises(ValueError, match="kv: the router load-balancing loss"):
         stream_backward(moe, seqs, objective=TokenWeights(w, router_aux_coef=0.1), kv=[cache])
     assert all(p.grad is None for p in moe.parameters())

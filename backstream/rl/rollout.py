@@ -24,7 +24,7 @@ from torch import Tensor
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from backstream.stream.hf import takes_logits_to_keep
+from backstream.stream.hf import cache_arg, takes_logits_to_keep
 
 
 @dataclass(kw_only=True)
@@ -197,7 +197,8 @@ def _forward(model, ids_BL: Tensor, start: int, cache: DynamicCache, keep_last: 
     """Logits [B, V] of the last position of `ids_BL`, which sit at absolute positions start.."""
     pos_1L = torch.arange(start, start + ids_BL.shape[1], device=ids_BL.device)[None]  # shared by all rows
     extra = {"logits_to_keep": 1} if keep_last else {}  # no [L, V] logits for a long prompt
-    out = model(input_ids=ids_BL, position_ids=pos_1L, past_key_values=cache, use_cache=True, **extra)
+    extra[cache_arg(model) or "past_key_values"] = cache
+    out = model(input_ids=ids_BL, position_ids=pos_1L, use_cache=True, **extra)
     return out.logits[:, -1]
 
 

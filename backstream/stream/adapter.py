@@ -1,6 +1,7 @@
 """The transformers adapter: how the streamed backward drives a Hugging Face model.
 
-A block batch's forward is an ordinary `model(input_ids, position_ids, past_key_values=cache)` call
+A block batch's forward is an ordinary `model(input_ids, position_ids, cache=cache)` call (the
+keyword is `past_key_values` before transformers 5.24: `hf.cache_arg`)
 with two substitutions:
 - `BlockCache` as the cache: it records each layer's new K/V (the roots of the backward) and hands
   them back unchanged, so the history is never concatenated;
@@ -11,7 +12,6 @@ with two substitutions:
 
 from __future__ import annotations
 
-import inspect
 import weakref
 
 from torch import Tensor, nn
@@ -20,7 +20,7 @@ from transformers.cache_utils import Cache
 
 from backstream.stream import family
 from backstream.stream.attention import Part, merged_attention
-from backstream.stream.hf import base_model
+from backstream.stream.hf import base_model, cache_arg
 
 ATTN_NAME = family.MASK_NAME  # the attention function and the mask function share the name
 
@@ -32,11 +32,11 @@ def check_model(model) -> nn.Module:
     if not isinstance(model, nn.Module) or not hasattr(base, "config"):
         raise family.ModelTypeError("model: expected a transformers causal LM (or a PEFT model around one), "
                                     f"got {type(model).__name__}")
-    params = inspect.signature(base.forward).parameters
-    if not getattr(base, "_supports_attention_backend", False) or "past_key_values" not in params:
+    if not getattr(base, "_supports_attention_backend", False) or cache_arg(base) is None:
         raise family.ModelTypeError(
             f"model: {type(base).__name__} does not support transformers' Cache and AttentionInterface "
-            "(needs `_supports_attention_backend` and a `past_key_values` argument); stream_backward cannot drive it"
+            "(needs `_supports_attention_backend` and a `cache` or `past_key_values` argument); stream_backward "
+            "cannot drive it"
         )
     return base
 
@@ -151,7 +151,7 @@ def run_model(batch, kwargs: dict):
         batch.reset_cache()
         _ACTIVE.append(batch)
         try:
-            return model(**kwargs, past_key_values=batch.cache)
+            return model(**kwargs, **{cache_arg(base): batch.cache})
         except NeedsConcat as e:
             batch.concat_layers.update(e.layers(base))
         except Exception as e:

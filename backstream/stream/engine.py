@@ -199,7 +199,7 @@ class _Batch:
         if self.attn_calls == 0 or len(self.cache.new) == 0:
             raise family.ModelTypeError(
                 f"model: {type(eng.model).__name__} did not route attention through transformers' "
-                "AttentionInterface and the Cache passed as past_key_values; stream_backward needs both"
+                "AttentionInterface and the Cache it was passed; stream_backward needs both"
             )
         missing = sorted(set(range(eng.num_layers)) - set(self.cache.new))
         if missing:

@@ -48,7 +48,7 @@ ENGINE_HINT = 'compute this model\'s gradient with reference_backward (trainer: 
 # keywords that reach the attention function but do no work in it (bookkeeping of the forward)
 INERT_KWARGS = frozenset({
     "position_ids", "cache_position", "use_cache", "output_attentions", "output_hidden_states",
-    "output_router_logits", "return_dict", "logits_to_keep", "past_key_values", "layer_idx",
+    "output_router_logits", "return_dict", "logits_to_keep", "past_key_values", "cache", "layer_idx",
 })
 
 

@@ -69,6 +69,19 @@ def takes_logits_to_keep(model: nn.Module) -> bool:
     return "logits_to_keep" in inspect.signature(base_model(model).forward).parameters
 
 
+def cache_arg(model: nn.Module) -> str | None:
+    """The keyword the model's forward takes its Cache under: `cache` (transformers 5.24 on),
+    `past_key_values` (before, and families not yet renamed), or None when it takes neither."""
+    params = inspect.signature(type(base_model(model)).forward).parameters  # the class's, not a wrapper's
+    return next((name for name in ("cache", "past_key_values") if name in params), None)
+
+
+def returned_cache(out):
+    """The Cache a forward returned: `out.cache` from transformers 5.24 on, `out.past_key_values` before."""
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else getattr(out, "past_key_values", None)
+
+
 def locate(name: str, key: str, model_types: bool = False) -> str:
     """What a model name given as `key` is: "folder" (a local folder holding config.json), "type" (a
     transformers model_type, when `model_types`) or "hub" (a Hub id found in the local cache, or
