@@ -3,7 +3,9 @@
     python scripts/check_learnable.py                 # arith, 60 steps, ~30 s on one CPU thread
 
 It depends only on `backstream.rl.tasks` and `backstream.default_model`, not on the engine, so that
-"the default model can learn" is checked apart from "backstream computes the right gradient". Each
+"the default model can learn" is checked apart from "backstream computes the right gradient". It plays
+single-turn tasks (arith, kvlookup); the multi-turn toolcalc is refused (`backstream demo --task
+toolcalc` plays its episodes). Each
 step: P prompts, G samples each at temperature 1 with `model.generate` (no top-k/top-p), the
 exact-match reward (`tasks.score`), group-normalised advantages A = (r - mean_g) / (std_g + 1e-4),
 and one AdamW step on
@@ -85,6 +87,9 @@ def main() -> None:
     torch.manual_seed(args.seed)
 
     task = get_task(args.task)
+    if "env.factory" in task.defaults:  # its completions are episodes: turns, tool calls, inserted results
+        p.error(f"--task {task.name} is multi-turn, which this single-turn loop does not play; check it with "
+                f"`backstream demo --task {task.name}` (the episode sampler)")
     max_new = args.max_new_tokens or task.max_new_tokens
     model, tokenizer = load_default(torch.float32)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)

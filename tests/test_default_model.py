@@ -1,5 +1,6 @@
 """The shipped default model and tokenizer: they load like any HF model, match their documented
-definition, fit the size budget, and answer arith prompts in the expected format."""
+definition, fit the size budget, answer arith prompts in the expected format, and play toolcalc
+episodes in the plain tool-call format, calling the tool part of the time."""
 
 import functools
 
@@ -9,7 +10,7 @@ import torch
 from backstream.default_model import (
     CHARS, DEFAULT_MODEL_DIR, SPECIAL_TOKENS, build_tokenizer, default_config, load_default,
 )
-from backstream.rl.tasks import make_dataset
+from backstream.rl.tasks import TASKS, make_dataset, score
 
 
 @functools.cache
@@ -34,7 +35,7 @@ def test_tokenizer_loads_with_auto_tokenizer_and_matches_its_definition():
     assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id, tok.unk_token_id) == (0, 1, 2, 3)
 
 
-@pytest.mark.parametrize("task", ["arith", "kvlookup"])
+@pytest.mark.parametrize("task", ["arith", "kvlookup", "toolcalc"])
 def test_tokenizer_round_trip(task):
     _, tok = shipped()
     texts = [r["prompt"] + r["answer"] for r in make_dataset(task, 3)]
@@ -100,3 +101,49 @@ def test_greedy_arith_answers_are_digits_then_eos():
         right += body == row["answer"]
     # greedy decoding knows most answers (temperature-1 sampling far fewer: room for RL)
     assert right >= len(rows) // 2
+
+
+def play_toolcalc(rows, temperature: float, group_size: int):
+    """toolcalc episodes of the shipped model through the trainer's episode sampler, with the task's
+    defaults (environment, turns, turn budget): per episode (tool calls, tool errors, turns, reward)."""
+    from backstream.rl.env import EnvConfig
+    from backstream.rl.episodes import EpisodeSampler
+    from backstream.rl.rollout import SamplingConfig
+
+    model, tok = shipped()
+    d = TASKS["toolcalc"].defaults
+    sampler = EpisodeSampler(
+        SamplingConfig(temperature=temperature, group_size=group_size, max_new_tokens=d["rollout.max_new_tokens"]),
+        EnvConfig(factory=d["env.factory"], max_turns=d["env.max_turns"]), tok, [tok.eos_token_id], False, None)
+    gens = [torch.Generator().manual_seed(i) for i in range(len(rows))]
+    r = sampler.sample(model, rows, list(range(len(rows))), gens)
+    out = []
+    for i, (_, messages) in enumerate(r.messages):
+        answer = rows[r.prompt_index[i]]["answer"]
+        reward = score(str(messages[-1].get("content", "")), answer) if messages else 0.0
+        out.append((r.tool_calls[i], r.tool_errors[i], r.turns[i], reward))
+    return out
+
+
+@torch.no_grad()
+def test_toolcalc_greedy_episodes_call_the_tool_in_the_plain_format():
+    """Greedy decoding calls the tool in part of the episodes (its first token "[" outweighs any one
+    first digit of a direct answer in about half of them); where it does, it makes the two
+    well-formed calls of `tasks.toolcalc_episode` and answers, mostly right."""
+    episodes = play_toolcalc(make_dataset("toolcalc", 32, seed=5), temperature=0.0, group_size=1)
+    with_tool = [e for e in episodes if e[0] > 0]
+    assert len(with_tool) >= len(episodes) // 4
+    assert sum(e[:3] == (2, 0, 3) for e in with_tool) >= 0.9 * len(with_tool)  # 2 calls, no error, 3 turns
+    assert sum(e[3] for e in with_tool) >= 0.7 * len(with_tool)
+
+
+@torch.no_grad()
+def test_toolcalc_sampled_episodes_leave_room_for_rl():
+    """At temperature 1 the model calls the tool in only part of the episodes and is right more often
+    with it than without, but far from always: RL can raise both the calls and the reward."""
+    episodes = play_toolcalc(make_dataset("toolcalc", 16, seed=6), temperature=1.0, group_size=8)
+    with_tool = [e for e in episodes if e[0] > 0]
+    direct = [e for e in episodes if e[0] == 0]
+    assert 0.2 * len(episodes) <= len(with_tool) <= 0.6 * len(episodes), len(with_tool)
+    right_with, right_without = (sum(e[3] for e in part) / len(part) for part in (with_tool, direct))
+    assert right_without < right_with < 0.6, (right_with, right_without)

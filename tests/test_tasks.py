@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from backstream.rl.tasks import KV_PAIRS, TASKS, Task, get_task, make_dataset, score
+from backstream.rl.tasks import KV_PAIRS, TASKS, Task, get_task, make_dataset, score, toolcalc_episode
 
 
 @pytest.mark.parametrize("name", sorted(TASKS))
@@ -53,6 +53,57 @@ def test_kvlookup_rows_are_right_and_long():
         key = re.search(r"What is ([a-z]{4})\?\n\1=$", prompt)[1]
         assert dict(pairs)[key] == row["answer"]
         assert len(tok(prompt)["input_ids"]) >= 1024
+
+
+def test_toolcalc_rows_are_right():
+    for row in make_dataset("toolcalc", 200, seed=0):
+        m = re.fullmatch(r"(\d\d)\+(\d\d)\+(\d\d)=", row["prompt"])
+        assert m, row["prompt"]
+        assert int(row["answer"]) == int(m[1]) + int(m[2]) + int(m[3])
+
+
+def test_toolcalc_episode_is_one_the_sampler_plays():
+    """The episode scripts/make_default_model.py teaches is what the episode sampler would make of the
+    same turns: each call turn parses as a well-formed `add` call in the plain format, the Calculator's
+    result rendered by the format is the inserted part, token for token, and the last turn is an
+    answer the exact-match reward scores 1."""
+    from backstream.default_model import build_tokenizer
+    from backstream.rl.env import EnvConfig, Environment
+    from backstream.rl.turns import PlainFormat
+
+    tok = build_tokenizer()
+    env = Environment.load(EnvConfig(factory=TASKS["toolcalc"].defaults["env.factory"]))
+    fmt = PlainFormat(tok, env.schemas)
+    for row in make_dataset("toolcalc", 20, seed=1):
+        a, b, c = map(int, row["prompt"].rstrip("=").split("+"))
+        assert toolcalc_episode(row, use_tool=False) == [(f"{a + b + c}<eos>", True)]
+        parts = toolcalc_episode(row)
+        assert [sampled for _, sampled in parts] == [True, False, True, False, True]
+        instance = env.new(row, 0)[0]
+        args = []
+        for (turn, _), (inserted, _) in zip(parts[0:4:2], parts[1:4:2]):
+            ids = fmt.encode(turn)
+            assert ids[-1] == tok.eos_token_id and ids.count(tok.eos_token_id) == 1
+            _, calls = fmt.parse(ids)
+            assert len(calls) == 1 and calls[0].name == "add" and calls[0].error is None
+            args.append(calls[0].arguments)
+            content, failed, _ = env.call(instance, calls[0])
+            assert not failed and fmt.tool_results([("add", content)]) == fmt.encode(inserted)
+        assert args == [{"a": a, "b": b}, {"a": a + b, "b": c}]
+        message, calls = fmt.parse(fmt.encode(parts[-1][0]))
+        assert calls == [] and score(message["content"], row["answer"]) == 1.0
+
+
+def test_toolcalc_defaults_apply_where_the_run_leaves_them_unset():
+    from backstream import config
+
+    cfg = config.load(None, ["data.task=toolcalc"])
+    for key, value in TASKS["toolcalc"].defaults.items():
+        section, name = key.split(".", 1)
+        assert getattr(getattr(cfg, section), name) == value, key
+    assert cfg.env.factory == "backstream.rl.tasks:Calculator" and cfg.env.enabled
+    assert config.load(None, ["data.task=toolcalc", "env.max_turns=6"]).env.max_turns == 6  # the run's own wins
+    assert not config.load(None, ["data.task=arith"]).env.enabled  # other tasks: no environment
 
 
 @pytest.mark.parametrize(

@@ -26,7 +26,12 @@ trainer does.
       "12+34+56=[add 12 34]<eos>" "\n=46\n" "[add 46 56]<eos>" "\n=102\n" "102<eos>"
 
   where the quoted parts between the model's turns are the tool results the sampler inserts. Its
-  `defaults` set the environment (`Calculator`), a turn long enough for a call and four turns.
+  `defaults` set the environment (`Calculator`), four turns (two calls and the answer, one to
+  spare) and a turn budget of 32 tokens, more than twice the longest call ("[add 198 99]<eos>", 13):
+  a malformed turn sampled at temperature 1 then usually still ends with its own <eos> and comes
+  back as a tool error the policy reads, rather than being cut. scripts/make_default_model.py trains
+  the shipped default model on these episodes (a share of them with the tool, the rest answered at
+  once).
 """
 
 from __future__ import annotations
@@ -151,7 +156,7 @@ TASKS: dict[str, Task] = {
         make_row=toolcalc_row,
         max_new_tokens=16,
         description="'a+b+c=' of three two-digit numbers, with a tool add(a, b) in a multi-turn episode",
-        defaults={"env.factory": "backstream.rl.tasks:Calculator", "env.max_turns": 4, "rollout.max_new_tokens": 16},
+        defaults={"env.factory": "backstream.rl.tasks:Calculator", "env.max_turns": 4, "rollout.max_new_tokens": 32},
     ),
 }
 
