@@ -403,3 +403,69 @@ def test_logprobs_pass_matches_the_reference_and_touches_no_grad():
     lps = logprobs(model, seqs)  # default: every position t >= 1
     assert all(not torch.isnan(x[1:]).any() and torch.isnan(x[0]) for x in lps)
     assert all(p.grad is None for p in model.parameters())
+
+
+# -- memory per token (issue 20): the history is read as views of the K/V store ------------------
+
+
+@pytest.mark.parametrize("kernel", ["flash", "math"])
+@pytest.mark.parametrize("window", [None, 5])
+def test_per_row_private_parts_equal_one_stacked_part(kernel, window):
+    """Each row's private history as its own batch-1 part (a view of the store, `row=r`) gives the
+    output and the gradients of the same keys stacked into one [B, …] part."""
+    from backstream.stream.attention import Part, merged_attention
+
+    torch.manual_seed(0)
+    B, H, Hkv, D, Q, Ls, Lp = 3, 4, 2, 8, 5, 6, 7
+    leaf = lambda *s: torch.randn(*s, dtype=torch.float64, requires_grad=True)  # noqa: E731
+    q, ks, vs = leaf(B, H, Q, D), leaf(1, Hkv, Ls, D), leaf(1, Hkv, Ls, D)
+    rows_k = [leaf(1, Hkv, Lp, D) for _ in range(B)]
+    rows_v = [leaf(1, Hkv, Lp, D) for _ in range(B)]
+    kb, vb = leaf(B, Hkv, Q, D), leaf(B, Hkv, Q, D)
+    qpos, ppos = torch.arange(Ls + Lp, Ls + Lp + Q), torch.arange(Ls, Ls + Lp)
+    shared, block = Part(ks, vs, torch.arange(Ls), shared=True), Part(kb, vb, qpos, causal=True)
+    per_row = [shared, *(Part(k, v, ppos, row=r) for r, (k, v) in enumerate(zip(rows_k, rows_v))), block]
+    stacked = [shared, Part(torch.cat(rows_k), torch.cat(rows_v), ppos), block]
+    inputs = [q, ks, vs, *rows_k, *rows_v, kb, vb]
+    probe = torch.randn(B, H, Q, D, dtype=torch.float64)
+    outs, gs = [], []
+    for parts in (per_row, stacked):
+        out = merged_attention(q, parts, qpos, 0.3, window, kernel=kernel)
+        outs.append(out)
+        gs.append(torch.autograd.grad((out * probe).sum(), inputs))
+    assert (outs[0] - outs[1]).abs().max() < 1e-13
+    for a, b in zip(*gs):
+        assert (a - b).abs().max() < 1e-13
+
+
+def test_history_is_read_from_the_store_without_a_copy(monkeypatch):
+    """Every history part the attention receives shares its memory with the K/V store: no batch,
+    layer or row concatenates or stacks a copy that autograd would keep."""
+    from backstream.stream import engine
+
+    stores, seen = [], []
+
+    class Recorded(engine.KVStore):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            stores.append(self)
+
+    real = adapter.merged_attention
+
+    def spy(q, parts, *a, **kw):
+        held = {x.untyped_storage().data_ptr() for s in stores for per_node in s.kv.values()
+                for kv in per_node.values() for x in kv}
+        seen.extend(p.k.untyped_storage().data_ptr() in held and p.v.untyped_storage().data_ptr() in held
+                    for p in parts if not p.causal and p.k.shape[2])
+        return real(q, parts, *a, **kw)
+
+    monkeypatch.setattr(engine, "KVStore", Recorded)
+    monkeypatch.setattr(adapter, "merged_attention", spy)
+    model = make("qwen3")
+    gen = torch.Generator().manual_seed(14)
+    P = rand_ids(12, gen)
+    seqs = [torch.cat([P, rand_ids(11 + i, gen)]) for i in range(3)] + [rand_ids(20, gen)]
+    weights = [torch.cat([torch.zeros(12), torch.randn(len(s) - 12, generator=gen)]).double() for s in seqs[:3]]
+    weights.append(torch.cat([torch.zeros(1), torch.randn(19, generator=gen)]).double())
+    assert_same(model, seqs, weights, block_size=4)
+    assert len(seen) > 20 and all(seen)

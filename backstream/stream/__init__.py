@@ -9,6 +9,7 @@ LM (DESIGN §2–§5, §6b, §6c). It never imports the RL loop (`backstream.rl`
                               Cache / attention-function adapter
     fsdp                      FSDP2 around one call (gather once, reduce once)
     router, planner           the MoE load-balancing term; block size from a memory budget
+    memory                    exact count of live tensor bytes during a call (peak, what is alive there)
     engine, reference         stream_backward / logprobs, and the naive full-sequence reference
     miniature, verify         a float64 miniature of any config; streamed vs reference on it
 """

@@ -10,7 +10,11 @@ part is attended separately and the outputs are merged by their log-sum-exp (Hyd
 decomposition): with lse_i the row log-sum-exp of part i and lse = logaddexp_i lse_i,
     out = Σ_i exp(lse_i − lse) · out_i.
 The shared part folds the B rows (and the GQA group) into its query axis, so it reads one copy of
-K/V and never repeats KV heads.
+K/V and never repeats KV heads. A private part may also come as one batch-1 part per row (`row=r`,
+a run of B parts, rows 0..B−1, same positions): each row's K/V then stay views of wherever they
+live (the K/V store) instead of being stacked into a [B, …] copy that autograd would keep; the
+fused kernel runs once per row. K/V are handed to the kernel as they are (it reads strided K/V),
+so a view of the store is never copied either.
 
 Kernels: on CPU the fused flash kernel (`_scaled_dot_product_flash_attention_for_cpu`) returns the
 lse; its backward, called per part with the *merged* output and lse, gives each part's exact
@@ -43,13 +47,44 @@ from torch import Tensor
 class Part:
     """One group of keys. k/v: [1 or B, Hkv, Lk, D]; kpos_K: [Lk] absolute key positions (shared by
     all rows); shared=True when k/v has batch 1 and is read by every row; causal=True for the
-    block's own keys."""
+    block's own keys; row=r when k/v has batch 1 and only row r reads it (one such part per row, in
+    row order)."""
 
     k: Tensor
     v: Tensor
     kpos_K: Tensor
     shared: bool = False
     causal: bool = False
+    row: int | None = None
+
+
+def _rows_in_runs(parts: list[Part], B: int) -> bool:
+    """Do the per-row parts come as runs of rows 0..B−1 (the layout `_FlashMerged` reads)?"""
+    expect = 0  # the row the next part must have, inside a run
+    for p in parts:
+        if p.row != (expect if expect or p.row is not None else None):
+            return False
+        if p.row is not None:
+            expect = (expect + 1) % B
+    return expect == 0
+
+
+def rows_as_batch(parts: list[Part]) -> list[Part]:
+    """Each run of per-row parts as one batch-B part (a copy: for the paths that need one tensor)."""
+    out, i = [], 0
+    while i < len(parts):
+        p = parts[i]
+        if p.row is None:
+            out.append(p)
+            i += 1
+            continue
+        j = i
+        while j < len(parts) and parts[j].row == j - i:
+            j += 1
+        run = parts[i:j]
+        out.append(Part(torch.cat([x.k for x in run]), torch.cat([x.v for x in run]), p.kpos_K))
+        i = j
+    return out
 
 
 def _mask(qpos_Q: Tensor, kpos_K: Tensor, causal: bool, window: int | None, dtype) -> Tensor | None:
@@ -95,49 +130,82 @@ def _repeat_heads(x: Tensor, g: int) -> Tensor:
     return x if g == 1 else x.repeat_interleave(g, dim=1)
 
 
+def _flash_part(q, k, v, mask, shared: bool, scale):
+    """One non-causal part through the fused kernel: (out [B, H, Q, D], lse [B, H, Q])."""
+    B, H, Q, D = q.shape
+    hkv = k.shape[1]
+    g = H // hkv
+    o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        _fold(q, hkv, shared), k, v, 0.0, False, attn_mask=_fold_mask(mask, B, g, shared), scale=scale)
+    if mask is not None:
+        # the kernel reports lse = 0 for a query that sees no key of this part
+        empty = torch.isinf(mask).all(-1).repeat(g * (B if shared else 1))
+        lse = lse.masked_fill(empty[None, None], float("-inf"))
+    return _unfold(o, B, H, Q, shared), _unfold(lse, B, H, Q, shared)
+
+
+def _flash_part_backward(g_out, q, k, v, out, lse_all, mask, shared: bool, scale):
+    """The exact gradient of one part given the merged output and lse: (dq [B, H, Q, D], dk, dv)."""
+    B, H, Q, D = q.shape
+    hkv = k.shape[1]
+    g = H // hkv
+    lse_f = _fold(lse_all[..., None], hkv, shared)[..., 0]
+    dqf, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        _fold(g_out, hkv, shared), _fold(q, hkv, shared), k, v, _fold(out, hkv, shared), lse_f, 0.0, False,
+        attn_mask=_fold_mask(mask, B, g, shared), scale=scale,
+    )
+    return _unfold(dqf, B, H, Q, shared), dk, dv
+
+
 class _FlashMerged(torch.autograd.Function):
     """Parts marked `causal` in meta are a block's own keys at the queries' own positions with no
     window cutting into them: the kernel's causal flag replaces a [Q × Q] mask (which, per layer,
-    would be kept for the backward and grow quadratically with the block)."""
+    would be kept for the backward and grow quadratically with the block). A run of per-row parts
+    (rows 0..B−1) is one part whose rows go through the kernel one at a time."""
 
     @staticmethod
     def forward(ctx, meta, q, sinks, *kv):
-        shared, masks, scale, causal = meta
+        shared, masks, scale, causal, rows = meta
         B, H, Q, D = q.shape
         hkv = kv[0].shape[1]
         g = H // hkv
         outs, lses = [], []
-        for i, sh in enumerate(shared):
+        i = 0
+        while i < len(shared):
             if causal[i]:
                 o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                     q, _repeat_heads(kv[2 * i], g), _repeat_heads(kv[2 * i + 1], g), 0.0, True, scale=scale)
                 outs.append(o)
                 lses.append(lse)
-                continue
-            qf = _fold(q, hkv, sh)
-            mf = _fold_mask(masks[i], B, g, sh)
-            o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                qf, kv[2 * i], kv[2 * i + 1], 0.0, False, attn_mask=mf, scale=scale
-            )
-            if masks[i] is not None:
-                # the kernel reports lse = 0 for a query that sees no key of this part
-                empty = torch.isinf(masks[i]).all(-1).repeat(g * (B if sh else 1))
-                lse = lse.masked_fill(empty[None, None], float("-inf"))
-            outs.append(_unfold(o, B, H, Q, sh))
-            lses.append(_unfold(lse, B, H, Q, sh))
+                i += 1
+            elif rows[i] is not None:
+                per_row = [_flash_part(q[r:r + 1], kv[2 * (i + r)], kv[2 * (i + r) + 1], masks[i + r], False, scale)
+                           for r in range(B)]
+                outs.append(torch.cat([o for o, _ in per_row]))
+                lses.append(torch.cat([lse for _, lse in per_row]))
+                i += B
+            else:
+                o, lse = _flash_part(q, kv[2 * i], kv[2 * i + 1], masks[i], shared[i], scale)
+                outs.append(o)
+                lses.append(lse)
+                i += 1
         if sinks is not None:  # one more logit per head, with a zero value
             lses.append(sinks.to(lses[0].dtype).reshape(1, H, 1).expand(B, H, Q))
         lse_all = torch.logsumexp(torch.stack(lses), dim=0)  # [B, H, Q]
         acc = torch.promote_types(q.dtype, torch.float32)
         out = sum(torch.exp(lse - lse_all)[..., None].to(acc) * o.to(acc) for lse, o in zip(lses, outs))
         out = out.to(q.dtype)
+        if not out.transpose(1, 2).is_contiguous():
+            # the adapter hands transformers [B, Q, H, D]: in that layout the one copy kept here for
+            # the backward is also o_proj's input, instead of a second, transposed copy
+            out = out.transpose(1, 2).contiguous().transpose(1, 2)
         ctx.meta = meta
         ctx.save_for_backward(q, out, lse_all, sinks, *kv)
         return out
 
     @staticmethod
     def backward(ctx, g_out):
-        shared, masks, scale, causal = ctx.meta
+        shared, masks, scale, causal, rows = ctx.meta
         q, out, lse_all, sinks, *kv = ctx.saved_tensors
         B, H, Q, D = q.shape
         hkv = kv[0].shape[1]
@@ -153,15 +221,17 @@ class _FlashMerged(torch.autograd.Function):
                 dq += dqi
                 Lk = dk.shape[2]
                 dkv += [x.reshape(B, hkv, g, Lk, D).sum(2) for x in (dk, dv)]
-                continue
-            lse_f = _fold(lse_all[..., None], hkv, sh)[..., 0]
-            dqf, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                _fold(g_out, hkv, sh), _fold(q, hkv, sh), kv[2 * i], kv[2 * i + 1],
-                _fold(out, hkv, sh), lse_f, 0.0, False,
-                attn_mask=_fold_mask(masks[i], B, g, sh), scale=scale,
-            )
-            dq += _unfold(dqf, B, H, Q, sh)
-            dkv += [dk, dv]
+            elif rows[i] is not None:
+                r = rows[i]
+                dqi, dk, dv = _flash_part_backward(g_out[r:r + 1], q[r:r + 1], kv[2 * i], kv[2 * i + 1],
+                                                   out[r:r + 1], lse_all[r:r + 1], masks[i], False, scale)
+                dq[r:r + 1] += dqi
+                dkv += [dk, dv]
+            else:
+                dqi, dk, dv = _flash_part_backward(g_out, q, kv[2 * i], kv[2 * i + 1], out, lse_all, masks[i], sh,
+                                                   scale)
+                dq += dqi
+                dkv += [dk, dv]
         dsinks = None
         if sinks is not None:
             acc = lse_all.dtype
@@ -175,6 +245,7 @@ def merged_attention_math(q_BHQD: Tensor, parts: list[Part], qpos_Q: Tensor, sca
                           window: int | None, softcap: float | None = None, sinks_H: Tensor | None = None) -> Tensor:
     """Naive reference: materialise the scores of every part, one softmax over all keys (and the
     sink logit, whose value is zero)."""
+    parts = rows_as_batch(parts)
     B, H, Q, D = q_BHQD.shape
     scores, values = [], []
     for p in parts:
@@ -215,19 +286,21 @@ def merged_attention(q_BHQD: Tensor, parts: list[Part], qpos_Q: Tensor, scale: f
     """Attention of q over the union of `parts`; returns [B, H, Q, Dv]. kernel: auto | flash | math.
     softcap: logit soft-capping c (scores c·tanh(s/c)); sinks_H: per-head sink logits [H]."""
     parts = [p for p in parts if p.k.shape[2] > 0]
+    assert _rows_in_runs(parts, q_BHQD.shape[0]), "per-row parts come in runs of rows 0..B-1"
     if not use_flash(kernel, q_BHQD.device) or softcap is not None:  # the fused kernel cannot soft-cap its scores
         return merged_attention_math(q_BHQD, parts, qpos_Q, scale, window, softcap, sinks_H)
     Dk, Dv = q_BHQD.shape[-1], parts[0].v.shape[-1]
     if Dk != Dv:  # the kernel wants one head size: zero-pad the narrower side, keep Dv columns
         D = max(Dk, Dv)
         pad = lambda x: torch.nn.functional.pad(x, (0, D - x.shape[-1]))  # noqa: E731
-        parts = [Part(pad(p.k), pad(p.v), p.kpos_K, p.shared, p.causal) for p in parts]
+        parts = [Part(pad(p.k), pad(p.v), p.kpos_K, p.shared, p.causal, p.row) for p in parts]
         return merged_attention(pad(q_BHQD), parts, qpos_Q, scale, window, kernel, sinks_H=sinks_H)[..., :Dv]
     Q = q_BHQD.shape[2]
     # the block's own keys at the queries' positions, no window shorter than the block: plain causal
-    causal = [p.causal and not p.shared and (window is None or window >= Q) and p.kpos_K.shape[0] == Q
+    causal = [p.causal and not p.shared and p.row is None and (window is None or window >= Q) and p.kpos_K.shape[0] == Q
               and bool(torch.equal(p.kpos_K, qpos_Q)) for p in parts]
     masks = [None if c else _mask(qpos_Q, p.kpos_K, p.causal, window, q_BHQD.dtype) for p, c in zip(parts, causal)]
-    kv = [t.contiguous() for p in parts for t in (p.k, p.v)]
-    meta = ([p.shared for p in parts], masks, scale, causal)
+    # views of the K/V store stay views: the kernel reads any strides with a unit last one
+    kv = [t if t.stride(-1) == 1 else t.contiguous() for p in parts for t in (p.k, p.v)]
+    meta = ([p.shared for p in parts], masks, scale, causal, [p.row for p in parts])
     return _FlashMerged.apply(meta, q_BHQD.contiguous(), sinks_H, *kv)

@@ -34,10 +34,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from backstream.stream import family, fsdp
+from backstream.stream import family, fsdp, memory
 from backstream.stream.adapter import (ATTN_NAME, BlockCache, check_model, concat_layers, run_model,
                                        use_backstream_attention)
-from backstream.stream.attention import Part, use_flash
+from backstream.stream.attention import Part, rows_as_batch, use_flash
 from backstream.stream.hf import base_model, takes_logits_to_keep
 from backstream.stream.kvstore import KVStore
 from backstream.stream.objective import BlockView, Objective, Terms, TokenWeights, flat_offsets
@@ -103,75 +103,75 @@ class _Batch:
         self.attn_calls = 0
 
     def history_parts(self, layer: int, key_BHQD: Tensor, value_BHQD: Tensor, window: int | None) -> list[Part]:
-        """The history this batch reads at `layer`, as leaves whose gradients go to the store:
-        shared (the parent path, one copy, [1, Hkv, Ls, D]) and private (each row's own node before
-        the chunk, [B, Hkv, Lp, D]); positions outside every query's window are not read."""
+        """The history this batch reads at `layer`, as leaves whose gradients go to the store, every
+        one a view of the store (a copy would be kept by autograd for the whole batch, per layer:
+        the history's K/V once more): shared (one part per node of the parent path, [1, Hkv, Ls, D])
+        and private (each row's own node before the chunk: [1, Hkv, Lp, D] per row); positions
+        outside every query's window are not read."""
+        with memory.label("history"):
+            return self._history_parts(layer, key_BHQD, value_BHQD, window)
+
+    def _history_parts(self, layer: int, key_BHQD: Tensor, value_BHQD: Tensor, window: int | None) -> list[Part]:
         store, tree, dev = self.engine.store, self.engine.tree, self.engine.device
         store.check_given(self.shared_nodes + [r.node for r in self.rows], layer, key_BHQD, value_BHQD)
         first = 0 if window is None else max(0, self.p0 - window + 1)  # earliest visible position
+        needs = (key_BHQD.requires_grad, value_BHQD.requires_grad)
         parts = []
-        segs = []  # (node, node-local a, b) of the shared path, in position order
+
+        def leaves(node: int, a: int, b: int) -> list[Tensor]:
+            return [self._leaf(store.read(node, layer, j)[None, :, a:b], needs[j], layer, j, node, a, b)
+                    for j in (0, 1)]
+
         for n in self.shared_nodes:
             node = tree.nodes[n]
-            a, b = max(node.start, first), node.end
-            if a < b:
-                segs.append((n, a - node.start, b - node.start))
-        if segs:
-            kv_1HLD = [torch.cat([store.read(n, layer, j)[:, a:b] for n, a, b in segs], dim=1)[None] for j in (0, 1)]
-            kpos = torch.arange(segs[0][1] + tree.nodes[segs[0][0]].start, self.base, device=dev)
-            kv_1HLD = [self._leaf(t, src.requires_grad, layer, j, segs, None)
-                       for j, (t, src) in enumerate(zip(kv_1HLD, (key_BHQD, value_BHQD)))]
-            parts.append(Part(kv_1HLD[0], kv_1HLD[1], kpos, shared=True))
-        a = max(self.base, first) - self.base
-        b = self.rows[0].lo
+            a = max(node.start, first) - node.start
+            if a < len(node.tokens):
+                k, v = leaves(n, a, len(node.tokens))
+                parts.append(Part(k, v, torch.arange(node.start + a, node.end, device=dev), shared=True))
+        a, b = max(self.base, first) - self.base, self.rows[0].lo
         if a < b:
-            kv_BHLD = [torch.stack([store.read(r.node, layer, j)[:, a:b] for r in self.rows]) for j in (0, 1)]
             kpos = torch.arange(self.base + a, self.base + b, device=dev)
-            kv_BHLD = [self._leaf(t, src.requires_grad, layer, j, None, (a, b))
-                       for j, (t, src) in enumerate(zip(kv_BHLD, (key_BHQD, value_BHQD)))]
-            parts.append(Part(kv_BHLD[0], kv_BHLD[1], kpos))
+            for r, row in enumerate(self.rows):
+                k, v = leaves(row.node, a, b)
+                parts.append(Part(k, v, kpos, row=r if len(self.rows) > 1 else None))
         return parts
 
     def concat_history(self, layer: int, key_BHQD: Tensor, value_BHQD: Tensor) -> tuple[Tensor, Tensor]:
         """History ⊕ block per row, [B, Hkv, Lh + Q, D], for a concat layer (the shared prefix
         expanded over the rows: the memory trap of DESIGN §5, accepted for the layers that need it)."""
-        parts = self.history_parts(layer, key_BHQD, value_BHQD, None)
+        parts = rows_as_batch(self.history_parts(layer, key_BHQD, value_BHQD, None))
         B = key_BHQD.shape[0]
         out = [torch.cat([(p.k if j == 0 else p.v).expand(B, -1, -1, -1) for p in parts] + [x], dim=2)
                for j, x in enumerate((key_BHQD, value_BHQD))]
         self.cache.kpos[layer] = torch.cat([p.kpos_K for p in parts] + [self.qpos])
         return out[0], out[1]
 
-    def _leaf(self, t: Tensor, needs_grad: bool, layer: int, j: int, segs, private) -> Tensor:
-        """History K or V as a leaf whose gradient goes to its positions' accumulators. A layer
-        whose own K/V need no gradient (frozen weights below it) gets no leaf."""
+    def _leaf(self, t: Tensor, needs_grad: bool, layer: int, j: int, node: int, a: int, b: int) -> Tensor:
+        """History K or V ([1, Hkv, b − a, D], node-local positions [a, b)) as a leaf whose gradient
+        goes to those positions' accumulators. A layer whose own K/V need no gradient (frozen
+        weights below it) gets no leaf."""
         if not (needs_grad and torch.is_grad_enabled()):
             return t
         leaf = t.detach().requires_grad_(True)
         store = self.engine.store
 
         def scatter(x: Tensor) -> None:
-            g = x.grad  # [1, Hkv, Ls, D] (shared) or [B, Hkv, Lp, D] (private)
-            if segs is not None:
-                off = 0
-                for n, a, b in segs:
-                    store.add_grad(n, layer, j, a, b, g[0, :, off:off + b - a])
-                    off += b - a
-            else:
-                for r, row in enumerate(self.rows):
-                    store.add_grad(row.node, layer, j, private[0], private[1], g[r])
+            memory.tag(x.grad, "history grad")
+            store.add_grad(node, layer, j, a, b, x.grad[0])
             x.grad = None  # free it now, layer by layer
 
         self.hooks.append(leaf.register_post_accumulate_grad_hook(scatter))
         return leaf
 
     def release(self) -> None:
-        """Break the leaf → hook → batch → cache → graph → leaf cycle, so that this batch's
-        tensors are freed now rather than at the next garbage collection."""
+        """Break the leaf → hook → batch → cache → graph → leaf cycle, and the batch ↔ cache one, so
+        that this batch's tensors are freed now rather than at the next garbage collection (whose
+        moment would also make the memory count of a call differ from run to run)."""
         for h in self.hooks:
             h.remove()
         self.hooks.clear()
         self.cache.new.clear()
+        self.cache.batch = None
 
     def forward(self, with_logits: bool):
         """Run the model on the batch; returns (logits [P, V] of the predicting positions, keep mask
@@ -325,7 +325,8 @@ class GradAccumulator:
         g = p.grad
         if g is not None:
             b = self.buf.get(p)
-            self.buf[p] = g.to(self.dtype) if b is None else b.add_(g)
+            with memory.label("grad"):
+                self.buf[p] = g.to(self.dtype) if b is None else b.add_(g)
             p.grad = None
 
     def __enter__(self) -> "GradAccumulator":
@@ -337,9 +338,10 @@ class GradAccumulator:
     def __exit__(self, *exc) -> None:
         for h in self.handles:
             h.remove()
-        for p, b in self.buf.items():
+        while self.buf:  # each buffer goes as soon as its `.grad` is written: one at a time, not all
+            p, b = self.buf.popitem()
             p.grad = b.to(p.dtype) if p.grad is None else p.grad + b.to(p.dtype)
-        self.buf.clear()
+            del b
 
 
 class _Engine:
@@ -354,7 +356,12 @@ class _Engine:
         self.pad_id = pad_id
         self.tree = tree
         self.schedule = batches(tree, block_size, batch_tokens)
-        self.store = KVStore(tree)
+        extent: dict[int, int] = {}  # per node, the positions a later block reads: all the store keeps
+        for _, rows in self.schedule:
+            for r in rows:
+                if read_later(tree, r):
+                    extent[r.node] = max(extent.get(r.node, 0), r.hi)
+        self.store = KVStore(tree, extent)
         self.has_logits_to_keep = takes_logits_to_keep(model)
         self.text_config = self.base.config.get_text_config()
         self.num_layers = self.text_config.num_hidden_layers
@@ -379,7 +386,8 @@ class _Engine:
                     if not rows:
                         continue
                 batch = _Batch(self, parent, rows)
-                logits, keep, router = batch.forward(with_logits=True)
+                with memory.label("prefill"):
+                    logits, keep, router = batch.forward(with_logits=True)
                 self.store.store(batch.rows, batch.cache.new)
                 view = batch.view(logits, keep, router)
                 if view is not None:
@@ -403,39 +411,49 @@ class _Engine:
             work = [r for r in rows if self.needs_work(r)]
             stats.blocks_skipped += len(rows) - len(work)
             stats.skipped_tokens += sum(r.hi - r.lo for r in rows if r not in work)
-            if not work:
-                continue
-            batch = _Batch(self, parent, work)
+            if work:
+                self._backward_batch(parent, work, objective, logprobs, record)
+                stats.blocks_run += len(work)
+                stats.batches_run += 1
+                stats.backward_tokens += sum(r.hi - r.lo for r in work)
+            self.store.spent(rows)  # every block that reads these chunks has run (skipped ones too)
+
+    def _backward_batch(self, parent: int, work: list[Row], objective: Objective, logprobs: list[Tensor],
+                        record: bool) -> None:
+        """One block batch's forward and backward. A function of its own so that nothing of the
+        batch outlives it: a tensor left in a loop variable would keep its graph, and through the
+        graph's AccumulateGrad nodes the history leaves (views that pin the store) alive into the next
+        batch."""
+        batch = _Batch(self, parent, work)
+        with memory.label("forward"):
             logits, keep, router = batch.forward(with_logits=True)
-            roots, seeds = [], []
+        roots, seeds = [], []
+        with memory.label("objective"):
             view = batch.view(logits, keep, router)
             loss = None
             if view is not None and objective.reads(view):
                 loss = objective.block_loss(view)
-            if view is not None and record:
-                self.record(view, logprobs)
-            if loss is not None and loss.requires_grad:
-                roots.append(loss)
-                seeds.append(torch.ones_like(loss))
-            # the [positions × vocab] logits (and the view's log-softmax) are not needed past this
-            # point unless autograd saved them: free them before the backward allocates its own
-            del view, logits, loss
-            for layer, kv in batch.cache.new.items():
-                for j, x_BHQD in enumerate(kv):
-                    if not x_BHQD.requires_grad:
-                        continue  # frozen below this layer: no gradient can flow into history
+        if view is not None and record:
+            self.record(view, logprobs)
+        if loss is not None and loss.requires_grad:
+            roots.append(loss)
+            seeds.append(torch.ones_like(loss))
+        # the [positions × vocab] logits (and the view's log-softmax) are not needed past this
+        # point unless autograd saved them: free them before the backward allocates its own
+        del view, logits, loss, router
+        for layer, kv in batch.cache.new.items():
+            for j, x_BHQD in enumerate(kv):
+                if not x_BHQD.requires_grad:
+                    continue  # frozen below this layer: no gradient can flow into history
+                with memory.label("seed"):
                     seed = self.store.seed(work, layer, j, x_BHQD)
-                    if seed is not None:
-                        roots.append(x_BHQD)
-                        seeds.append(seed)
-            if roots:
+                if seed is not None:
+                    roots.append(x_BHQD)
+                    seeds.append(seed)
+        if roots:
+            with memory.label("backward"):
                 torch.autograd.backward(roots, seeds)
-            batch.release()
-            del roots, seeds
-            self.store.spent(work)  # the accumulators of these positions are spent
-            stats.blocks_run += len(work)
-            stats.batches_run += 1
-            stats.backward_tokens += sum(r.hi - r.lo for r in work)
+        batch.release()
 
 
 def stream_backward(

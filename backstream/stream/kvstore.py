@@ -1,9 +1,17 @@
 """The K/V store of the streamed backward and its gradient accumulators (DESIGN §2, §5).
 
-Per tree node and layer: the K and V of its tokens ([Hkv, len, D], from the prefill or the caller),
-the gradient that later blocks left for them (gK/gV, fp32 or wider, allocated on first deposit), and
-a bool mask of the positions with a pending gradient. A node's accumulators are freed once its first
-chunk has run: no later batch reads them.
+Per tree node and layer: the K and V of its tokens, from the prefill or the caller; the gradient
+that later blocks left for them (gK/gV, fp32 or wider, allocated on first deposit); and a bool
+mask of the positions with a pending gradient.
+
+What it holds is the memory floor of the backward (DESIGN §5), so nothing more:
+- only the positions some later block reads (`extent`: a node without children is never read
+  past the start of its last chunk);
+- position-major ([len, Hkv, D], read as [Hkv, len, D] views): a block's history is a view of it
+  (`read`) and the attention kernel's gradient for that view ([1, Lk, Hkv, D] in memory) has the
+  view's own strides, so autograd hands it over without a copy;
+- a node's K/V and accumulators are freed once its first chunk has run (`spent`): every block that
+  reads them has run by then.
 """
 
 from __future__ import annotations
@@ -12,34 +20,41 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache
 
+from backstream.stream import memory
 from backstream.stream.family import ModelContractError
 from backstream.stream.schedule import Row
 from backstream.stream.tree import TokenTree
 
 
 class KVStore:
-    def __init__(self, tree: TokenTree):
+    def __init__(self, tree: TokenTree, extent: dict[int, int] | None = None):
         self.tree = tree
-        self.kv: dict[int, dict[int, list[Tensor]]] = {}  # node → layer → [K_HLD, V_HLD]
-        self.g: dict[int, dict[int, list[Tensor | None]]] = {}  # node → layer → [gK_HLD, gV_HLD] fp32
+        # node → how many of its first positions a later block reads (default: all)
+        self.extent = extent if extent is not None else {n.id: len(n.tokens) for n in tree.nodes}
+        self.kv: dict[int, dict[int, list[Tensor]]] = {}  # node → layer → [K_LHD, V_LHD]
+        self.g: dict[int, dict[int, list[Tensor | None]]] = {}  # node → layer → [gK_LHD, gV_LHD] fp32
         self.touched: dict[int, dict[int, Tensor]] = {}  # node → layer → bool [len]: pending K/V gradient
         self.given = False  # the K/V came from the caller (`kv=`): their shapes are checked on first read
 
     def read(self, node: int, layer: int, j: int) -> Tensor:
-        """K (j = 0) or V (j = 1) of a node at a layer, [Hkv, len, D]."""
-        return self.kv[node][layer][j]
+        """K (j = 0) or V (j = 1) of a node at a layer, [Hkv, extent, D] (a view)."""
+        return self.kv[node][layer][j].transpose(0, 1)
 
     def store(self, rows: list[Row], new: dict[int, tuple[Tensor, Tensor]]) -> None:
-        """Keep the K/V a batch's forward produced ([B, Hkv, Q, D] per layer) at its rows' positions."""
+        """Keep the K/V a batch's forward produced ([B, Hkv, Q, D] per layer) at its rows' positions
+        that a later block reads."""
         for layer, (k_BHQD, v_BHQD) in new.items():
             for r, row in enumerate(rows):
-                n = row.hi - row.lo
+                hi = min(row.hi, self.extent.get(row.node, 0))
+                if hi <= row.lo:
+                    continue
                 per_node = self.kv.setdefault(row.node, {})
                 if layer not in per_node:
-                    L = len(self.tree.nodes[row.node].tokens)
-                    per_node[layer] = [x.new_empty((x.shape[1], L, x.shape[3])) for x in (k_BHQD, v_BHQD)]
-                per_node[layer][0][:, row.lo:row.hi] = k_BHQD[r, :, :n]
-                per_node[layer][1][:, row.lo:row.hi] = v_BHQD[r, :, :n]
+                    L = self.extent[row.node]
+                    with memory.label("kv"):
+                        per_node[layer] = [x.new_empty((L, x.shape[1], x.shape[3])) for x in (k_BHQD, v_BHQD)]
+                for j, x in enumerate((k_BHQD, v_BHQD)):
+                    per_node[layer][j][row.lo:hi] = x[r, :, : hi - row.lo].transpose(0, 1)
 
     def add_grad(self, node: int, layer: int, j: int, a: int, b: int, g_HLD: Tensor) -> None:
         """Deposit a reader's gradient for the K (j = 0) or V (j = 1) of node-local positions [a, b)."""
@@ -48,8 +63,9 @@ class KVStore:
             ref = self.kv[node][layer][j]
             # fp32 whatever the model dtype (bf16 sums of many readers drift); float64 stays float64
             acc_dtype = torch.promote_types(ref.dtype, torch.float32)
-            per_layer[j] = torch.zeros(ref.shape, dtype=acc_dtype, device=ref.device)
-        per_layer[j][:, a:b] += g_HLD.to(per_layer[j].dtype)
+            with memory.label("gkv"):
+                per_layer[j] = torch.zeros((self.extent[node], *ref.shape[1:]), dtype=acc_dtype, device=ref.device)
+        per_layer[j][a:b] += g_HLD.transpose(0, 1)  # in place, widened as it is added: no temporary
         t = self.touched.setdefault(node, {}).setdefault(
             layer, torch.zeros(len(self.tree.nodes[node].tokens), dtype=torch.bool))
         t[a:b] = True
@@ -69,22 +85,26 @@ class KVStore:
             if acc is not None and self.pending(row, layer):
                 if seed is None:
                     seed = torch.zeros(x_BHQD.shape, dtype=x_BHQD.dtype, device=x_BHQD.device)
-                seed[r, :, : row.hi - row.lo] = acc[:, row.lo:row.hi].to(x_BHQD.dtype)
+                hi = min(row.hi, acc.shape[0])
+                seed[r, :, : hi - row.lo] = acc[row.lo:hi].transpose(0, 1)
         return seed
 
     def spent(self, rows: list[Row]) -> None:
-        """These chunks have run their backward: free the accumulators no other chunk needs."""
+        """These chunks have run their backward (or were skipped): a node whose first chunk is among
+        them has no reader left, so its K/V and accumulators go."""
         for row in rows:
             if row.lo == 0:
                 self.g.pop(row.node, None)
                 self.touched.pop(row.node, None)
+                self.kv.pop(row.node, None)
 
     def check_given(self, nodes: list[int], layer: int, key_BHQD: Tensor, value_BHQD: Tensor) -> None:
         """Caller-given K/V must have the model's head count and head sizes at this layer."""
         if not self.given:
             return
         for n in nodes:
-            for j, (x, own) in enumerate(zip(self.kv[n][layer], (key_BHQD, value_BHQD))):
+            for j, own in enumerate((key_BHQD, value_BHQD)):
+                x = self.read(n, layer, j)
                 if x.shape[0] != own.shape[1] or x.shape[2] != own.shape[3]:
                     raise ModelContractError(
                         f"kv: layer {layer}'s {'KV'[j]} has shape [{x.shape[0]}, length, {x.shape[2]}] but the model's "
@@ -127,5 +147,6 @@ class KVStore:
                         raise ModelContractError(
                             f"kv[{i}][{layer}]: covers {k.shape[1]} positions but sequence {i} needs the K/V of its "
                             f"first {node.end} tokens (a sliding-window cache that dropped history cannot be reused)")
-                    per_node[layer] = [x[:, node.start:node.end].to(device, dtype) for x in (k, v)]
+                    # views of the caller's K/V where device and dtype already match
+                    per_node[layer] = [x[:, node.start:node.end].to(device, dtype).transpose(0, 1) for x in (k, v)]
                 self.kv[n] = per_node

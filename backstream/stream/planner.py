@@ -1,18 +1,39 @@
 """Memory planner: picks the block size and the rows per batch from a byte budget (DESIGN §5).
 
-    peak ≈ weights + grads + K/V of the tree + pending gK/gV + one block batch
-           (activations + the history it reads + its logits)
+    peak ≈ weights + grads + K/V of the tree + gK/gV + one block batch
+    one block batch = its activations + its K/V seeds + max(its logits' three [P × V] tensors,
+                                                            one layer's history gradient)
 
-The activation term is a per-token constant of the architecture (what autograd keeps per token
-per layer). The numbers are estimates; `bench/bench_long.py` prints them beside measured peaks.
+Every term is counted the way `backstream.stream.memory.LiveBytes` counts the engine (bytes of live
+tensor storages; `bench/bench_memory.py` prints estimate beside measurement):
+- K/V and gK/gV: the positions some later block reads (a node without children is not read past
+  the start of its last chunk), in the model's dtype and in float32 (or wider) respectively; at the
+  peak (the first block batches of the backward) all of them are alive;
+- activations: what autograd keeps per token of the block, per decoder layer of a Qwen3/Llama-type
+  model (measured with LiveBytes, element counts): 6·hidden (two RMSNorms: input, normalised,
+  scaled) + 4·(heads·head_dim) + 4·(kv_heads·head_dim) (q/k projections and norms, the attention's
+  query, output and o_proj input, k after RoPE, v) + 4·intermediate (gated MLP: gate, up, SiLU,
+  product) + 2 + 2·heads + kv_heads (norm and attention statistics); an MoE layer holds
+  top_k·(2·hidden + 4·moe_intermediate) in its MLP instead (the routed copies and the experts'
+  projections), plus 4·width of a shared expert; after the last layer, 3·hidden (final norm, the
+  LM head's input) and 2·head_dim (RoPE tables); routing keeps ~(4·experts + 4·top_k)·4 bytes; in
+  a bf16/fp16 model the norms' two saved copies per norm are float32;
+- logits: at the start of the backward the log-softmax kept for it, its gradient and the logits'
+  gradient, float32 (or wider), [P × V] each, P = rows × block targets at most;
+- history gradient: the flash backward returns one layer's gradient for the K and V of the whole
+  history the batch reads before it is added into gK/gV; it replaces the logits' three tensors as
+  the batch's transient when the history is long.
+Llama-type layers without q/k norms hold 2·(heads + kv_heads)·head_dim fewer per token and layer:
+the estimate is a little high for them. A tree deeper than a group is an upper bound (a node's K/V
+and gK/gV are freed once its first block ran, before some of its relatives' blocks).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from backstream.stream.hf import base_model
 from backstream.stream.family import Unsupported
+from backstream.stream.hf import base_model, num_experts
 
 DEFAULT_BLOCK = 512
 DEFAULT_ROWS = 8
@@ -26,48 +47,92 @@ class Plan:
     breakdown: dict[str, int] = field(default_factory=dict)
 
 
-def _dims(model):
+@dataclass
+class _Dims:
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    mlp: int  # elements a token's MLP keeps per layer, for the backward
+    router: int = 0  # bytes a token's routing keeps per layer (MoE: logits, probabilities, top-k)
+
+    @property
+    def kv_per_token(self) -> int:
+        """Elements of K and V per token, all layers."""
+        return self.layers * 2 * self.kv_heads * self.head_dim
+
+
+def _dims(model) -> _Dims:
     try:
         return _read_dims(base_model(model).config.get_text_config())
     except Exception as e:  # noqa: BLE001  (per-layer attributes some configs refuse to read globally)
         raise Unsupported(f"model: the memory planner cannot read the config's sizes ({type(e).__name__}: {e})") from e
 
 
-def _read_dims(c):
+def _widest(x):
+    return max(x) if isinstance(x, (list, tuple)) else x  # per-layer widths: plan for the widest
+
+
+def _read_dims(c) -> _Dims:
     H = c.num_attention_heads
     D = getattr(c, "head_dim", None) or c.hidden_size // H
     Hkv = getattr(c, "num_key_value_heads", None) or H
-    inter = getattr(c, "intermediate_size", None) or 4 * c.hidden_size
-    if isinstance(inter, (list, tuple)):  # per-layer widths: plan for the widest
-        inter = max(inter)
-    # MoE: the active experts' width is what a token's activations hold
+    inter = _widest(getattr(c, "intermediate_size", None) or 4 * c.hidden_size)
+    mlp = 4 * inter
     k = getattr(c, "num_experts_per_tok", None)
-    if k and getattr(c, "moe_intermediate_size", None):
-        inter = k * c.moe_intermediate_size
-    return c.num_hidden_layers, c.hidden_size, inter, H, Hkv, D, c.vocab_size
+    router = 0
+    experts = num_experts(c)
+    if k and experts:  # routed experts (Mixtral names the expert width intermediate_size)
+        width = _widest(getattr(c, "moe_intermediate_size", None) or inter)
+        shared = (getattr(c, "shared_expert_intermediate_size", None)
+                  or (getattr(c, "n_shared_experts", None) or 0) * width)
+        dense_layers = (getattr(c, "mlp_only_layers", None) or (getattr(c, "decoder_sparse_step", None) or 1) > 1
+                        or getattr(c, "first_k_dense_replace", None))
+        mlp = max(mlp if dense_layers else 0, k * (2 * c.hidden_size + 4 * width) + 4 * shared)
+        router = 4 * (4 * experts + 4 * k)
+    return _Dims(c.num_hidden_layers, c.hidden_size, H, Hkv, D, c.vocab_size, mlp, router)
 
 
-def estimate(model, *, tree_tokens: int, longest_path: int, block_size: int, rows: int) -> Plan:
-    L, hid, inter, H, Hkv, D, V = _dims(model)
-    p = next(model.parameters())
-    elt = p.element_size()
-    weights = sum(x.numel() * x.element_size() for x in model.parameters())
-    grads = sum(x.numel() * x.element_size() for x in model.parameters() if x.requires_grad)
-    kv_tok = L * 2 * Hkv * D  # elements of K/V per token
+def estimate(model, *, tree_tokens: int, longest_path: int, block_size: int, rows: int,
+             stored_tokens: int | None = None) -> Plan:
+    """The peak live bytes of a streamed call (weights included). stored_tokens: tree tokens whose
+    K/V a later block reads (default: all of them; `plan` counts them for the block size)."""
+    d = _dims(model)
+    params = list(model.parameters())
+    elt = params[0].element_size()
+    acc = max(elt, 4)  # float32 accumulators (gK/gV, logits, low-precision parameters' gradients)
+    weights = sum(x.numel() * x.element_size() for x in params)
+    grads = sum(x.numel() * max(x.element_size(), 4) for x in params if x.requires_grad)
+    stored = tree_tokens if stored_tokens is None else stored_tokens
     tokens = rows * block_size
-    # per token and layer, autograd keeps ~ the inputs of every linear and norm, the MLP's
-    # intermediate activations and the attention's q/k/v/out
-    act_tok = L * (8 * hid + 4 * inter + 3 * (H + 2 * Hkv) * D)
+    per_layer = (6 * d.hidden + 4 * d.heads * d.head_dim + 4 * d.kv_heads * d.head_dim + d.mlp
+                 + 2 + 2 * d.heads + d.kv_heads)
+    act_tok = d.layers * per_layer + 3 * d.hidden + 2 * d.head_dim
+    history = min(tree_tokens, rows * longest_path)  # keys one batch reads (shared once, private per row)
     b = {
         "weights": weights,
         "grads": grads,
-        "kv_store": tree_tokens * kv_tok * elt,
-        "pending_grads": tree_tokens * kv_tok * 4,  # bound: every position at once, fp32
-        "block_activations": tokens * act_tok * elt,
-        "block_history": min(longest_path, tree_tokens) * kv_tok * elt * (1 + rows),
-        "block_logits": tokens * V * 4 * 3,  # logits, log-softmax, their gradient
+        "kv_store": stored * d.kv_per_token * elt,
+        "kv_grads": stored * d.kv_per_token * acc,
+        # RMSNorms compute in float32 whatever the model's dtype: their saved input and normalised
+        # copies (two per norm) are float32
+        "block_activations": tokens * (act_tok * elt + d.layers * d.router
+                                       + (acc - elt) * (4 * d.layers + 2) * d.hidden),
+        "block_seeds": tokens * d.kv_per_token * elt,
+        "block_transient": max(3 * tokens * d.vocab * acc, 2 * history * d.kv_heads * d.head_dim * elt),
+        # per tree token: the returned log-probs and their copy for `setup`, the loss mask, the
+        # per-layer pending-gradient masks
+        "bookkeeping": tree_tokens * (16 + d.layers),
     }
     return Plan(block_size, tokens, sum(b.values()), b)
+
+
+def stored_tokens(tree, block_size: int) -> int:
+    """Tokens whose K/V a later block reads: all of a node with children, and a leaf node's up to the
+    start of its last chunk (the engine's store keeps exactly these)."""
+    return sum(len(n.tokens) if n.children else (len(n.tokens) - 1) // block_size * block_size for n in tree.nodes)
 
 
 def plan(model, tree, *, block_size=None, batch_tokens=None, memory_budget=None) -> Plan:
@@ -77,16 +142,18 @@ def plan(model, tree, *, block_size=None, batch_tokens=None, memory_budget=None)
     siblings = max([len(tree.roots)] + [len(n.children) for n in tree.nodes])
 
     def est(T, rows):
-        return estimate(model, tree_tokens=tree.num_tokens(), longest_path=longest_path,
-                        block_size=T, rows=rows)
+        # a batch never holds more rows than there are siblings, whatever batch_tokens allows
+        return estimate(model, tree_tokens=tree.num_tokens(), longest_path=longest_path, block_size=T,
+                        rows=max(1, min(rows, siblings)), stored_tokens=stored_tokens(tree, T))
 
     if memory_budget is None:
         T = block_size or DEFAULT_BLOCK
         bt = batch_tokens or DEFAULT_ROWS * T
         try:
-            return est(T, max(1, bt // T))
+            e = est(T, max(1, bt // T))
         except Unsupported:  # the estimate is only reported here: no estimate (peak_bytes 0)
             return Plan(T, max(1, bt // T) * T, 0)
+        return Plan(T, max(1, bt // T) * T, e.peak_bytes, e.breakdown)  # the schedule's cap stays the caller's
     try:
         est(block_size or DEFAULT_BLOCK, 1)
     except Unsupported as e:
