@@ -72,18 +72,24 @@ from backstream.rl.turns import PlainFormat  # noqa: E402
 
 def encode_batch(tokenizer, rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
     """input_ids [B, L] (right-padded) and targets [B, L] (-100 except answer tokens and <eos>)."""
-    seqs, starts = [], []
+    seqs, targets = [], []
     for row in rows:
         prompt = tokenizer(row["prompt"])["input_ids"]
         answer = tokenizer(row["answer"])["input_ids"] + [tokenizer.eos_token_id]
         seqs.append(prompt + answer)
-        starts.append(len(prompt))
+        targets.append([-100] * len(prompt) + answer)
+    return right_padded(tokenizer, seqs, targets)
+
+
+def right_padded(tokenizer, seqs: list[list[int]], targets: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token lists as input_ids [B, L] padded with the pad id on the right, and their per-token
+    targets [B, L] padded with -100."""
     length = max(map(len, seqs))
     ids_BL = torch.full((len(seqs), length), tokenizer.pad_token_id)
     targets_BL = torch.full((len(seqs), length), -100)
-    for i, (seq, start) in enumerate(zip(seqs, starts)):
+    for i, (seq, target) in enumerate(zip(seqs, targets)):
         ids_BL[i, : len(seq)] = torch.tensor(seq)
-        targets_BL[i, start : len(seq)] = torch.tensor(seq[start:])
+        targets_BL[i, : len(seq)] = torch.tensor(target)
     return ids_BL, targets_BL
 
 
@@ -102,13 +108,7 @@ def encode_episodes(tokenizer, rows: list[dict], use_tool: bool) -> tuple[torch.
             target += part if sampled else [-100] * len(part)
         seqs.append(seq)
         targets.append(target)
-    length = max(map(len, seqs))
-    ids_BL = torch.full((len(seqs), length), tokenizer.pad_token_id)
-    targets_BL = torch.full((len(seqs), length), -100)
-    for i, (seq, target) in enumerate(zip(seqs, targets)):
-        ids_BL[i, : len(seq)] = torch.tensor(seq)
-        targets_BL[i, : len(seq)] = torch.tensor(target)
-    return ids_BL, targets_BL
+    return right_padded(tokenizer, seqs, targets)
 
 
 def sft_loss(model, ids_BL, targets_BL, digit_ids: torch.Tensor, smoothing: float) -> torch.Tensor:

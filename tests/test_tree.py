@@ -2,6 +2,7 @@
 
 import torch
 
+from backstream.stream.schedule import batches, read_extent, read_later
 from backstream.stream.tree import TokenTree
 
 
@@ -50,3 +51,21 @@ def test_targets_sit_at_the_predicting_position():
     assert placed[(1, 2)] == (t.roots[0], 1, 5)
     assert placed[(0, 2)] == (t.roots[0], 1, 3)
     assert placed[(0, 3)] == (t.roots[0], 2, 4)
+
+
+def test_read_extent_is_what_the_schedule_reads_later():
+    """The store's extent (closed form) is, per node, the end of its last chunk some later block reads."""
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        prompt = torch.randint(0, 5, (int(torch.randint(1, 12, (1,), generator=g)),), generator=g).tolist()
+        seqs = [prompt + torch.randint(0, 5, (int(torch.randint(1, 15, (1,), generator=g)),), generator=g).tolist()
+                for _ in range(int(torch.randint(1, 5, (1,), generator=g)))]
+        tree = TokenTree(seqs)
+        for block in (1, 3, 4, 64):
+            read = {n.id: 0 for n in tree.nodes}
+            for _, rows in batches(tree, block, 4 * block):
+                for r in rows:
+                    if read_later(tree, r):
+                        read[r.node] = max(read[r.node], r.hi)
+            assert read_extent(tree, block) == read
+

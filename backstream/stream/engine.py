@@ -42,7 +42,7 @@ from backstream.stream.hf import base_model, takes_logits_to_keep
 from backstream.stream.kvstore import KVStore
 from backstream.stream.objective import BlockView, Objective, Terms, TokenWeights, flat_offsets
 from backstream.stream.router import router_term
-from backstream.stream.schedule import Row, batches, has_targets, read_later
+from backstream.stream.schedule import Row, batches, has_targets, read_extent, read_later
 from backstream.stream.tree import TokenTree
 
 __all__ = ["ATTN_NAME", "StreamResult", "StreamStats", "check_model", "logprobs", "stream_backward"]
@@ -356,12 +356,7 @@ class _Engine:
         self.pad_id = pad_id
         self.tree = tree
         self.schedule = batches(tree, block_size, batch_tokens)
-        extent: dict[int, int] = {}  # per node, the positions a later block reads: all the store keeps
-        for _, rows in self.schedule:
-            for r in rows:
-                if read_later(tree, r):
-                    extent[r.node] = max(extent.get(r.node, 0), r.hi)
-        self.store = KVStore(tree, extent)
+        self.store = KVStore(tree, read_extent(tree, block_size))  # only the positions a later block reads
         self.has_logits_to_keep = takes_logits_to_keep(model)
         self.text_config = self.base.config.get_text_config()
         self.num_layers = self.text_config.num_hidden_layers

@@ -6,6 +6,7 @@ forward takes `logits_to_keep`. Importing this module changes nothing (no regist
 from __future__ import annotations
 
 import difflib
+import functools
 import inspect
 import os
 import socket
@@ -72,7 +73,12 @@ def takes_logits_to_keep(model: nn.Module) -> bool:
 def cache_arg(model: nn.Module) -> str | None:
     """The keyword the model's forward takes its Cache under: `cache` (transformers 5.24 on),
     `past_key_values` (before, and families not yet renamed), or None when it takes neither."""
-    params = inspect.signature(type(base_model(model)).forward).parameters  # the class's, not a wrapper's
+    return _cache_arg(type(base_model(model)))  # the class's forward, not a wrapper's
+
+
+@functools.cache
+def _cache_arg(cls: type) -> str | None:  # read once per class: the sampler asks at every token
+    params = inspect.signature(cls.forward).parameters
     return next((name for name in ("cache", "past_key_values") if name in params), None)
 
 

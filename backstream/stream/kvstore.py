@@ -27,10 +27,9 @@ from backstream.stream.tree import TokenTree
 
 
 class KVStore:
-    def __init__(self, tree: TokenTree, extent: dict[int, int] | None = None):
+    def __init__(self, tree: TokenTree, extent: dict[int, int]):
         self.tree = tree
-        # node → how many of its first positions a later block reads (default: all)
-        self.extent = extent if extent is not None else {n.id: len(n.tokens) for n in tree.nodes}
+        self.extent = extent  # node → how many of its first positions a later block reads (schedule.read_extent)
         self.kv: dict[int, dict[int, list[Tensor]]] = {}  # node → layer → [K_LHD, V_LHD]
         self.g: dict[int, dict[int, list[Tensor | None]]] = {}  # node → layer → [gK_LHD, gV_LHD] fp32
         self.touched: dict[int, dict[int, Tensor]] = {}  # node → layer → bool [len]: pending K/V gradient
@@ -45,7 +44,7 @@ class KVStore:
         that a later block reads."""
         for layer, (k_BHQD, v_BHQD) in new.items():
             for r, row in enumerate(rows):
-                hi = min(row.hi, self.extent.get(row.node, 0))
+                hi = min(row.hi, self.extent[row.node])
                 if hi <= row.lo:
                     continue
                 per_node = self.kv.setdefault(row.node, {})

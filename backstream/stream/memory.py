@@ -94,9 +94,6 @@ class LiveBytes(TorchDispatchMode):
         self.saved_at_peak = 0
         self.peak_label: tuple[str, ...] = ()
         self.ops = 0
-        self.peak_op = 0
-        self.snapshot_at = None  # an op count: keep the live set there (a second run at a first run's peak_op)
-        self.snapshot: list[tuple] = []
         self._handles = []
 
     # -- bookkeeping ------------------------------------------------------------------------
@@ -121,7 +118,6 @@ class LiveBytes(TorchDispatchMode):
             self.at_peak = {k: v for k, v in self.by_cat.items() if v}
             self.saved_at_peak = self.saved
             self.peak_label = tuple(_LABELS)
-            self.peak_op = self.ops
 
     def _move(self, entry, delta: int, category: str) -> None:
         self.live += delta
@@ -164,8 +160,6 @@ class LiveBytes(TorchDispatchMode):
             for t in outs:
                 if _key(t)[0] not in held:
                     self._add(t, where)
-        if self.ops == self.snapshot_at:
-            self.snapshot = self.live_set()
         return out
 
     def live_set(self) -> list[tuple]:

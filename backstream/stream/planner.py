@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 from backstream.stream.family import Unsupported
 from backstream.stream.hf import base_model, num_experts
+from backstream.stream.schedule import read_extent
 
 DEFAULT_BLOCK = 512
 DEFAULT_ROWS = 8
@@ -129,12 +130,6 @@ def estimate(model, *, tree_tokens: int, longest_path: int, block_size: int, row
     return Plan(block_size, tokens, sum(b.values()), b)
 
 
-def stored_tokens(tree, block_size: int) -> int:
-    """Tokens whose K/V a later block reads: all of a node with children, and a leaf node's up to the
-    start of its last chunk (the engine's store keeps exactly these)."""
-    return sum(len(n.tokens) if n.children else (len(n.tokens) - 1) // block_size * block_size for n in tree.nodes)
-
-
 def plan(model, tree, *, block_size=None, batch_tokens=None, memory_budget=None) -> Plan:
     """Resolve block size and batch tokens; with `memory_budget`, the largest that fit."""
     longest_node = max((len(n.tokens) for n in tree.nodes), default=1)
@@ -144,7 +139,7 @@ def plan(model, tree, *, block_size=None, batch_tokens=None, memory_budget=None)
     def est(T, rows):
         # a batch never holds more rows than there are siblings, whatever batch_tokens allows
         return estimate(model, tree_tokens=tree.num_tokens(), longest_path=longest_path, block_size=T,
-                        rows=max(1, min(rows, siblings)), stored_tokens=stored_tokens(tree, T))
+                        rows=max(1, min(rows, siblings)), stored_tokens=sum(read_extent(tree, T).values()))
 
     if memory_budget is None:
         T = block_size or DEFAULT_BLOCK

@@ -53,6 +53,14 @@ def read_later(tree: TokenTree, row: Row) -> bool:
     return row.hi < len(node.tokens) or bool(node.children)
 
 
+def read_extent(tree: TokenTree, block_size: int) -> dict[int, int]:
+    """Per node, how many of its first positions some later block reads (`read_later` over its
+    chunks): all of a node with children, a leaf's up to the start of its last chunk. The K/V store
+    keeps exactly these, and the planner counts them."""
+    return {n.id: len(n.tokens) if n.children else (len(n.tokens) - 1) // block_size * block_size
+            for n in tree.nodes}
+
+
 def has_targets(tree: TokenTree, row: Row) -> bool:
     """Does the chunk predict a token the objective reads?"""
     tg = tree.targets.get(row.node)
