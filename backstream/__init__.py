@@ -1,11 +1,27 @@
-"""backstream: exact streamed backward over shared-prefix token trees for RL post-training."""
+"""backstream: exact streamed backward over shared-prefix token trees for RL post-training.
 
-from backstream.stream.engine import StreamResult, StreamStats, logprobs, stream_backward
-from backstream.stream.objective import BlockView, Objective, TokenWeights, flat_offsets
-from backstream.stream.planner import Plan, estimate
-from backstream.stream.reference import reference_backward
-# the module imports nothing heavy until the function is called
-from backstream.stream.verify import VerifyReport, verify
+The names below are imported on first use (PEP 562), so that a process that needs only a leaf module
+(an environment's worker, say) does not import torch and transformers for them."""
+
+import importlib
+
+_NAMES = {
+    "StreamResult": "backstream.stream.engine", "StreamStats": "backstream.stream.engine",
+    "logprobs": "backstream.stream.engine", "stream_backward": "backstream.stream.engine",
+    "BlockView": "backstream.stream.objective", "Objective": "backstream.stream.objective",
+    "TokenWeights": "backstream.stream.objective", "flat_offsets": "backstream.stream.objective",
+    "Plan": "backstream.stream.planner", "estimate": "backstream.stream.planner",
+    "reference_backward": "backstream.stream.reference",
+    "VerifyReport": "backstream.stream.verify", "verify": "backstream.stream.verify",
+}
+
+
+def __getattr__(name: str):
+    if name in _NAMES:
+        value = getattr(importlib.import_module(_NAMES[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'backstream' has no attribute {name!r}")
 
 
 def train(config=None, overrides=(), resume=None, model=None, tokenizer=None, overwrite=False) -> str:

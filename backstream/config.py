@@ -27,7 +27,7 @@ from backstream.quant.linear import QuantConfig
 from backstream.rl.advantages import ADVANTAGES
 from backstream.rl.backward import EngineConfig
 from backstream.rl.data import DataConfig
-from backstream.rl.env import EnvConfig
+from backstream.rl.agent.env import EnvConfig
 from backstream.rl.evaluate import EvalConfig
 from backstream.rl.losses import LOSS_TYPES, LossConfig, PPOClipConfig
 from backstream.rl.model import ModelConfig
@@ -97,6 +97,10 @@ class TrainConfig:
     """W&B project name."""
     progress: bool = True
     """Progress on stderr: a redrawing bar on a terminal, one line per step otherwise."""
+    log_episodes: int = 0
+    """Write the first N samples of each step, whole, to RUN_DIR/episodes.jsonl: prompt, messages, the
+    tokens in runs of sampled / inserted, rewards per function, finish reason, episode counts and the
+    reward functions' log_extra columns (TRL's log_completions). 0 = none."""
     plots: bool = True
     """Write the PNG curves (reward per function with its spread, length, KL, entropy, clipping,
     mismatch) into the run folder at each checkpoint and at the end (needs matplotlib: the plot extra)."""
@@ -109,6 +113,7 @@ class TrainConfig:
             raise ValueError(f"train.save_every_minutes: got {self.save_every_minutes!r}, expected a number >= 0 "
                              "(0: no time interval)")
         at_least("train.keep_checkpoints", self.keep_checkpoints, 1)
+        at_least("train.log_episodes", self.log_episodes, 0)
 
     @property
     def periodic_checkpoints(self) -> bool:
@@ -368,7 +373,7 @@ RESUMABLE = {
     "train.save_every": "checkpoint cadence", "train.save_every_minutes": "checkpoint cadence",
     "train.keep_checkpoints": "checkpoint cadence",
     "train.progress": "logging", "train.plots": "logging", "train.log_tensorboard": "logging",
-    "train.log_wandb": "logging", "train.wandb_project": "logging",
+    "train.log_wandb": "logging", "train.wandb_project": "logging", "train.log_episodes": "logging",
     "reward.timeout_s": "a time limit", "distributed.timeout_s": "a time limit", "env.tool_timeout_s": "a time limit",
     "optim.max_nonfinite_steps": "a safety limit", "engine.verify": "a check before training",
     "model.device": "where the run continues (float-close, not bitwise)",

@@ -119,19 +119,30 @@ class Logger:
             self.bar.set_description_str(f"step {step}: {what}"[: max(12, _columns() // 3)])
 
     def line(self, m: dict, parts: int = 5) -> str:
-        """The step's line; `parts` < 5 leaves out the least telling fields (mismatch, memory, timing)."""
+        """The step's line; `parts` < 5 leaves out the least telling fields (mismatch, memory, timing).
+        A line with no training metrics (the held-out evaluation before step 1) reads as an eval line."""
         total = f"/{self.total}" if self.total else ""
         num = lambda k: m.get(k) if isinstance(m.get(k), (int, float)) else 0.0  # noqa: E731  (null: 0)
-        phases = ("time/rollout", "time/reward", "time/prefill", "time/backward")
-        split = " ".join(f"{k.split('/')[1]} {num(k):.1f}s" for k in phases if m.get(k) is not None)
+        evals = [f"{k.removeprefix('eval/')} {num(k):.3f}" for k in m if k.startswith("eval/") and m.get(k) is not None]
+        if m.get("reward/mean") is None and evals:
+            return " | ".join([f"eval at step {m['step']}{total}", *evals])
+        phases = ("time/rollout", "time/tool", "time/reward", "time/prefill", "time/backward")
+        split = " ".join(f"{k.split('/')[1]} {num(k):.1f}s" for k in phases if m.get(k) is not None
+                         and (k != "time/tool" or num(k) > 0))
         fields = [f"step {m['step']}{total}", f"reward {num('reward/mean'):.3f}",
-                  f"len {num('response_length/mean'):.1f}", f"{num('throughput/tokens_per_s'):.0f} tok/s",
-                  f"{num('time/step'):.1f}s ({split})",
-                  f"peak {num('memory/peak_mib'):.0f} MiB"]
+                  f"len {num('response_length/mean'):.1f}"]
+        if m.get("episode/turns/mean") is not None:  # per episode: turns, tool calls, tool errors
+            fields.append(f"turns {num('episode/turns/mean'):.1f} calls {num('episode/tool_calls/mean'):.2f} "
+                          f"err {num('episode/tool_errors/mean'):.2f}")
+        fields += [f"{num('throughput/tokens_per_s'):.0f} tok/s", f"{num('time/step'):.1f}s ({split})",
+                   f"peak {num('memory/peak_mib'):.0f} MiB"]
+        if evals:
+            fields.append("eval " + " ".join(evals))
         if m.get("mismatch/kl") is not None:
             # sampler/learner mismatch: k3 KL(sampler‖learner) per token, and the share of error-token responses
             fields.append(f"mismatch kl {num('mismatch/kl'):.1e} err {num('mismatch/error_token_share'):.2f}")
-        keep = {5: len(fields), 4: 6, 3: 5, 2: 4, 1: 3}[max(1, min(parts, 5))]
+        lead = 4 if m.get("episode/turns/mean") is not None else 3  # step, reward, length (, episode)
+        keep = {5: len(fields), 4: lead + 3, 3: lead + 2, 2: lead + 1, 1: lead}[max(1, min(parts, 5))]
         return " | ".join(fields[:keep])
 
     def _fit(self, row: dict) -> str:
@@ -151,6 +162,35 @@ class Logger:
             self.tb.close()
         if self.wb is not None:
             self.wb.finish()
+
+
+class EpisodeLog:
+    """`train.log_episodes = N`: the first N samples of each step, whole, one JSON line each in
+    RUN_DIR/episodes.jsonl: the prompt and the messages as the reward functions got them, the
+    completion's tokens in runs of sampled / inserted (tool results, template tokens), the rewards
+    (total and per function), the finish reason, the episode's counts and what reward functions
+    logged with `log_extra`. On resume, the lines of steps after the checkpoint are dropped."""
+
+    def __init__(self, run_dir: str, per_step: int, append: bool, start_step: int):
+        self.path, self.per_step = os.path.join(run_dir, "episodes.jsonl"), per_step
+        self.step, self.written = None, 0
+        if append:
+            _keep_steps_up_to(self.path, start_step)
+        self.file = open(self.path, "a" if append else "w") if per_step > 0 else None
+
+    def write(self, step: int, rows: list[dict]) -> None:
+        if self.file is None:
+            return
+        if step != self.step:
+            self.step, self.written = step, 0
+        for row in rows[: self.per_step - self.written]:
+            self.file.write(json.dumps({"step": step, **row}, default=str) + "\n")
+            self.written += 1
+        self.file.flush()
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
 
 
 def _columns() -> int:
@@ -180,9 +220,14 @@ PLOTS = {
     "clip_fraction": ("share of tokens clipped", [("loss/clip_frac_low", None), ("loss/clip_frac_high", None)]),
     "mismatch": ("k3 KL(sampler ‖ learner) per token", [("mismatch/kl", None)]),
     "eval": ("held-out reward, pass@k, avg@k", [("eval/reward/mean", None)]),
+    "reward_log": ("what reward functions logged (log_metric)", []),
     "episode": ("per episode (mean)", [("episode/turns/mean", None), ("episode/tool_calls/mean", None),
-                                       ("episode/tool_errors/mean", None)]),
+                                       ("episode/tool_errors/mean", None), ("episode/timeouts", None),
+                                       ("episode/results_cut/mean", None)]),
 }
+
+
+STYLES = [("-", "o"), ("--", "s"), (":", "^"), ("-.", "D"), ((0, (5, 1)), "v"), ((0, (1, 2)), "x")]
 
 
 def _series(rows: list[dict], key: str) -> list[tuple[int, float]]:
@@ -198,6 +243,7 @@ def plot(run_dir: str) -> list[str]:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt  # noqa: PLC0415
+        from matplotlib.ticker import MaxNLocator  # noqa: PLC0415
     except ImportError:
         raise ValueError("backstream plot: needs `pip install 'backstream[plot]'` (matplotlib)") from None
     rows = read(run_dir)
@@ -206,20 +252,26 @@ def plot(run_dir: str) -> list[str]:
     eval_k = [k for k in keys if k.startswith(("eval/pass@", "eval/avg@"))]
     out = []
     for name, (ylabel, entries) in PLOTS.items():
-        entries = list(entries) + [(k, None) for k in {"reward": per_fn, "eval": eval_k}.get(name, [])]
+        logged = [k for k in keys if k.startswith("reward_log/")]
+        entries = list(entries) + [(k, None) for k in {"reward": per_fn, "eval": eval_k, "reward_log": logged}.get(
+            name, [])]
         drawn = [(k, band, s) for k, band in entries if (s := _series(rows, k))]
         if not drawn:
             continue
         fig, ax = plt.subplots(figsize=(6, 3.6), dpi=100)
-        for k, band, s in drawn:
+        for i, (k, band, s) in enumerate(drawn):
             xs, ys = [x for x, _ in s], [y for _, y in s]
-            (line,) = ax.plot(xs, ys, label=k, linewidth=2 if band else 1.2)
+            # series that coincide (reward/mean and avg@k, say) stay visible: a style and marker each
+            style = STYLES[i % len(STYLES)]
+            (line,) = ax.plot(xs, ys, label=k, linewidth=2 if band else 1.2, linestyle=style[0], marker=style[1],
+                              markersize=3 if len(xs) > 1 else 5, markevery=max(1, len(xs) // 20))
             spread = dict(_series(rows, band)) if band else {}
             if spread:
                 lo = [y - spread.get(x, 0.0) for x, y in s]
                 hi = [y + spread.get(x, 0.0) for x, y in s]
                 ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.18, linewidth=0)
         ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_ylabel(ylabel)
         ax.set_title(name)
         ax.grid(alpha=0.3)

@@ -44,14 +44,14 @@ import torch
 from torch import Tensor
 
 from backstream import checkpoint, config as cfgmod, runfolder
-from backstream.metrics import Logger, check_backends, plot
+from backstream.metrics import EpisodeLog, Logger, check_backends, plot
 from backstream.quant.linear import quant_linears, quantize_model, quantized
 from backstream.rl import data as datamod, parallel
 from backstream.rl.advantages import ADVANTAGES
 from backstream.rl.losses import Normalisers, build_objective
 from backstream.rl.offpolicy import error_token_share, mismatch_metrics
-from backstream.rl.rewards import Rewards, TrainerState
-from backstream.rl.episodes import build_sampler, eos_ids
+from backstream.rl.rewards import RewardLog, Rewards, TrainerState
+from backstream.rl.agent.episodes import build_sampler, eos_ids
 from backstream.rl.evaluate import Evaluator, with_group_size
 from backstream.rl.rollout import Rollout
 from backstream.rl.shaping import informative_groups, overlong_shaping
@@ -187,7 +187,8 @@ class Trainer:
                                      cfg.engine.reuse_rollout_kv, self.prompts, self.prompt_text,
                                      getattr(self.model.config, "max_position_embeddings", None))
         self.sampler.check_prompts(self.examples)
-        self.rewards = Rewards(cfg.reward)
+        self.rewards = Rewards(cfg.reward, environment=self.sampler.environment)
+        self.reward_log = RewardLog()  # what the reward functions log during the current step
         self.evaluator = Evaluator.build(cfg.eval, cfg.data, tc.seed, self.examples, self._sampler_for)
         self.ref = self._reference_policy(copy_of_given=model is not None)  # a whole copy, before sharding
         self.dp.prepare(self.model, self.ref)  # after LoRA and quantization; the optimizer then holds the shards
@@ -214,6 +215,7 @@ class Trainer:
                 self.run_dir, progress=tc.progress, tensorboard=tc.log_tensorboard, wandb=tc.log_wandb,
                 config=cfg.to_dict(), total_steps=tc.steps, append=resume, wandb_project=tc.wandb_project,
                 start_step=self.step, keys=self.metric_keys())) or _NoLogger()
+            self.episode_log = self.dp.on_main(lambda: EpisodeLog(self.run_dir, tc.log_episodes, resume, self.step))
         except BaseException as e:
             self._record_error(e)
             if self.lock is not None:
@@ -345,6 +347,7 @@ class Trainer:
         """One RL step (DESIGN §1): collect → advantages → update → metrics; returns the metrics."""
         t0 = time.perf_counter()
         self.times = dict.fromkeys(PHASES, 0.0)
+        self.reward_log = RewardLog()
         self.unique_tokens = 0  # tokens the engine's trees held this step (first epoch)
         with self.dp.guard(f"step {self.step + 1}"):
             batch = self.collect()  # the global batch (on every rank under torchrun)
@@ -372,8 +375,9 @@ class Trainer:
             r = self.sampler.sample(self.model, [self.examples[idx[j]] for j in groups], [idx[j] for j in groups],
                                     [self.dp.generator(start + j) for j in groups],
                                     progress=lambda done, n: self.logger.phase(self.step + 1, f"rollout {done}/{n}"))
-        self.times["tool"] += self.sampler.tool_s  # tools run inside the rollout: their time on its own line
-        self.times["rollout"] -= self.sampler.tool_s
+        for phase, seconds in self.sampler.timings().items():  # inside the rollout: on their own line
+            self.times[phase] += seconds
+            self.times["rollout"] -= seconds
         return r
 
     def sample_and_score(self, n_prompts: int, refill: bool = False) -> tuple[Rollout, Tensor, dict[str, Tensor]]:
@@ -384,18 +388,26 @@ class Trainer:
             r = self.rollout_round(n_prompts, refill)
         with self._timed("reward"):
             self.logger.phase(self.step + 1, "reward")
-            total, per_fn = self.score(r) if len(r) else (torch.zeros(0), {})
+            log = RewardLog()
+            total, per_fn = self.score(r, log=log) if len(r) else (torch.zeros(0), {})
+        for k, v in log.metrics.items():
+            self.reward_log.metrics.setdefault(k, []).extend(v)
+        if self.episode_log is not None and self.cfg.train.log_episodes:
+            self.episode_log.write(self.step + 1, episode_rows(self.sampler, r, total, per_fn, log.columns,
+                                                               [self.examples[i] for i in r.prompt_index]))
         return self.dp.join_round(r, total, per_fn)
 
-    def score(self, r: Rollout, sampler=None, examples: list[dict] | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+    def score(self, r: Rollout, sampler=None, examples: list[dict] | None = None,
+              log: RewardLog | None = None) -> tuple[Tensor, dict[str, Tensor]]:
         """Total reward per sample and each reward function's, called as TRL calls them (the sampler
         formats prompts and completions: `Sampler.reward_inputs`), with the step and every column.
-        `sampler`/`examples`: those `r` came from (default: the training ones)."""
+        `sampler`/`examples`: those `r` came from (default: the training ones); `log` collects what
+        the functions log (log_metric, log_extra)."""
         sampler, examples = sampler or self.sampler, examples or self.examples
         rows = [examples[i] for i in r.prompt_index]
         completions, prompts, extra = sampler.reward_inputs(r, rows)
-        cols = {k: [row[k] for row in rows] for k in examples[0] if k != "prompt"}
-        return self.rewards(completions, prompts, cols, **extra,
+        cols = {k: [row.get(k) for row in rows] for k in examples[0] if k != "prompt"}
+        return self.rewards(completions, prompts, cols, **extra, log=log,
                             trainer_state=TrainerState(global_step=self.step, max_steps=self.cfg.train.steps))
 
     def collect(self) -> Batch:
@@ -528,6 +540,8 @@ class Trainer:
         # a function's mean over the samples it scored (None: TRL's "does not apply")
         m.update({f"reward/{k}": float(v.nanmean()) for k, v in batch.scored_by_fn.items()})
         m.update(self.sampler.metrics(ro))
+        logged_means = self.reward_log.means()
+        m.update({k: float(sum(v) / len(v)) for k, v in _gathered_means(self.dp.gather(logged_means)).items()})
         m["tree/tokens_total"] = sum(len(p) + len(c) for p, c in zip(ro.prompt_ids, ro.completion_ids))
         m["tree/tokens_unique"] = sum(self.dp.gather(self.unique_tokens))  # the engine's, over every rank
         # loss terms as loss/…; an objective's own groups (is/…, tbpo/…) keep their names
@@ -661,6 +675,10 @@ class Trainer:
             for s, h in old.items():
                 signal.signal(s, h)
             self.logger.close()
+            if self.episode_log is not None:
+                self.episode_log.close()
+            self.sampler.close()
+            self.evaluator.close()
             if self.lock is not None:
                 self.lock.release()
         return self.run_dir
@@ -682,6 +700,41 @@ class Interrupted(Exception):
 
 def _checkpoint_step(path: str | None) -> int:
     return int(os.path.basename(path).split("-", 1)[1]) if path else 0
+
+
+def _gathered_means(parts: list[dict[str, float]]) -> dict[str, list[float]]:
+    """Per key, the ranks' values (a rank that logged nothing under a key adds none)."""
+    out: dict[str, list[float]] = {}
+    for part in parts:
+        for k, v in part.items():
+            out.setdefault(k, []).append(v)
+    return out
+
+
+def episode_rows(sampler, r: Rollout, total: Tensor, per_fn: dict[str, Tensor], columns: dict[str, list],
+                 rows: list[dict]) -> list[dict]:
+    """The samples of a round as `EpisodeLog` writes them (see metrics.EpisodeLog)."""
+    completions, prompts, _ = sampler.reward_inputs(r, rows)
+    out = []
+    for i in range(len(r)):
+        ids, mask = r.completion_ids[i].tolist(), r.sampled[i].tolist() if r.sampled is not None else None
+        runs: list[dict] = []
+        for j, t in enumerate(ids):
+            s = True if mask is None else bool(mask[j])
+            if not runs or runs[-1]["sampled"] != s:
+                runs.append({"sampled": s, "ids": []})
+            runs[-1]["ids"].append(t)
+        tokens = [{"sampled": run["sampled"], "text": sampler.tok.decode(run["ids"])} for run in runs]
+        info = r.episodes[i].light() if r.episodes is not None else None
+        out.append({"prompt_index": r.prompt_index[i], "prompt": prompts[i], "completion": completions[i],
+                    "tokens": tokens, "reward": float(total[i]),
+                    "rewards": {k: (None if math.isnan(float(v[i])) else float(v[i])) for k, v in per_fn.items()},
+                    "finish_reason": r.finish_reason[i],
+                    "episode": None if info is None else {k: getattr(info, k) for k in
+                                                          ("turns", "tool_calls", "tool_errors", "results_cut",
+                                                           "timed_out")},
+                    "extra": {k: v[i] for k, v in columns.items()}})
+    return out
 
 
 def sum_metrics(parts: list[dict[str, float]]) -> dict[str, float]:

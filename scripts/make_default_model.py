@@ -63,11 +63,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, not installed
 
 from backstream.default_model import DEFAULT_MODEL_DIR, build_tokenizer, default_config  # noqa: E402
-from backstream.rl.env import EnvConfig, Environment  # noqa: E402
+from backstream.rl.agent.env import EnvConfig, Environment  # noqa: E402
 from backstream.rl.tasks import (  # noqa: E402
     KV_PAIRS, TASKS, arith_row, kvlookup_row, make_dataset, score, toolcalc_episode, toolcalc_row,
 )
-from backstream.rl.turns import PlainFormat  # noqa: E402
+from backstream.rl.agent.turns import PlainFormat  # noqa: E402
 
 
 def encode_batch(tokenizer, rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -196,13 +196,15 @@ def play_toolcalc(model, tokenizer, rows: list[dict], greedy: bool, seed: int = 
                     continue  # an answer, or a turn cut at max_new: the episode is over
                 results = []
                 for call in calls:
-                    content, failed, _ = env.call(instances[i], call)
+                    content, failed = env.call(instances[i], call)[:2]
                     good_calls[i] += not failed
                     results.append((call.name, content))
                     messages[i].append({"role": "tool", "name": call.name, "content": content})
                 ids[i] += fmt.tool_results(results)
                 still.append(i)
             live = still
+    for instance in instances:  # each lives in a worker process: back to the pool
+        instance.release()
     model.train()
     reward = [score(m[-1].get("content", ""), r["answer"]) for m, r in zip(messages, rows)]
     tool = [x for x, c in zip(reward, first_call) if c]

@@ -47,13 +47,13 @@ class Slow:
 
 
 class Game:
-    """A text environment: no tools; `step(text)` answers each turn twice, then ends the episode."""
+    """A text environment: no tools; `env_response(text)` answers each turn twice, then ends the episode."""
 
     def reset(self, **row):
         self.turns = 0
         return "?"
 
-    def step(self, text):
+    def env_response(self, text):
         self.turns += 1
         return None if self.turns >= 3 else f"more {self.turns}"
 

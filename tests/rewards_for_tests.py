@@ -15,10 +15,10 @@ SEEN: list[dict] = []
 
 
 def record_columns(completions, prompts, **columns):
-    """Records what the trainer passes (TRL's call: prompts, completions, completions_ids, trainer_state
-    and the dataset's columns); rewards as count_digits on the completions' text."""
+    """Records what the trainer passes (TRL's call: prompts, completions, completion_ids, trainer_state,
+    log_metric, log_extra and the dataset's columns); rewards as count_digits on the completions' text."""
     SEEN.append({"prompts": list(prompts), "completions": list(completions),
-                 **{k: v if k == "trainer_state" else list(v) for k, v in columns.items()}})
+                 **{k: v if k == "trainer_state" or callable(v) else list(v) for k, v in columns.items()}})
     return count_digits([c if isinstance(c, str) else c[-1]["content"] for c in completions])
 
 

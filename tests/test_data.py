@@ -40,9 +40,11 @@ def test_chat_prompts_and_columns_reach_the_reward(tmp_path):
     # 2 prompts × 4 samples in TRL's conversational format: the prompt's messages, the completion as an
     # assistant message, its token ids, the step, the columns alongside
     assert len(call["prompts"]) == 8
-    assert set(call) == {"prompts", "completions", "completions_ids", "trainer_state", "answer", "level"}
+    assert set(call) == {"prompts", "completions", "completion_ids", "completions_ids", "trainer_state", "log_metric",
+                         "log_extra", "answer", "level"}
     assert call["trainer_state"].global_step == 0 and call["trainer_state"].max_steps == 1
-    for p, c, ids, a, lv in zip(call["prompts"], call["completions"], call["completions_ids"], call["answer"],
+    assert call["completion_ids"] == call["completions_ids"]  # TRL's name, and this project's older one
+    for p, c, ids, a, lv in zip(call["prompts"], call["completions"], call["completion_ids"], call["answer"],
                                 call["level"]):
         row = next(r for r in ROWS if r["answer"] == a)
         assert p == row["prompt"] and lv == row["level"]
@@ -62,7 +64,8 @@ def test_datasets_folder(tmp_path, as_dict):
     model, tok = tiny(torch.float32)
     _train_on(tmp_path, folder, model, tok)
     (call,) = rewards_for_tests.SEEN  # text prompts: TRL's standard format, strings
-    assert set(call) == {"prompts", "completions", "completions_ids", "trainer_state", "answer"}
+    assert set(call) == {"prompts", "completions", "completion_ids", "completions_ids", "trainer_state", "log_metric",
+                         "log_extra", "answer"}
     assert all(p.endswith("=") for p in call["prompts"]) and all(isinstance(c, str) for c in call["completions"])
 
 

@@ -10,7 +10,8 @@ import torch
 from backstream.default_model import (
     CHARS, DEFAULT_MODEL_DIR, SPECIAL_TOKENS, build_tokenizer, default_config, load_default,
 )
-from backstream.rl.tasks import TASKS, make_dataset, score
+from backstream.rl.rewards import exact_match
+from backstream.rl.tasks import TASKS, make_dataset
 
 
 @functools.cache
@@ -106,8 +107,8 @@ def test_greedy_arith_answers_are_digits_then_eos():
 def play_toolcalc(rows, temperature: float, group_size: int):
     """toolcalc episodes of the shipped model through the trainer's episode sampler, with the task's
     defaults (environment, turns, turn budget): per episode (tool calls, tool errors, turns, reward)."""
-    from backstream.rl.env import EnvConfig
-    from backstream.rl.episodes import EpisodeSampler
+    from backstream.rl.agent.env import EnvConfig
+    from backstream.rl.agent.episodes import EpisodeSampler
     from backstream.rl.rollout import SamplingConfig
 
     model, tok = shipped()
@@ -118,10 +119,11 @@ def play_toolcalc(rows, temperature: float, group_size: int):
     gens = [torch.Generator().manual_seed(i) for i in range(len(rows))]
     r = sampler.sample(model, rows, list(range(len(rows))), gens)
     out = []
-    for i, (_, messages) in enumerate(r.messages):
+    completions, _, _ = sampler.reward_inputs(r, [rows[i] for i in r.prompt_index])
+    for i, (e, messages) in enumerate(zip(r.episodes, completions)):
         answer = rows[r.prompt_index[i]]["answer"]
-        reward = score(str(messages[-1].get("content", "")), answer) if messages else 0.0
-        out.append((r.tool_calls[i], r.tool_errors[i], r.turns[i], reward))
+        out.append((e.tool_calls, e.tool_errors, e.turns, exact_match([messages], [answer])[0]))
+    sampler.close()
     return out
 
 

@@ -14,9 +14,9 @@ import torch
 from test_trainer import rel, run_cfg, tiny, weights
 
 from backstream import reference_backward, stream_backward, trainer
-from backstream.rl import episodes as E
+from backstream.rl.agent import episodes as E
 from backstream.rl import rollout as R
-from backstream.rl.env import EnvConfig, EnvError
+from backstream.rl.agent.env import EnvConfig, EnvError
 from backstream.rl.rollout import SamplingConfig
 from backstream.stream.verify import relative_errors
 
@@ -80,6 +80,11 @@ def text(tok, r, i):
     return tok.decode(torch.cat([r.prompt_ids[i], r.completion_ids[i]]))
 
 
+def info(r, key):
+    """Per episode, one field of its EpisodeInfo."""
+    return [getattr(e, key) for e in r.episodes]
+
+
 # -- the environment contract ---------------------------------------------------------------------------
 
 
@@ -97,7 +102,8 @@ def test_tools_results_errors_and_rewards(script):
     assert text(tok, r, 0) == ("12+34=[add 12 34]<eos>\n=46\n[boom 1]<eos>\n=error: boom raised RuntimeError: the tool "
                                "broke\n[nope 1]<eos>\n=error: unknown tool 'nope'; the tools are ['add', 'boom']\n"
                                "[add 1]<eos>\n=error: add takes 2 argument(s) (a, b), got 1\n46<eos>")
-    assert (r.turns, r.tool_calls, r.tool_errors, r.finish_reason) == ([5, 2], [4, 1], [3, 0], ["eos", "eos"])
+    assert (info(r, "turns"), info(r, "tool_calls"), info(r, "tool_errors"), r.finish_reason) == (
+        [5, 2], [4, 1], [3, 0], ["eos", "eos"])
     # only sampled tokens carry a log-prob; inserted ones are context
     for c, m, lp in zip(r.completion_ids, r.sampled, r.logprobs):
         assert torch.isfinite(lp[m]).all() and torch.isnan(lp[~m]).all() and 0 < m.sum() < len(c)
@@ -120,25 +126,26 @@ def test_tools_results_errors_and_rewards(script):
 
 
 def test_a_text_environment_and_the_limits(script):
-    """step(text) is the text environment's hook: its reply is the next user message, None ends the
+    """env_response(text) is the text environment's hook: its reply is the next user message, None ends the
     episode; env.max_turns and env.max_episode_tokens cut an episode (`episode/truncated`)."""
     model, tok = tiny(torch.float32)
     script([["a<eos>", "b<eos>", "c<eos>"], ["x<eos>", "y<eos>", "z<eos>"]])
     s = sampler(tok, "envs_for_tests:Game")
-    assert s.env.schemas == [] and s.env.has_step
+    assert s.env.schemas == [] and s.env.has_response
     r = sample(s, model, [{"prompt": "go"}])
-    assert text(tok, r, 0) == "go?a<eos>\nmore 1\nb<eos>\nmore 2\nc<eos>" and r.turns == [3, 3]
+    assert text(tok, r, 0) == "go?a<eos>\nmore 1\nb<eos>\nmore 2\nc<eos>" and info(r, "turns") == [3, 3]
     script([["a<eos>", "b<eos>"], ["x<eos>", "y<eos>"]])
     r = sample(sampler(tok, "envs_for_tests:Game", max_turns=2), model, [{"prompt": "go"}])
-    assert r.finish_reason == ["turns", "turns"] and r.turns == [2, 2]
+    assert r.finish_reason == ["turns", "turns"] and info(r, "turns") == [2, 2]
     assert s.metrics(r)["episode/truncated"] == 1.0
     script([["[add 1 2]<eos>"], ["[add 1 2]<eos>"]])
     r = sample(sampler(tok, max_episode_tokens=16), model, [{"prompt": "1+2="}])  # 14 tokens, the result 4 more
     assert r.finish_reason == ["length", "length"] and all(len(p) + len(c) <= 16 for p, c in
                                                             zip(r.prompt_ids, r.completion_ids))
+    assert info(r, "tool_calls") == [0, 0] and [e.env.calls for e in r.episodes] == [0, 0]  # no room: not run
     script([["[add 1 2]" + "9" * 40]])  # a turn cut by rollout.max_new_tokens
     r = sample(sampler(tok, G=1, max_new=12), model, [{"prompt": "1+2="}])
-    assert r.finish_reason == ["length"] and r.turns == [1]
+    assert r.finish_reason == ["length"] and info(r, "turns") == [1]
 
 
 def test_reset_that_raises_a_tool_that_hangs_and_reset_text(script):
@@ -148,8 +155,9 @@ def test_reset_that_raises_a_tool_that_hangs_and_reset_text(script):
     script([["[wait 30]<eos>", "ok<eos>"]])
     s = sampler(tok, "envs_for_tests:Slow", G=1, tool_timeout_s=0.2)
     r = sample(s, model, [{"prompt": "p"}])
-    assert text(tok, r, 0).startswith("p (slowly)[wait 30]<eos>\n=error: wait did not return within "
-                                      "env.tool_timeout_s=0.2\n") and r.tool_errors == [1]
+    # the timed-out tool's environment is discarded: the episode ends on the call, its result unseen
+    assert text(tok, r, 0) == "p (slowly)[wait 30]<eos>" and info(r, "tool_errors") == [1]
+    assert r.finish_reason == ["timeout"] and info(r, "timed_out") == [True] and r.episodes[0].env.discarded
 
 
 def test_function_tools_beside_no_class(script):
@@ -158,7 +166,7 @@ def test_function_tools_beside_no_class(script):
                          tok, [tok.eos_token_id], False, 256)
     script([["[double 21]<eos>", "42<eos>"]])
     r = sample(s, model, [{"prompt": "2*21="}])
-    assert text(tok, r, 0) == "2*21=[double 21]<eos>\n=42\n42<eos>" and r.envs == [None]
+    assert text(tok, r, 0) == "2*21=[double 21]<eos>\n=42\n42<eos>" and info(r, "tool_calls") == [1]
 
 
 # -- token-level fidelity ----------------------------------------------------------------------------
@@ -185,7 +193,7 @@ def test_the_sequence_is_bitwise_what_the_sampler_fed(script, fmt):
         assert all(k.shape[1] == len(seq) - 1 for k, _ in r.kv[i])
     if fmt == "chat":
         assert text(tok, r, 0) == ("<tools>add,boom</tools>\n<u>12+34=</u>\n<a>" + call + "\n<t>46</t>\n<a>46<eos>")
-        assert r.tool_calls == [1, 0]
+        assert info(r, "tool_calls") == [1, 0]
 
 
 # -- episodes on the token tree: exact ------------------------------------------------------------------
@@ -365,17 +373,17 @@ def test_trl_environments_run_unchanged(script):
     environment of examples/calc_env.py."""
     model, tok = tiny(torch.float32)
     s = sampler(tok, "envs_for_tests:IncrementEnv", G=1)
-    assert [x["function"]["name"] for x in s.env.schemas] == ["increment"] and not s.env.has_step
+    assert [x["function"]["name"] for x in s.env.schemas] == ["increment"] and not s.env.has_response
     script([["[increment 2]<eos>", "[increment 3]<eos>", "5<eos>"]])
     r = sample(s, model, [{"prompt": "Increment by two, then three."}])
     assert text(tok, r, 0).endswith("[increment 2]<eos>\n=2\n[increment 3]<eos>\n=5\n5<eos>")
     s = sampler(tok, "envs_for_tests:EchoLike", G=1)
-    assert [x["function"]["name"] for x in s.env.schemas] == ["step"] and not s.env.has_step
+    assert [x["function"]["name"] for x in s.env.schemas] == ["step"] and not s.env.has_response
     script([['[step "hi"]<eos>', "done<eos>"]])
     r = sample(s, model, [{"prompt": "echo hi"}])
     from backstream.rl.rewards import env_reward
 
-    assert r.tool_calls == [1] and env_reward(r.envs) == [2.0]
+    assert info(r, "tool_calls") == [1] and env_reward(info(r, "env")) == [2.0]
     s = sampler(tok, os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples", "calc_env.py") + ":CalcEnv")
     assert [x["function"]["name"] for x in s.env.schemas] == ["add", "multiply"]
 

@@ -68,8 +68,8 @@ def test_toolcalc_episode_is_one_the_sampler_plays():
     result rendered by the format is the inserted part, token for token, and the last turn is an
     answer the exact-match reward scores 1."""
     from backstream.default_model import build_tokenizer
-    from backstream.rl.env import EnvConfig, Environment
-    from backstream.rl.turns import PlainFormat
+    from backstream.rl.agent.env import EnvConfig, Environment
+    from backstream.rl.agent.turns import PlainFormat
 
     tok = build_tokenizer()
     env = Environment.load(EnvConfig(factory=TASKS["toolcalc"].defaults["env.factory"]))
@@ -87,11 +87,12 @@ def test_toolcalc_episode_is_one_the_sampler_plays():
             _, calls = fmt.parse(ids)
             assert len(calls) == 1 and calls[0].name == "add" and calls[0].error is None
             args.append(calls[0].arguments)
-            content, failed, _ = env.call(instance, calls[0])
+            content, failed = env.call(instance, calls[0])[:2]
             assert not failed and fmt.tool_results([("add", content)]) == fmt.encode(inserted)
         assert args == [{"a": a, "b": b}, {"a": a + b, "b": c}]
         message, calls = fmt.parse(fmt.encode(parts[-1][0]))
         assert calls == [] and score(message["content"], row["answer"]) == 1.0
+        instance.release()
 
 
 def test_toolcalc_defaults_apply_where_the_run_leaves_them_unset():

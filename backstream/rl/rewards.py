@@ -9,8 +9,13 @@ with, per sample, as TRL passes them (its "Using a custom reward function" docum
   *standard* format); chat prompts (a list of {"role", "content"} messages) give the prompt's message
   list and the completion as a list of messages, `[{"role": "assistant", "content": text}]` (TRL's
   *conversational* format);
-- `completions_ids`: the completion's token ids (a list of ints);
+- `completion_ids`: the completion's token ids (a list of ints; also under this project's older name
+  `completions_ids`);
 - `trainer_state`: an object with `global_step` (steps done) and `max_steps`;
+- `log_metric(name, value)`: a number the step's metrics line gets as `reward_log/<name>` (the mean of
+  what the step logged under that name), and `log_extra(column, values)`: a column with one value per
+  sample, written beside the episodes in `episodes.jsonl` (`train.log_episodes`);
+- with an environment (`[env]`): `environments`, each episode's environment (TRL's names);
 - every other dataset column (e.g. `answer`), one entry per sample.
 A function without `**kwargs` is given only the arguments it names. It may return a list or tuple of
 numbers, a 1-D numpy array or tensor, or `None` for a sample it does not apply to (TRL's multi-task
@@ -29,10 +34,12 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import inspect
 import math as _math
 import numbers
 import re
+import sys
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +53,35 @@ RewardFn = Callable[..., Sequence[float]]
 
 
 
+# the arguments a reward function gets beside the dataset's columns (a column may not take their names)
+RESERVED = ("completions", "prompts", "completion_ids", "completions_ids", "trainer_state", "environments",
+            "log_metric", "log_extra")
+
+
+class RewardLog:
+    """What reward functions log during a step through TRL's `log_metric(name, value)` (numbers: the
+    step's line gets their mean as `reward_log/<name>`) and `log_extra(column, values)` (one value per
+    sample: a column beside the episodes in episodes.jsonl)."""
+
+    def __init__(self):
+        self.metrics: dict[str, list[float]] = {}
+        self.columns: dict[str, list] = {}
+
+    def metric(self, name: str, value: float) -> None:
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise RewardError(f"log_metric({name!r}, {value!r}): the value must be a number")
+        self.metrics.setdefault(str(name), []).append(float(value))
+
+    def extra(self, column: str, values: list, n: int) -> None:
+        values = list(values)
+        if len(values) != n:
+            raise RewardError(f"log_extra({column!r}, ...): {len(values)} values for {n} samples; give one per sample")
+        self.columns[str(column)] = values
+
+    def means(self) -> dict[str, float]:
+        return {f"reward_log/{k}": sum(v) / len(v) for k, v in self.metrics.items()}
+
+
 class RewardError(ValueError):
     """A reward function failed or returned something unusable; the step cannot go on."""
 
@@ -57,7 +93,28 @@ def text_of(x) -> str:
         return x
     if isinstance(x, list) and x and isinstance(x[-1], dict):
         return str(x[-1].get("content", ""))
+    if isinstance(x, list) and not x:
+        return ""
     raise TypeError(f"expected text or a list of chat messages, got {type(x).__name__}")
+
+
+def final_text(completion) -> str | None:
+    """The policy's final answer in a completion: a string as it is; of chat messages, the content of
+    the last message when it is the assistant's and calls no tool. None when there is no answer: an
+    episode that ended on a tool call (at `env.max_turns`, or a timeout), on a tool result or a user
+    message, or has no message. A turn cut by a token limit is an answer (its `finish_reason` says
+    "length"), as a cut single-turn completion is."""
+    if isinstance(completion, str):
+        return completion
+    if isinstance(completion, list):
+        if not completion:
+            return None
+        last = completion[-1]
+        if isinstance(last, dict) and last.get("role", "assistant") == "assistant" and not last.get("tool_calls"):
+            return str(last.get("content") or "")
+        if isinstance(last, dict):
+            return None
+    raise TypeError(f"expected text or a list of chat messages, got {type(completion).__name__}")
 
 
 @dataclass(frozen=True)
@@ -117,7 +174,8 @@ def exact_match(completions: list[str], answer: list[str], **kwargs: Any) -> lis
     Both sides go through `final_answer`, so a GSM8K answer column ("... #### 72") works as is;
     numbers compare numerically ("72.0" == "72", "1,000" == "1000").
     """
-    return [float(_answers_equal(text_of(c), str(a))) for c, a in zip(completions, answer, strict=True)]
+    return [0.0 if (t := final_text(c)) is None else float(_answers_equal(t, str(a)))
+            for c, a in zip(completions, answer, strict=True)]
 
 
 def _import_math_verify():
@@ -140,7 +198,10 @@ def math(completions: list[str], answer: list[str], **kwargs: Any) -> list[float
     timeout = 5 if threading.current_thread() is threading.main_thread() else None
     rewards = []
     for completion, gold_text in zip(completions, answer, strict=True):
-        completion = text_of(completion)
+        completion = final_text(completion)
+        if completion is None:  # no answer
+            rewards.append(0.0)
+            continue
         gold_text = str(gold_text).rsplit("####", 1)[-1].strip()
         gold = mv.parse(gold_text, parsing_timeout=timeout) or mv.parse(
             f"${gold_text}$", parsing_timeout=timeout
@@ -158,7 +219,7 @@ def format_reward(pattern: str, flags: int = re.DOTALL) -> RewardFn:
     regex = re.compile(pattern, flags)
 
     def reward(completions: list[str], **kwargs: Any) -> list[float]:
-        return [float(regex.fullmatch(text_of(c)) is not None) for c in completions]
+        return [float((t := final_text(c)) is not None and regex.fullmatch(t) is not None) for c in completions]
 
     reward.__name__ = f"format:{pattern}"
     return reward
@@ -226,8 +287,38 @@ class RewardModel:
 
 def env_reward(environments: list, **kwargs: Any) -> list[float | None]:
     """The built-in reward `env`: each episode's environment scores it (`get_reward()`, TRL's
-    contract); None for an environment without one (another function must score that sample)."""
-    return [e.get_reward() if callable(getattr(e, "get_reward", None)) else None for e in environments]
+    contract, awaited when `async def`); 0 for an environment discarded after a timeout (its episode
+    failed); None for one without `get_reward` (another function must score that sample)."""
+    out = []
+    for e in environments:
+        if getattr(e, "discarded", False):
+            out.append(0.0)
+            continue
+        fn = getattr(e, "get_reward", None)
+        value = fn() if callable(fn) else None
+        out.append(asyncio.run(value) if inspect.iscoroutine(value) else value)
+    return out
+
+
+def with_env_reward(functions: list[tuple[RewardFn | str, float]], environment) -> list[tuple[RewardFn | str, float]]:
+    """TRL's habit: an environment's `get_reward` is a reward. When the environment has one and the
+    functions do not name 'env', it is added with weight 1, and a line says so (name 'env' in
+    reward.functions to weight it, with weight 0 to leave it out). Naming 'env' for an environment
+    without `get_reward` is refused."""
+    named = any(f == "env" for f, _ in functions)
+    if environment is None:
+        if named:
+            raise ValueError("reward.functions: 'env' scores an episode with its environment's get_reward, but the "
+                             "run has no environment ([env] factory)")
+        return functions
+    if named and not environment.has_reward:
+        raise ValueError(f"reward.functions: 'env' reads get_reward(), but {environment.name} has none; add one or "
+                         "remove 'env'")
+    if environment.has_reward and not named:
+        print(f"backstream: reward: {environment.name}.get_reward() is the reward 'env' with weight 1, as in TRL "
+              "(name 'env' in reward.functions to weight it; weight 0 leaves it out)", file=sys.stderr, flush=True)
+        return [*functions, ("env", 1.0)]
+    return functions
 
 
 def _load_math(spec: str) -> RewardFn:
@@ -326,10 +417,14 @@ def _name_of(fn: Any) -> str:
     return getattr(fn, "__name__", None) or type(fn).__name__
 
 
+_NO_ENV = object()  # Rewards built without saying whether there is an environment: 'env' taken as it is
+
+
 class Rewards:
     """A weighted sum of reward functions, validated sample by sample.
 
-    Rewards(RewardConfig(...)) or Rewards([(fn_or_spec, weight), ...], timeout_s=None).
+    Rewards(RewardConfig(...)) or Rewards([(fn_or_spec, weight), ...], timeout_s=None). `environment`:
+    the run's `Environment` or None (a trainer's: its `get_reward` is added, see `with_env_reward`).
     """
 
     def __init__(
@@ -337,11 +432,13 @@ class Rewards:
         functions: RewardConfig | Sequence[tuple[RewardFn | str, float]],
         *,
         timeout_s: float | None = None,
+        environment=_NO_ENV,
     ):
         if isinstance(functions, RewardConfig):
             cfg = functions
             weights = cfg.weights or [1.0] * len(cfg.functions)
             functions, timeout_s = list(zip(cfg.functions, weights)), cfg.timeout_s
+        functions = with_env_reward(list(functions), environment) if environment is not _NO_ENV else functions
         if timeout_s is not None and timeout_s <= 0:
             raise ValueError(f"Rewards timeout_s={timeout_s!r}: must be positive, or None")
         self.functions: dict[str, RewardFn] = {}
@@ -360,34 +457,39 @@ class Rewards:
 
     def __call__(
         self, completions: list, prompts: list, columns: dict[str, list], *,
-        completions_ids: list[list[int]] | None = None, trainer_state: TrainerState | None = None,
-        environments: list | None = None,
+        completion_ids: list[list[int]] | None = None, trainer_state: TrainerState | None = None,
+        environments: list | None = None, log: RewardLog | None = None, completions_ids=None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """(total [N] float32 = Σ over the functions that scored a sample of weight·reward,
-        {name: unweighted reward [N] float32, NaN where the function returned None})."""
+        {name: unweighted reward [N] float32, NaN where the function returned None}). `log` collects
+        what the functions hand `log_metric` and `log_extra` (a fresh one per call when None)."""
         n = len(completions)
+        ids = completion_ids if completion_ids is not None else completions_ids
+        log = log if log is not None else RewardLog()
         if len(prompts) != n:
             raise ValueError(f"Rewards: {len(prompts)} prompts for {n} completions")
         for key, values in columns.items():
-            if key in ("completions", "prompts", "completions_ids", "trainer_state", "environments"):
+            if key in RESERVED:
                 raise ValueError(f"Rewards: column {key!r} clashes with a reward argument")
             if len(values) != n:
                 raise ValueError(f"Rewards: column {key!r} has {len(values)} rows for {n} samples")
-        if completions_ids is not None and len(completions_ids) != n:
-            raise ValueError(f"Rewards: {len(completions_ids)} completions_ids for {n} completions")
+        if ids is not None and len(ids) != n:
+            raise ValueError(f"Rewards: {len(ids)} completion_ids for {n} completions")
         total = torch.zeros(n, dtype=torch.float64)
         scored = torch.zeros(n, dtype=torch.bool)
         per_function = {}
         for name, fn in self.functions.items():
             # fresh lists per function: one that mutates its inputs cannot affect the next
             kwargs = {"completions": copy.deepcopy(list(completions)), "prompts": copy.deepcopy(list(prompts))}
-            if completions_ids is not None:
-                kwargs["completions_ids"] = [list(ids) for ids in completions_ids]
+            if ids is not None:
+                kwargs["completion_ids"] = [list(x) for x in ids]
+                kwargs["completions_ids"] = kwargs["completion_ids"]
             kwargs |= {k: list(v) for k, v in columns.items()}
             if trainer_state is not None:
                 kwargs["trainer_state"] = trainer_state
             if environments is not None:
                 kwargs["environments"] = list(environments)
+            kwargs["log_metric"], kwargs["log_extra"] = log.metric, functools.partial(log.extra, n=n)
             values = self._run(name, fn, kwargs, prompts)
             known = ~torch.isnan(values)
             total[known] += self.weights[name] * values[known]
@@ -442,7 +544,7 @@ class Rewards:
             and p.name not in kwargs
         ]
         if missing:
-            given = sorted(set(kwargs) - {"completions", "prompts", "completions_ids", "trainer_state", "environments"})
+            given = sorted(set(kwargs) - set(RESERVED))
             raise RewardError(f"reward function {name!r} needs column(s) {missing}, but the dataset gives {given}")
         try:
             values = self._invoke(name, fn, kwargs)

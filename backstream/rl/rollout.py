@@ -65,6 +65,26 @@ class SamplingConfig:
 
 
 @dataclass
+class EpisodeInfo:
+    """What an episode has beyond its tokens: its counts (gathered across ranks with the rollout), and
+    for the reward functions of the process that played it (`local`; never gathered) the prompt as the
+    rewards get it, the messages after it and the environment."""
+
+    turns: int
+    tool_calls: int
+    tool_errors: int  # malformed or unknown calls, tools that raised or overran their time
+    results_cut: int  # tool results cut at env.max_result_tokens (or at the episode's token limit)
+    timed_out: bool  # the environment overran env.tool_timeout_s and was discarded
+    prompt: object = None  # text, or chat messages (reset's text in them)
+    messages: list | None = None  # after the prompt; the last assistant message has a `finish_reason`
+    env: object = None
+
+    def light(self) -> EpisodeInfo:
+        """The counts alone (what crosses ranks)."""
+        return dataclasses.replace(self, prompt=None, messages=None, env=None)
+
+
+@dataclass
 class Rollout:
     """One entry per sample; the G samples of prompt j are rows j*G .. j*G+G-1."""
 
@@ -77,17 +97,11 @@ class Rollout:
     # per sample, a list over layers of (K, V) [kv_heads, len(prompt) + len(completion) - 1, head_dim]
     kv: list | None = None
     group_size: int = 1
-    # episodes (several turns, rl/episodes.py): per completion token whether the policy sampled it (the
-    # rest, tool results and template tokens, is context without loss; its logprobs are NaN); per
-    # sample its sampled turns, tool calls and tool calls that failed. None for single-turn samples.
+    # episodes (several turns, rl/agent/episodes.py): per completion token whether the policy sampled it
+    # (the rest, tool results and template tokens, is context without loss; its logprobs are NaN), and
+    # per sample what only an episode has. None for single-turn samples.
     sampled: list[Tensor] | None = None
-    turns: list[int] | None = None
-    tool_calls: list[int] | None = None
-    tool_errors: list[int] | None = None
-    # per sample, for the reward functions of this process only (never gathered across ranks): the
-    # episode's messages after the prompt and its environment instance
-    messages: list | None = None
-    envs: list | None = None
+    episodes: list[EpisodeInfo] | None = None
 
     def __len__(self) -> int:
         return len(self.completion_ids)
@@ -193,7 +207,7 @@ def _sample(logits_BV: Tensor, config: SamplingConfig, generator: torch.Generato
     return tok_B, logp_B
 
 
-def _forward(model, ids_BL: Tensor, start: int, cache: DynamicCache, keep_last: bool) -> Tensor:
+def forward_last(model, ids_BL: Tensor, start: int, cache: DynamicCache, keep_last: bool) -> Tensor:
     """Logits [B, V] of the last position of `ids_BL`, which sit at absolute positions start.."""
     pos_1L = torch.arange(start, start + ids_BL.shape[1], device=ids_BL.device)[None]  # shared by all rows
     extra = {"logits_to_keep": 1} if keep_last else {}  # no [L, V] logits for a long prompt
@@ -224,7 +238,7 @@ def decode(model, cache: DynamicCache, logits_BV: Tensor, start: int, config: Sa
     tok_B: Tensor | None = None  # the tokens sampled at the previous step
     for t in range(max_new):
         if t > 0:
-            logits_BV = _forward(model, tok_B[:, None], start + t - 1, cache, keep_last)
+            logits_BV = forward_last(model, tok_B[:, None], start + t - 1, cache, keep_last)
         tok_B, logp_B = _sample(logits_BV, config, generator)
         for i, tok in enumerate(tok_B.tolist()):  # a CPU-GPU sync per step: the stop checks need the ids
             if reason[i] is not None:
@@ -257,7 +271,7 @@ def _sample_group(model, prompt: Tensor, config: SamplingConfig, eos: set[int], 
     # layers built from the config would drop K/V that return_kv hands out (the attention mask
     # still applies the window, so the samples are the same).
     cache = DynamicCache()
-    logits_BV = _forward(model, prompt.to(device)[None], 0, cache, keep_last).expand(G, -1)
+    logits_BV = forward_last(model, prompt.to(device)[None], 0, cache, keep_last).expand(G, -1)
     cache.batch_repeat_interleave(G)  # the prompt's K/V, computed once, copied to the G rows
     tokens, logprobs, reason = decode(model, cache, logits_BV, P, config, eos, tokenizer, generator, keep_last)
     # views of the decode cache: row i's fed tokens are the prompt and all but its last sampled token
@@ -328,12 +342,12 @@ class Sampler:
     same methods for multi-turn episodes, so the trainer's step reads the same for both."""
 
     metric_keys: tuple[str, ...] = ()
+    environment = None  # an EpisodeSampler's Environment (its get_reward is a reward)
 
     def __init__(self, config: SamplingConfig, tokenizer, eos: list[int], return_kv: bool, prompts: list[Tensor],
                  prompt_text: list[str]):
         self.config, self.tok, self.eos, self.return_kv = config, tokenizer, eos, return_kv
         self.prompts, self.prompt_text = prompts, prompt_text  # per example: its token ids and text
-        self.tool_s = 0.0  # seconds spent in tools during the last `sample`
 
     def sample(self, model, rows: list[dict], indices: list[int], generators: list, progress=None) -> Rollout:
         """G samples for each example `indices[j]` (the data's rows `rows[j]`), group j drawn with
@@ -350,10 +364,20 @@ class Sampler:
         chat = [isinstance(row["prompt"], list) for row in rows]
         prompts = [row["prompt"] if c else self.prompt_text[i] for row, c, i in zip(rows, chat, r.prompt_index)]
         completions = [[{"role": "assistant", "content": t}] if c else t for t, c in zip(texts, chat)]
-        return completions, prompts, {"completions_ids": [c.tolist() for c in r.completion_ids]}
+        return completions, prompts, {"completion_ids": [c.tolist() for c in r.completion_ids]}
 
     def metrics(self, r: Rollout) -> dict[str, float]:
         return {}
+
+    def timings(self) -> dict[str, float]:
+        """Seconds of the last `sample` spent in phases of their own (an episode's tools: "tool")."""
+        return {}
+
+    def release(self) -> None:
+        """Let go of what the last `sample` held for its reward functions (nothing here)."""
+
+    def close(self) -> None:
+        """Stop what the sampler started (nothing here)."""
 
     def check_prompts(self, examples: list[dict]) -> int:
         """The longest prompt (its tokens were checked against the context when the data was loaded)."""

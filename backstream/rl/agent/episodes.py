@@ -28,12 +28,14 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache
 
-from backstream.rl.env import Environment, EnvConfig
-from backstream.rl.rollout import Rollout, SamplingConfig, Sampler, _forward, decode, row_kv
-from backstream.rl.turns import make_format
+from backstream.rl.agent.env import Environment, EnvConfig, EnvError, ToolResult
+from backstream.rl.agent.turns import make_format
+from backstream.rl.rollout import EpisodeInfo, Rollout, SamplingConfig, Sampler, decode, forward_last, row_kv
 from backstream.stream.hf import takes_logits_to_keep
 
-METRIC_KEYS = ("episode/turns/mean", "episode/tool_calls/mean", "episode/tool_errors/mean", "episode/truncated")
+METRIC_KEYS = ("episode/turns/mean", "episode/tool_calls/mean", "episode/tool_errors/mean", "episode/truncated",
+               "episode/timeouts", "episode/results_cut/mean")
+CUT = "[... {} more characters cut]"  # ends a tool result cut at env.max_result_tokens: the policy reads it
 
 
 @dataclass
@@ -41,15 +43,19 @@ class _Episode:
     env: object
     prompt: list[int]
     prompt_messages: list[dict]
+    prompt_for_rewards: object  # text or messages, as the reward functions get the prompt
     messages: list[dict] = field(default_factory=list)  # after the prompt: assistant, tool and user messages
     ids: list[int] = field(default_factory=list)  # the completion: every token after the prompt
     sampled: list[bool] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     pending: list[int] = field(default_factory=list)  # sampled, not fed yet (the turn's last token)
     turn: list[int] = field(default_factory=list)  # the last turn's sampled tokens
+    turn_reason: str = "eos"  # how the last turn ended: "eos", "stop" or "length"
+    inserted: list[int] = field(default_factory=list)  # the tokens to feed before the next turn
     turns: int = 0
     tool_calls: int = 0
     tool_errors: int = 0
+    results_cut: int = 0
     reason: str | None = None
     cache: DynamicCache | None = None
     fed: list[int] = field(default_factory=list)  # every token fed to the model, in order (fidelity test)
@@ -62,6 +68,11 @@ class _Episode:
     def length(self) -> int:
         return len(self.prompt) + len(self.ids)
 
+    def end(self, reason: str) -> None:
+        """The episode is over: the policy's last message says how (`finish_reason`)."""
+        self.reason = reason
+        self.messages[-1]["finish_reason"] = reason
+
 
 class EpisodeSampler(Sampler):
     """`Sampler` for `[env]` runs: G episodes per task (see the module docstring)."""
@@ -72,35 +83,60 @@ class EpisodeSampler(Sampler):
                  context: int | None):
         super().__init__(config, tokenizer, eos, return_kv, [], [])
         self.env_cfg, self.env = env_cfg, Environment.load(env_cfg)
-        self.format = make_format(env_cfg.format, tokenizer, self.env.schemas, set(eos))
+        self.environment = self.env
+        self.format = make_format(env_cfg.format, tokenizer, self.env.schemas, set(eos), env_cfg.chat_template)
         limit = env_cfg.max_episode_tokens or context or 10**9
         self.max_tokens = min(limit, context or limit)
         self.fed: list[list[int]] = []  # of the last `sample`, per episode
+        self.live: list = []  # the environments of the last `sample`, released at the next
+        self.tool_s = 0.0  # seconds in tools during the last `sample`
+
+    def timings(self) -> dict[str, float]:
+        return {"tool": self.tool_s}
 
     def check_prompts(self, examples: list[dict]) -> int:
         """Render every example's prompt once (no environment: reset's text comes at sampling time), so
         that a prompt the format cannot render fails before the run starts; returns the longest."""
-        return max(len(self.format.prompt(ex["prompt"], None)[0]) for ex in examples)
+        return max(len(self.format.prompt(ex["prompt"], None)[0]) if "prompt" in ex else 0 for ex in examples)
 
     @torch.no_grad()
     def sample(self, model, rows: list[dict], indices: list[int], generators: list, progress=None) -> Rollout:
+        self.release()
         G, keep_last = self.config.group_size, takes_logits_to_keep(model)
         episodes: list[_Episode] = []
         self.tool_s, self.fed = 0.0, []
         for j, (row, index, gen) in enumerate(zip(rows, indices, generators)):
-            group = []
-            for _ in range(G):
-                env, extra = self.env.new(row, index)
-                prompt, messages = self.format.prompt(row["prompt"], extra)
-                group.append(_Episode(env=env, prompt=prompt, prompt_messages=messages))
+            group = [self._start(row, index) for _ in range(G)]
             self._first_turns(model, group, gen, keep_last)
             for ep in group:
-                while ep.reason is None:
+                while self._after_turn(ep):
                     self._next_turn(model, ep, gen, keep_last)
             episodes += group
             if progress is not None:
                 progress(j + 1, len(rows))
         return self._rollout(episodes, indices)
+
+    def release(self) -> None:
+        """Hand the last `sample`'s environments back to their pool (their episodes are scored)."""
+        for env in self.live:
+            env.release()
+        self.live = []
+
+    def close(self) -> None:
+        self.release()
+        self.env.close()
+
+    def _start(self, row: dict, index: int) -> _Episode:
+        env, extra = self.env.new(row, index)
+        self.live.append(env)
+        if "prompt" not in row and not extra:
+            raise EnvError(f"data: row {index} has no `prompt` column and {self.env.name}.reset returned no text; "
+                           "give the row a prompt, or return the task's text from reset (an environment that owns "
+                           "its data)")
+        prompt, messages = self.format.prompt(row.get("prompt"), extra)
+        chat = isinstance(row.get("prompt"), list) or (self.format.name == "chat" and "prompt" not in row)
+        for_rewards = messages if chat else messages[-1]["content"]
+        return _Episode(env=env, prompt=prompt, prompt_messages=messages, prompt_for_rewards=for_rewards)
 
     def _first_turns(self, model, group: list[_Episode], gen, keep_last: bool) -> None:
         """The first turn of a task's episodes: one prefill per distinct prompt (one for the G episodes
@@ -116,7 +152,7 @@ class EpisodeSampler(Sampler):
                                  f"(limit {self.max_tokens}); raise it or shorten the prompt")
             cfg = copy.copy(self.config)
             cache = DynamicCache()
-            logits = _forward(model, torch.tensor(prompt, device=device)[None], 0, cache, keep_last)
+            logits = forward_last(model, torch.tensor(prompt, device=device)[None], 0, cache, keep_last)
             cache.batch_repeat_interleave(len(eps))
             tokens, logps, reasons = decode(model, cache, logits.expand(len(eps), -1), P, cfg, set(self.eos),
                                             self.tok, gen, keep_last, self._budget(P))
@@ -130,45 +166,94 @@ class EpisodeSampler(Sampler):
 
     def _took_turn(self, ep: _Episode, tokens: list[int], logps: Tensor, reason: str) -> None:
         ep.add(tokens, logps.tolist())
-        ep.turn, ep.pending = tokens, tokens[-1:]
+        ep.turn, ep.pending, ep.turn_reason = tokens, tokens[-1:], reason
         ep.turns += 1
-        if reason == "length":
-            ep.reason = "length"  # cut by rollout.max_new_tokens or env.max_episode_tokens
 
-    def _next_turn(self, model, ep: _Episode, gen, keep_last: bool) -> None:
-        """After a turn: its tool calls run (or the text hook), their tokens are fed with the turn's last
-        token, and the next turn is sampled; or the episode ends."""
+    def _after_turn(self, ep: _Episode) -> bool:
+        """The sampled turn becomes a message; its tool calls run (or the text hook), and what they
+        return is fed next (`ep.inserted`). Returns False when the episode is over: a turn cut by a
+        token limit, an answer, `max_turns`, no room for what would follow, or an environment that
+        overran its time. A call the episode has no turn or no room left to read is not run: the
+        policy's call is then its last message, and the rewards see nothing it did not see."""
         message, calls = self.format.parse(ep.turn)
         ep.messages.append(message)
+        if ep.turn_reason == "length":  # cut by rollout.max_new_tokens or the episode's token limit
+            ep.end("length")
+            return False
         if calls:
+            if ep.turns >= self.env_cfg.max_turns:
+                ep.end("turns")
+                return False
+            empty = self.format.tool_results([(c.name, "") for c in calls])
+            if ep.length() + len(empty) + 1 > self.max_tokens:
+                ep.end("length")
+                return False
             results = []
             for call in calls:
-                content, failed, seconds = self.env.call(ep.env, call)
-                self.tool_s += seconds
+                res = self.env.call(ep.env, call)
+                self.tool_s += res.seconds
                 ep.tool_calls += 1
-                ep.tool_errors += failed
-                results.append((call.name, content))
-                ep.messages.append({"role": "tool", "name": call.name, "content": content})
-            inserted = self.format.tool_results(results)
-        else:
-            text = message.get("content", "")
-            reply = self.env.step(ep.env, text) if self.env.has_step else None
-            if reply is None:
-                ep.reason = "eos"  # an answer: the episode is over
-                return
-            ep.messages.append({"role": "user", "content": reply})
-            inserted = self.format.user(reply)
-        if ep.turns >= self.env_cfg.max_turns:
-            ep.reason = "turns"
-            return
-        if ep.length() + len(inserted) + 1 > self.max_tokens:
-            ep.reason = "length"
-            return
+                ep.tool_errors += res.failed
+                if res.timed_out:  # the environment is gone: the episode ends on the call
+                    ep.end("timeout")
+                    return False
+                results.append((call.name, res))
+            fitted = self._fit_results(ep, results)
+            if fitted is None:
+                ep.end("length")
+                return False
+            contents, ep.inserted = fitted
+            ep.messages += [{"role": "tool", "name": name, "content": c} for (name, _), c in zip(results, contents)]
+            return True
+        reply, timed_out = self.env.respond(ep.env, message.get("content", ""))
+        if timed_out:
+            ep.tool_errors += 1
+            ep.end("timeout")
+            return False
+        if reply is None:
+            ep.end("eos")  # an answer: the episode is over
+            return False
+        inserted = self.format.user(reply)
+        if ep.turns >= self.env_cfg.max_turns or ep.length() + len(inserted) + 1 > self.max_tokens:
+            ep.end("turns" if ep.turns >= self.env_cfg.max_turns else "length")
+            return False
+        ep.messages.append({"role": "user", "content": reply})
+        ep.inserted = inserted
+        return True
+
+    def _fit_results(self, ep: _Episode, results: list[tuple[str, ToolResult]]):
+        """The results' texts as the policy will read them and their tokens: each cut at
+        env.max_result_tokens, then all of them cut further until they fit the episode's token limit
+        with room for one sampled token. None when not even the cut markers fit."""
+        cap = self.env_cfg.max_result_tokens
+        for _ in range(8):
+            contents = [self._cut(res, cap) for _, res in results]
+            inserted = self.format.tool_results([(name, text) for (name, _), (text, _) in zip(results, contents)])
+            over = ep.length() + len(inserted) + 1 - self.max_tokens
+            if over <= 0:
+                ep.results_cut += sum(cut for _, cut in contents)
+                return [text for text, _ in contents], inserted
+            if cap == 0:
+                return None
+            cap = max(0, cap - max(1, -(-over // len(results))))
+        return None
+
+    def _cut(self, res: ToolResult, cap: int) -> tuple[str, bool]:
+        """A result's text cut at `cap` tokens, with the marker that says how much is missing."""
+        text = res.content
+        ids = self.tok(text, add_special_tokens=False)["input_ids"]
+        if len(ids) <= cap and res.length <= len(text):
+            return text, False
+        kept = self.tok.decode(ids[:cap]) if len(ids) > cap else text
+        return kept + CUT.format(max(res.length, len(text)) - len(kept)), True
+
+    def _next_turn(self, model, ep: _Episode, gen, keep_last: bool) -> None:
+        """Feed the turn's last token and what `_after_turn` inserted, then sample the next turn."""
         device = next(model.parameters()).device
-        new = ep.pending + inserted
-        logits = _forward(model, torch.tensor(new, device=device)[None], ep.length() - 1, ep.cache, keep_last)
+        new = ep.pending + ep.inserted
+        logits = forward_last(model, torch.tensor(new, device=device)[None], ep.length() - 1, ep.cache, keep_last)
         ep.fed += new
-        ep.add(inserted, None)
+        ep.add(ep.inserted, None)
         tokens, logps, reasons = decode(model, ep.cache, logits, ep.length(), self.config, set(self.eos), self.tok,
                                         gen, keep_last, self._budget(ep.length()))
         ep.fed += tokens[0][:-1]
@@ -184,31 +269,34 @@ class EpisodeSampler(Sampler):
             kv = [[(layer.keys[0], layer.values[0]) for layer in ep.cache.layers] for ep in episodes]
         for ep in episodes:
             ep.cache = None  # the K/V above are views of it; the rest goes
+        infos = [EpisodeInfo(turns=ep.turns, tool_calls=ep.tool_calls, tool_errors=ep.tool_errors,
+                             results_cut=ep.results_cut, timed_out=ep.reason == "timeout",
+                             prompt=ep.prompt_for_rewards, messages=ep.messages, env=ep.env) for ep in episodes]
         return Rollout(
             prompt_index=[i for i in indices for _ in range(G)],
             prompt_ids=[torch.tensor(ep.prompt, dtype=torch.long) for ep in episodes],
             completion_ids=[torch.tensor(ep.ids, dtype=torch.long) for ep in episodes],
             logprobs=[torch.tensor(ep.logprobs, dtype=lp_dtype) for ep in episodes],
             finish_reason=[ep.reason for ep in episodes], kv=kv, group_size=G,
-            sampled=[torch.tensor(ep.sampled, dtype=torch.bool) for ep in episodes],
-            turns=[ep.turns for ep in episodes], tool_calls=[ep.tool_calls for ep in episodes],
-            tool_errors=[ep.tool_errors for ep in episodes],
-            messages=[(ep.prompt_messages, ep.messages) for ep in episodes], envs=[ep.env for ep in episodes])
+            sampled=[torch.tensor(ep.sampled, dtype=torch.bool) for ep in episodes], episodes=infos)
 
     def reward_inputs(self, r: Rollout, rows: list[dict]) -> tuple[list, list, dict]:
-        """As TRL passes them with an environment: each episode's messages after the prompt, its prompt
-        (messages for chat data, text otherwise), its environment instance, its completion's ids."""
-        prompts = [row["prompt"] if isinstance(row["prompt"], list) else pm[0]["content"]
-                   for row, (pm, _) in zip(rows, r.messages)]
-        completions = [m for _, m in r.messages]
-        return completions, prompts, {"completions_ids": [c.tolist() for c in r.completion_ids],
-                                      "environments": list(r.envs)}
+        """As TRL passes them with an environment: each episode's messages after the prompt (the last
+        assistant message says how the episode ended: `finish_reason`), its prompt (messages for chat
+        data, text otherwise; reset's text in it), its environment, its completion's ids."""
+        prompts = [e.prompt for e in r.episodes]
+        completions = [e.messages for e in r.episodes]
+        ids = [c.tolist() for c in r.completion_ids]
+        return completions, prompts, {"completion_ids": ids, "environments": [e.env for e in r.episodes]}
 
     def metrics(self, r: Rollout) -> dict[str, float]:
-        n = max(1, len(r))
-        return {"episode/turns/mean": sum(r.turns) / n, "episode/tool_calls/mean": sum(r.tool_calls) / n,
-                "episode/tool_errors/mean": sum(r.tool_errors) / n,
-                "episode/truncated": sum(x in ("length", "turns") for x in r.finish_reason) / n}
+        n, e = max(1, len(r)), r.episodes or []
+        return {"episode/turns/mean": sum(x.turns for x in e) / n,
+                "episode/tool_calls/mean": sum(x.tool_calls for x in e) / n,
+                "episode/tool_errors/mean": sum(x.tool_errors for x in e) / n,
+                "episode/truncated": sum(x in ("length", "turns") for x in r.finish_reason) / n,
+                "episode/timeouts": sum(x.timed_out for x in e) / n,
+                "episode/results_cut/mean": sum(x.results_cut for x in e) / n}
 
 
 def _own_cache(kv: list[tuple[Tensor, Tensor]]) -> DynamicCache:

@@ -23,9 +23,10 @@ what the policy actually saw.)
 from __future__ import annotations
 
 import json
+import os
 import re
 
-from backstream.rl.env import ToolCall
+from backstream.rl.agent.env import ToolCall
 
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 _PLAIN_CALL = re.compile(r"\[\s*(\w+)((?:\s+[^\s\]]+)*)\s*\]")
@@ -45,11 +46,12 @@ class PlainFormat:
         return self.tok(text, add_special_tokens=False)["input_ids"]
 
     def prompt(self, prompt, extra: str | None) -> tuple[list[int], list[dict]]:
-        """The episode's first tokens and its prompt as messages (for the reward functions)."""
-        if not isinstance(prompt, str):
+        """The episode's first tokens and its prompt as messages (for the reward functions); `prompt`
+        None: the environment's reset text is the whole prompt."""
+        if prompt is not None and not isinstance(prompt, str):
             raise ValueError("env.format: 'plain' takes text prompts; chat prompts need a tokenizer with a chat "
                              "template (env.format = 'chat')")
-        text = prompt + (extra or "")
+        text = (prompt or "") + (extra or "")
         return self.tok(text, add_special_tokens=True)["input_ids"], [{"role": "user", "content": text}]
 
     def parse(self, ids: list[int]) -> tuple[dict, list[ToolCall]]:
@@ -85,22 +87,46 @@ class ChatFormat:
 
     name = "chat"
 
-    def __init__(self, tokenizer, schemas: list[dict], end_of_turn: set[int]):
-        if getattr(tokenizer, "chat_template", None) is None:
-            raise ValueError("env.format: 'chat' needs a tokenizer with a chat template; use env.format = 'plain' for "
-                             "a model without one")
+    def __init__(self, tokenizer, schemas: list[dict], end_of_turn: set[int], template: str = ""):
+        self.template = _read_template(template) if template else None
+        if self.template is None and getattr(tokenizer, "chat_template", None) is None:
+            raise ValueError("env.format: 'chat' needs a tokenizer with a chat template (or env.chat_template); use "
+                             "env.format = 'plain' for a model without one")
         self.tok, self.schemas, self.end_of_turn = tokenizer, schemas, end_of_turn
+        # special tokens that are not turn ends: a parser reads tool-call markers among them
+        self.specials = [t for t in getattr(tokenizer, "all_special_tokens", []) if t]
+        self.check()
+
+    def check(self) -> None:
+        """Render a tool conversation (a call, its result, the next turn; a user message) through the
+        template now, so that one which renders earlier turns differently once the conversation goes
+        on is refused before the run rather than at its first tool call."""
+        try:
+            for name in [s["function"]["name"] for s in self.schemas][:1] or [None]:
+                if name is not None:
+                    self.tool_results([(name, "1")])
+            self.user("ok")
+        except ValueError as e:
+            raise ValueError(f"{e}. The start-up check rendered a two-turn conversation through "
+                             f"{'env.chat_template' if self.template else 'the tokenizer’s chat template'}; set "
+                             "env.chat_template to a training template that renders earlier turns as they were "
+                             "(TRL ships one for such families, e.g. Qwen3's, which drops earlier reasoning)") from None
 
     def _render(self, messages: list[dict], generation_prompt: bool) -> list[int]:
         out = self.tok.apply_chat_template(messages, tools=self.schemas or None, tokenize=True,
-                                           add_generation_prompt=generation_prompt, return_dict=False)
+                                           add_generation_prompt=generation_prompt, return_dict=False,
+                                           chat_template=self.template)
         return list(out[0] if out and isinstance(out[0], list) else out)
 
     def prompt(self, prompt, extra: str | None) -> tuple[list[int], list[dict]]:
-        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
-        if extra:  # appended to the task's first user message
-            first = next((i for i, m in enumerate(messages) if m.get("role") == "user"), len(messages) - 1)
-            messages[first] = {**messages[first], "content": str(messages[first].get("content", "")) + extra}
+        """`prompt` None: the environment's reset text is the task's one user message."""
+        if prompt is None:
+            messages = [{"role": "user", "content": ""}]
+        else:
+            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
+        if extra:  # appended to the task's last user message, where TRL puts it
+            last = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=len(messages) - 1)
+            messages[last] = {**messages[last], "content": str(messages[last].get("content", "")) + extra}
         return self._render(messages, True), messages
 
     def parse(self, ids: list[int]) -> tuple[dict, list[ToolCall]]:
@@ -115,7 +141,9 @@ class ChatFormat:
             except (ValueError, TypeError, KeyError) as e:  # a malformed call the parser refuses
                 text = self.tok.decode(ids, skip_special_tokens=True)
                 return {"role": "assistant", "content": text}, [ToolCall("?", {}, error=f"malformed tool call ({e})")]
-        text = self.tok.decode(ids, skip_special_tokens=True)
+        # tool-call markers may be special tokens: read them from the ids with the specials kept (but
+        # the turn's end), the message's text without them
+        text = self.tok.decode([t for t in ids if t not in self.end_of_turn], skip_special_tokens=False)
         calls = []
         for block in _HERMES.findall(text):
             try:
@@ -128,8 +156,14 @@ class ChatFormat:
                 calls.append(ToolCall(name=obj["name"], arguments=args))
             except (ValueError, AttributeError) as e:
                 calls.append(ToolCall("?", {}, error=f"malformed tool call {block[:60]!r} ({e})"))
-        content = _HERMES.sub("", text).strip()
-        message = {"role": "assistant", "content": content}
+        rest = _HERMES.sub("", text)
+        if "<tool_call>" in rest:  # opened, never closed: a malformed call, not an answer
+            tail = rest[rest.index("<tool_call>"):]
+            calls.append(ToolCall("?", {}, error=f"unclosed tool call {tail[:60]!r}; end it with </tool_call>"))
+            rest = rest[: rest.index("<tool_call>")]
+        for special in self.specials:
+            rest = rest.replace(special, "")
+        message = {"role": "assistant", "content": rest.strip()}
         if calls:
             message["tool_calls"] = [_as_message_call(c) for c in calls]
         return message, calls
@@ -159,11 +193,22 @@ class ChatFormat:
         return self._suffix([{"role": "user", "content": text}], None)
 
 
-def make_format(kind: str, tokenizer, schemas: list[dict], end_of_turn: set[int]):
-    """env.format → the format object ("auto": chat when the tokenizer has a chat template)."""
+def make_format(kind: str, tokenizer, schemas: list[dict], end_of_turn: set[int], template: str = ""):
+    """env.format → the format object ("auto": chat when the tokenizer has a chat template or
+    env.chat_template gives one)."""
     if kind == "auto":
-        kind = "chat" if getattr(tokenizer, "chat_template", None) is not None else "plain"
-    return ChatFormat(tokenizer, schemas, end_of_turn) if kind == "chat" else PlainFormat(tokenizer, schemas)
+        kind = "chat" if template or getattr(tokenizer, "chat_template", None) is not None else "plain"
+    return ChatFormat(tokenizer, schemas, end_of_turn, template) if kind == "chat" else PlainFormat(tokenizer, schemas)
+
+
+def _read_template(template: str) -> str:
+    """env.chat_template: a .jinja file's text, or the template itself."""
+    if template.endswith((".jinja", ".j2", ".txt")) and "{" not in template:
+        if not os.path.isfile(template):
+            raise ValueError(f"env.chat_template: no file {template!r}")
+        with open(template) as f:
+            return f.read()
+    return template
 
 
 def _value(text: str):
