@@ -256,7 +256,8 @@ class Trainer:
     def _sampler_for(self, examples: list[dict], k: int):
         """The run's kind of sampler over other examples (the evaluation's), k samples per prompt."""
         prompts = datamod.encode_prompts(examples, self.tok, self.cfg.data.max_prompt_tokens)
-        text = [datamod.render_prompt(e["prompt"], self.tok, i) for i, e in enumerate(examples)]
+        text = [datamod.render_prompt(e["prompt"], self.tok, i) if "prompt" in e else ""
+                for i, e in enumerate(examples)]
         return build_sampler(self.cfg.env, with_group_size(self.cfg.rollout, k), self.tok,
                              eos_ids(self.model, self.tok), False, prompts, text,
                              getattr(self.model.config, "max_position_embeddings", None))
@@ -272,9 +273,10 @@ class Trainer:
         """The examples, their prompts' token ids and text; a prompt whose completion could run
         past the model's context is an error now rather than mid-run."""
         cfg = self.cfg
-        self.examples = cfg.data.build(cfg.train.seed)
+        self.examples = cfg.data.build(cfg.train.seed, prompt_optional=bool(cfg.env.factory))
         self.prompts = datamod.encode_prompts(self.examples, self.tok, cfg.data.max_prompt_tokens)
-        self.prompt_text = [datamod.render_prompt(e["prompt"], self.tok) for e in self.examples]
+        self.prompt_text = [datamod.render_prompt(e["prompt"], self.tok) if "prompt" in e else ""
+                            for e in self.examples]
         ctx = getattr(self.model.config, "max_position_embeddings", None)
         longest = max(len(p) for p in self.prompts)
         if ctx is not None and longest + cfg.rollout.max_new_tokens > ctx:

@@ -124,3 +124,119 @@ class EchoLike:
 
     def get_reward(self) -> float:
         return self._reward
+
+
+class Spin:
+    """A tool that spins the CPU for ever, mutating the environment as it goes (issue 25: a thread kept
+    it running after its timeout, and get_reward then read 4,287,085)."""
+
+    def reset(self, **row):
+        self.count = 0
+
+    def spin(self, n: int) -> int:
+        """Count up, for ever.
+
+        Args:
+            n: The step.
+        """
+        while True:
+            self.count += n
+
+    def get_reward(self) -> float:
+        return float(self.count)
+
+
+class SlowReset:
+    def reset(self, **row):
+        time.sleep(30)
+
+
+class Big:
+    """A tool whose result is 10 MB of text."""
+
+    def reset(self, **row):
+        return None
+
+    def dump(self, n: int) -> str:
+        """Dump.
+
+        Args:
+            n: How many megabytes.
+        """
+        return "x" * (n * 1_000_000)
+
+
+class Point:
+    def __init__(self, x):
+        self.x = x
+
+    def __str__(self):
+        return f"Point({self.x})"
+
+
+class TrlShapes:
+    """What TRL documents and a thread-bound loop did not take: an async tool, an async get_reward,
+    results that are neither text nor JSON (numpy scalars, custom objects); reset's text."""
+
+    def reset(self, **row):
+        self.total = 0
+        return " [ready]"
+
+    async def add(self, a: int, b: int) -> int:
+        """Add, asynchronously.
+
+        Args:
+            a: The first number.
+            b: The second number.
+        """
+        self.total = a + b
+        return a + b
+
+    def as_numpy(self, a: int) -> int:
+        """A numpy integer.
+
+        Args:
+            a: The number.
+        """
+        import numpy as np
+
+        return np.int64(a)
+
+    def point(self, x: int) -> str:
+        """A custom object.
+
+        Args:
+            x: The coordinate.
+        """
+        return Point(x)
+
+    def step(self, text: str) -> str:
+        """A tool named step (TRL's echo environment has one): a tool, not a hook.
+
+        Args:
+            text: What to echo.
+        """
+        return text
+
+    async def get_reward(self) -> float:
+        return float(self.total)
+
+
+class OwnsItsData:
+    """An environment that owns its data: rows carry only a level, reset returns the task."""
+
+    def reset(self, level: int = 1, **row):
+        self.level = level
+        return f"{level}+{level}="
+
+    def add(self, a: int, b: int) -> int:
+        """Add two integers.
+
+        Args:
+            a: The first number.
+            b: The second number.
+        """
+        return a + b
+
+    def get_reward(self) -> float:
+        return float(self.level)

@@ -31,16 +31,17 @@ class DataConfig:
         at_least("data.num_examples", self.num_examples, 1)
         at_least("data.max_prompt_tokens", self.max_prompt_tokens, 1)
 
-    def build(self, seed: int) -> list[dict]:
+    def build(self, seed: int, prompt_optional: bool = False) -> list[dict]:
         """The examples: read from `path`, else `num_examples` rows of the built-in `task` drawn with
-        `seed`; checked (not empty, every one with a `prompt`)."""
+        `seed`; checked (not empty, every one with a `prompt` unless `prompt_optional`: an environment
+        whose reset returns the task's text owns its data)."""
         if self.path:
             examples, source = load_examples(self.path), self.path
         else:
             from backstream.rl.tasks import make_dataset  # noqa: PLC0415
 
             examples, source = make_dataset(self.task, self.num_examples, seed), f"task {self.task}"
-        check_examples(examples, source)
+        check_examples(examples, source, prompt_optional)
         return examples
 
 
@@ -69,11 +70,11 @@ def load_examples(path: str) -> list[dict]:
     return examples
 
 
-def check_examples(examples: list[dict], source: str) -> None:
+def check_examples(examples: list[dict], source: str, prompt_optional: bool = False) -> None:
     if not examples:
         raise ValueError(f"data: {source} holds no examples")
     for i, ex in enumerate(examples):
-        if not isinstance(ex, dict) or "prompt" not in ex:
+        if not isinstance(ex, dict) or ("prompt" not in ex and not prompt_optional):
             cols = sorted(ex) if isinstance(ex, dict) else type(ex).__name__
             raise ValueError(f"data: example {i} of {source} has no `prompt` column (columns: {cols})")
 
@@ -95,9 +96,13 @@ def render_prompt(prompt, tokenizer, row: int | None = None) -> str:
 
 
 def encode_prompts(examples: list[dict], tokenizer, max_tokens: int) -> list[torch.Tensor]:
-    """Token ids of every prompt; a prompt longer than `max_tokens` is an error, never truncated."""
+    """Token ids of every prompt; a prompt longer than `max_tokens` is an error, never truncated. A
+    row without a prompt (its environment's reset gives the text) has no ids."""
     out = []
     for i, ex in enumerate(examples):
+        if "prompt" not in ex:
+            out.append(torch.zeros(0, dtype=torch.long))
+            continue
         ids = tokenizer(render_prompt(ex["prompt"], tokenizer, i), add_special_tokens=True)["input_ids"]
         if len(ids) > max_tokens:
             raise ValueError(

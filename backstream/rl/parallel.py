@@ -456,8 +456,10 @@ class Torchrun(DataParallel):
         return group_generator(self.seed, position)
 
     def join_round(self, rollout, total, per_fn):
-        # K/V stay where they were computed; messages and environments served this rank's reward functions
-        light = dataclasses.replace(rollout, kv=None, messages=None, envs=None)
+        # K/V stay where they were computed; an episode's messages and environment served this rank's
+        # reward functions: its counts alone travel
+        episodes = None if rollout.episodes is None else [e.light() for e in rollout.episodes]
+        light = dataclasses.replace(rollout, kv=None, episodes=episodes)
         return self.join(self.gather((self.groups, light, total, per_fn)), rollout.kv)
 
     def join(self, parts: list[tuple], kv: list | None):
