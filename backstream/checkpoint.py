@@ -34,6 +34,8 @@ import warnings
 
 import torch
 
+from backstream.checks import UserError
+
 STATE = "trainer_state.pt"
 MANIFEST = "step.json"
 DCP = "dcp"
@@ -146,7 +148,7 @@ def _save_sharded(run_dir: str, step: int, model, tokenizer, state: dict, keep: 
 
     opt = state.get("optimizer")
     if not isinstance(opt, torch.optim.Optimizer):
-        raise ValueError("checkpoint.save: under torch.distributed, state['optimizer'] must be the optimizer itself "
+        raise UserError("checkpoint.save: under torch.distributed, state['optimizer'] must be the optimizer itself "
                          "(its sharded state goes to dcp/ with the model's, not into trainer_state.pt)")
     world, rank = _world_rank()
     rest = {k: v for k, v in state.items() if k != "optimizer"}
@@ -293,7 +295,7 @@ def load_state(path: str, map_location=None) -> dict:
     try:
         return torch.load(file, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
-        raise ValueError(f"resume: {file} holds objects other than tensors, numbers and containers; it was refused "
+        raise UserError(f"resume: {file} holds objects other than tensors, numbers and containers; it was refused "
                          "because loading it could run code. Resume only from checkpoints backstream wrote") from e
 
 
@@ -311,7 +313,7 @@ def restore(path: str, model, optimizer, scheduler=None) -> dict:
     for r, why in enumerate(bad):
         if why is not None:
             where = f" on rank {r}" if world > 1 else ""
-            raise ValueError(f"restore: {path} cannot be loaded{where}: {why}. {_damage_hint(path)}")
+            raise UserError(f"restore: {path} cannot be loaded{where}: {why}. {_damage_hint(path)}")
     with open(os.path.join(path, MANIFEST)) as f:
         manifest = json.load(f)
     _check_lora(path, model)
@@ -349,10 +351,10 @@ def _check_lora(path: str, model) -> None:
     if os.path.exists(adapter) and not _is_lora(model):
         with open(adapter) as f:
             r = json.load(f).get("r")
-        raise ValueError(f"restore: {path} holds a LoRA adapter (r={r}) and the model given has no LoRA layers; "
+        raise UserError(f"restore: {path} holds a LoRA adapter (r={r}) and the model given has no LoRA layers; "
                          f"build the model as the run did (model.lora_r = {r})")
     if not os.path.exists(adapter) and _is_lora(model):
-        raise ValueError(f"restore: {path} holds full weights and the model given has LoRA layers; build the model "
+        raise UserError(f"restore: {path} holds full weights and the model given has LoRA layers; build the model "
                          "as the run did (model.lora_r = 0)")
 
 
@@ -368,7 +370,7 @@ def _check_same_model(path: str, saved: dict, expected: dict, model, may_miss: s
         what.append(f"{len(unexpected)} tensors the model has no place for ({', '.join(unexpected[:2])}, ...)")
     if missing:
         what.append(f"{len(missing)} of the model's are absent ({', '.join(missing[:2])}, ...)")
-    raise ValueError(f"restore: {path} holds the weights of another model than the one given: {'; '.join(what)}. "
+    raise UserError(f"restore: {path} holds the weights of another model than the one given: {'; '.join(what)}. "
                      f"It was written from {_describe(path)}; the model given is {_describe(model)}. Build the model "
                      "the run was trained with (its config.toml: model.name, model.lora_r, model.lora_targets)")
 
@@ -446,7 +448,7 @@ def _load_full(path: str, model, optimizer, optim_state: dict) -> None:
     saved_sizes = [len(g["params"]) for g in optim_state["param_groups"]]
     sizes = [len(g["params"]) for g in current["param_groups"]]
     if saved_sizes != sizes:
-        raise ValueError(f"restore: {path} holds the state of an optimizer over parameter groups of {saved_sizes} "
+        raise UserError(f"restore: {path} holds the state of an optimizer over parameter groups of {saved_sizes} "
                          f"parameters, the optimizer given has {sizes}; build the optimizer as the run did")
     by_id = {}
     for saved_group, group in zip(optim_state["param_groups"], current["param_groups"]):
@@ -481,7 +483,7 @@ def _load_sharded(path: str, model, optimizer) -> None:
         hint = (_damage_hint(path) if isinstance(exc, OSError) else "Build the model and the optimizer as the run "
                 "did (its config.toml: model.*, optim.*)")
         why = _why(exc).rstrip(".")
-        raise ValueError(f"restore: reading {path}/{DCP} failed on rank {r}: {why}. {hint}") from None
+        raise UserError(f"restore: reading {path}/{DCP} failed on rank {r}: {why}. {hint}") from None
     set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=osd, options=opts)
 
 

@@ -28,6 +28,8 @@ import signal
 import sys
 import traceback
 
+from backstream.checks import UserError
+
 
 def cmd_train(args) -> int:
     from backstream import trainer  # noqa: PLC0415
@@ -179,7 +181,7 @@ def _main(argv=None) -> int:
 
     try:
         return args.fn(args)
-    except ValueError as e:  # a user's mistake (a config key, a file, a model): named, no traceback
+    except UserError as e:  # a user's mistake (a config key, a file, a model): named, no traceback
         print(f"backstream: error: {e}", file=sys.stderr)
         return 2
     except Interrupted as e:
@@ -192,6 +194,11 @@ def _main(argv=None) -> int:
     except KeyboardInterrupt:  # before the run's own handler was installed (loading the model, say)
         print("backstream: interrupted before training started; nothing was saved", file=sys.stderr)
         return 130
+    except Exception:  # noqa: BLE001  (not the input's fault: the traceback, and where to report it)
+        traceback.print_exc()
+        print("backstream: this is a bug in backstream (or in a library it calls), not a mistake in your input; "
+              "please report it with the traceback above and your command", file=sys.stderr)
+        return 1
 
 
 def entry() -> None:

@@ -22,7 +22,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from backstream.checks import at_least, choice
+from backstream.checks import UserError, at_least, choice
 from backstream.quant.linear import QuantConfig
 from backstream.rl.advantages import ADVANTAGES
 from backstream.rl.backward import EngineConfig
@@ -110,7 +110,7 @@ class TrainConfig:
         at_least("train.prompts_per_step", self.prompts_per_step, 1)
         at_least("train.save_every", self.save_every, 0)
         if not (isinstance(self.save_every_minutes, (int, float)) and 0 <= self.save_every_minutes < float("inf")):
-            raise ValueError(f"train.save_every_minutes: got {self.save_every_minutes!r}, expected a number >= 0 "
+            raise UserError(f"train.save_every_minutes: got {self.save_every_minutes!r}, expected a number >= 0 "
                              "(0: no time interval)")
         at_least("train.keep_checkpoints", self.keep_checkpoints, 1)
         at_least("train.log_episodes", self.log_episodes, 0)
@@ -184,32 +184,32 @@ class RunConfig:
         `world_size`: the number of ranks under torchrun (1 included), None in a plain process."""
         ac, ec, loss = self.algorithm, self.engine, self.loss
         if ec.reuse_rollout_kv and ac.epochs * ac.minibatches != 1:
-            raise ValueError("engine.reuse_rollout_kv: the rollout's K/V are stale after the first optimizer step; "
+            raise UserError("engine.reuse_rollout_kv: the rollout's K/V are stale after the first optimizer step; "
                              "it needs algorithm.epochs = algorithm.minibatches = 1")
         if ec.reuse_rollout_kv and self.quant.enabled and not self.quant.aligned:
-            raise ValueError(f"engine.reuse_rollout_kv: the rollout's K/V come from the {self.quant.rollout} sampler "
+            raise UserError(f"engine.reuse_rollout_kv: the rollout's K/V come from the {self.quant.rollout} sampler "
                              "but the learner runs in full precision (quant.aligned = false), so they are not the "
                              "learner's; set quant.aligned = true or engine.reuse_rollout_kv = false")
         if loss.router_aux_coef > 0 and ec.reuse_rollout_kv:
-            raise ValueError("loss.router_aux_coef > 0 needs the prefill's routing counts; "
+            raise UserError("loss.router_aux_coef > 0 needs the prefill's routing counts; "
                              "set engine.reuse_rollout_kv = false")
         if loss.kl_coef > 0 and not ac.kl_reference:
-            raise ValueError("loss.kl_coef > 0 needs algorithm.kl_reference = true (a frozen reference policy)")
+            raise UserError("loss.kl_coef > 0 needs algorithm.kl_reference = true (a frozen reference policy)")
         t_sample = self.rollout.temperature
         if t_sample == 0:
-            raise ValueError(f"rollout.temperature: 0 samples greedily, so the {self.rollout.group_size} samples of "
+            raise UserError(f"rollout.temperature: 0 samples greedily, so the {self.rollout.group_size} samples of "
                              f"a prompt are the same, every group advantage (algorithm.advantage = {ac.advantage}) is "
                              "0 and nothing is learned; sample with rollout.temperature > 0 (e.g. 1.0, and the same "
                              "loss.temperature)")
         if loss.temperature != t_sample:
-            raise ValueError(f"loss.temperature: got {loss.temperature}, but rollout.temperature is {t_sample}; "
+            raise UserError(f"loss.temperature: got {loss.temperature}, but rollout.temperature is {t_sample}; "
                              "the learner must score tokens at the sampling temperature (set both the same)")
         G = self.rollout.group_size
         if G < 2:  # every advantage estimator is a group baseline
-            raise ValueError(f"rollout.group_size: got {G}; group advantages ({ac.advantage}) need at least "
+            raise UserError(f"rollout.group_size: got {G}; group advantages ({ac.advantage}) need at least "
                              "2 samples per prompt")
         if self.train.prompts_per_step % ac.minibatches:
-            raise ValueError(f"algorithm.minibatches: {ac.minibatches} does not divide "
+            raise UserError(f"algorithm.minibatches: {ac.minibatches} does not divide "
                              f"train.prompts_per_step={self.train.prompts_per_step}")
         if world_size is not None:
             self._validate_distributed(world_size)
@@ -219,7 +219,7 @@ class RunConfig:
         ac, P = self.algorithm, self.train.prompts_per_step
         unit = world * ac.minibatches
         if P % unit:
-            raise ValueError(f"train.prompts_per_step: {P} prompts per step (the global batch) do not split into "
+            raise UserError(f"train.prompts_per_step: {P} prompts per step (the global batch) do not split into "
                              f"whole prompt groups over {world} ranks x {ac.minibatches} minibatch(es); set it to a "
                              f"multiple of {unit} (e.g. {max(unit, P // unit * unit)}), or start another number of "
                              "processes (torchrun --nproc_per_node x --nnodes), or change algorithm.minibatches")
@@ -240,23 +240,23 @@ def _coerce(key: str, value, hint):
                 return _coerce(key, value, option)
             except ValueError as e:
                 errors.append(str(e))
-        raise ValueError(errors[0])
+        raise UserError(errors[0])
     if origin is list:
         if not isinstance(value, list):
-            raise ValueError(f"{key}: got {value!r}, expected a list")
+            raise UserError(f"{key}: got {value!r}, expected a list")
         (item,) = typing.get_args(hint) or (Any,)
         return [_coerce(f"{key}[{i}]", v, item) for i, v in enumerate(value)]
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if hint in (int, float, str, bool) and not (
             isinstance(value, hint) and not (hint is int and isinstance(value, bool))):
-        raise ValueError(f"{key}: got {value!r} ({type(value).__name__}), expected {hint.__name__}")
+        raise UserError(f"{key}: got {value!r} ({type(value).__name__}), expected {hint.__name__}")
     return value
 
 
 def _build(section: str, cls: type, values: dict):
     if not isinstance(values, dict):
-        raise ValueError(f"[{section}]: expected a table of keys, got {values!r}")
+        raise UserError(f"[{section}]: expected a table of keys, got {values!r}")
     if section == "loss":
         kind = values.get("type", "ppo_clip")
         choice("loss.type", kind, list(LOSSES))
@@ -264,7 +264,7 @@ def _build(section: str, cls: type, values: dict):
     names = {f.name: f for f in dataclasses.fields(cls)}
     for key in values:
         if key not in names:
-            raise ValueError(f"{section}.{key}: unknown key; the keys of [{section}] are {sorted(names)}")
+            raise UserError(f"{section}.{key}: unknown key; the keys of [{section}] are {sorted(names)}")
     hints = typing.get_type_hints(cls)
     kwargs = {k: _coerce(f"{section}.{k}", v, hints.get(k, Any)) for k, v in values.items()}
     if section == "rollout":  # the run's defaults differ from the sampler's
@@ -272,21 +272,21 @@ def _build(section: str, cls: type, values: dict):
     try:
         return cls(**kwargs)
     except TypeError as e:  # a missing required key
-        raise ValueError(f"[{section}]: {e}") from None
+        raise UserError(f"[{section}]: {e}") from None
 
 
 def parse_override(text: str) -> tuple[str, str, Any]:
     """'section.key=value' → (section, key, value); the value is read as TOML, else as a string
     (a list or table that is not valid TOML is refused with the quoting it needs)."""
     if "=" not in text or "." not in text.split("=", 1)[0]:
-        raise ValueError(f"--set {text!r}: expected section.key=value, e.g. --set optim.lr=3e-4")
+        raise UserError(f"--set {text!r}: expected section.key=value, e.g. --set optim.lr=3e-4")
     lhs, rhs = text.split("=", 1)
     section, key = lhs.strip().split(".", 1)
     try:
         value = tomllib.loads(f"v = {rhs}")["v"]
     except tomllib.TOMLDecodeError:
         if rhs.strip().startswith(("[", "{")):
-            raise ValueError(f"--set {text!r}: {rhs} is not a TOML value; strings inside a list need quotes, and the "
+            raise UserError(f"--set {text!r}: {rhs} is not a TOML value; strings inside a list need quotes, and the "
                              f"shell must leave them there: --set '{lhs}=[\"a\", \"b\"]'") from None
         value = rhs
     return section, key, value
@@ -297,20 +297,20 @@ def load(path: str | None = None, overrides: list[str] = (), base: dict | None =
     raw: dict = dict(base or {})
     if path:
         if not os.path.isfile(path):
-            raise ValueError(f"config: no file {path!r} (from {os.getcwd()}); pass the TOML run file's path, or no "
+            raise UserError(f"config: no file {path!r} (from {os.getcwd()}); pass the TOML run file's path, or no "
                              "file for the defaults (`backstream train --help` lists every key)")
         with open(path, "rb") as f:
             try:
                 raw = tomllib.load(f)
             except tomllib.TOMLDecodeError as e:
-                raise ValueError(f"{path}: not valid TOML ({e})") from None
+                raise UserError(f"{path}: not valid TOML ({e})") from None
     raw = {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}
     for text in overrides:
         section, key, value = parse_override(text)
         raw.setdefault(section, {})[key] = value
     for section in raw:
         if section not in SECTIONS:
-            raise ValueError(f"[{section}]: unknown section; the sections are {list(SECTIONS)}")
+            raise UserError(f"[{section}]: unknown section; the sections are {list(SECTIONS)}")
     _task_defaults(raw)
     return RunConfig(**{s: _build(s, cls, raw.get(s, {})) for s, cls in SECTIONS.items()})
 
@@ -391,13 +391,13 @@ def resume_changes(run_dir: str, wanted: RunConfig) -> list[tuple[str, Any, Any]
     the (key, old, new) of the RESUMABLE keys; a ValueError naming every other key that differs."""
     path = os.path.join(run_dir, "config.toml")
     if not os.path.isfile(path):
-        raise ValueError(f"--resume: {run_dir} is not a run folder (no config.toml)")
+        raise UserError(f"--resume: {run_dir} is not a run folder (no config.toml)")
     old, new = load(path).flat(), wanted.flat()
     changes = [(k, old.get(k), new.get(k)) for k in dict.fromkeys([*old, *new]) if old.get(k) != new.get(k)]
     refused = [(k, a, b) for k, a, b in changes if k not in RESUMABLE]
     if refused:
         what = "; ".join(f"{k} = {b!r} (the run's: {a!r})" for k, a, b in refused)
-        raise ValueError(f"--resume: {what}. A resumed run keeps its own settings but for "
+        raise UserError(f"--resume: {what}. A resumed run keeps its own settings but for "
                          f"{', '.join(sorted(RESUMABLE))}; start a new run (another train.output_dir) to change "
                          f"{'this' if len(refused) == 1 else 'these'}, or drop the change")
     return changes

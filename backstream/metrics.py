@@ -16,9 +16,12 @@ import datetime
 import json
 import math
 import os
+import resource
 import shutil
 import sys
 import uuid
+
+from backstream.checks import UserError
 
 
 def check_backends(tensorboard: bool, wandb: bool) -> None:
@@ -26,10 +29,10 @@ def check_backends(tensorboard: bool, wandb: bool) -> None:
     import importlib.util  # noqa: PLC0415
 
     if tensorboard and importlib.util.find_spec("tensorboard") is None:
-        raise ValueError("train.log_tensorboard: needs `pip install tensorboard` (or 'backstream[log]'); "
+        raise UserError("train.log_tensorboard: needs `pip install tensorboard` (or 'backstream[log]'); "
                          "or set it to false")
     if wandb and importlib.util.find_spec("wandb") is None:
-        raise ValueError("train.log_wandb: needs `pip install wandb` (or 'backstream[log]'); or set it to false")
+        raise UserError("train.log_wandb: needs `pip install wandb` (or 'backstream[log]'); or set it to false")
 
 
 def _keep_steps_up_to(path: str, step: int) -> None:
@@ -53,6 +56,23 @@ def _keep_steps_up_to(path: str, step: int) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+class NoLogger:
+    """The logger of the ranks other than 0 under torchrun: the Logger's and EpisodeLog's methods,
+    doing nothing."""
+
+    def log(self, metrics: dict) -> None:
+        pass
+
+    def phase(self, step: int, what: str) -> None:
+        pass
+
+    def write(self, step: int, rows) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 class Logger:
@@ -178,9 +198,11 @@ class EpisodeLog:
             _keep_steps_up_to(self.path, start_step)
         self.file = open(self.path, "a" if append else "w") if per_step > 0 else None
 
-    def write(self, step: int, rows: list[dict]) -> None:
-        if self.file is None:
+    def write(self, step: int, rows) -> None:
+        """`rows()`: the samples' rows (called only when some are written this step)."""
+        if self.file is None or (step == self.step and self.written >= self.per_step):
             return
+        rows = rows()
         if step != self.step:
             self.step, self.written = step, 0
         for row in rows[: self.per_step - self.written]:
@@ -191,6 +213,62 @@ class EpisodeLog:
     def close(self) -> None:
         if self.file is not None:
             self.file.close()
+
+
+def peak_mib(device) -> float:
+    """Peak memory of this process: the CUDA allocator's on a GPU, the resident set's on a CPU."""
+    import torch  # noqa: PLC0415  (the logger itself needs no torch)
+
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def gathered_means(parts: list[dict[str, float]]) -> dict[str, list[float]]:
+    """Per key, the ranks' values (a rank that logged nothing under a key adds none)."""
+    out: dict[str, list[float]] = {}
+    for part in parts:
+        for k, v in part.items():
+            out.setdefault(k, []).append(v)
+    return out
+
+
+def episode_rows(sampler, r, total, per_fn: dict, columns: dict[str, list],
+                 rows: list[dict]) -> list[dict]:
+    """The samples of a round as `EpisodeLog` writes them (see metrics.EpisodeLog)."""
+    completions, prompts, _ = sampler.reward_inputs(r, rows)
+    out = []
+    for i in range(len(r)):
+        ids, mask = r.completion_ids[i].tolist(), r.sampled[i].tolist() if r.sampled is not None else None
+        runs: list[dict] = []
+        for j, t in enumerate(ids):
+            s = True if mask is None else bool(mask[j])
+            if not runs or runs[-1]["sampled"] != s:
+                runs.append({"sampled": s, "ids": []})
+            runs[-1]["ids"].append(t)
+        tokens = [{"sampled": run["sampled"], "text": sampler.tok.decode(run["ids"])} for run in runs]
+        info = r.episodes[i].light() if r.episodes is not None else None
+        out.append({"prompt_index": r.prompt_index[i], "prompt": prompts[i], "completion": completions[i],
+                    "tokens": tokens, "reward": float(total[i]),
+                    "rewards": {k: (None if math.isnan(float(v[i])) else float(v[i])) for k, v in per_fn.items()},
+                    "finish_reason": r.finish_reason[i],
+                    "episode": None if info is None else {k: getattr(info, k) for k in
+                                                          ("turns", "tool_calls", "tool_errors", "results_cut",
+                                                           "timed_out")},
+                    "extra": {k: v[i] for k, v in columns.items()}})
+    return out
+
+
+def sum_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
+    """Per key, the sum over the ranks' dicts (a key a rank lacks counts 0): the objective's metrics
+    are additive once its normalisers are global. One process: its dict."""
+    if len(parts) == 1:
+        return dict(parts[0])
+    out: dict[str, float] = {}
+    for part in parts:
+        for k, v in part.items():
+            out[k] = out.get(k, 0.0) + v
+    return out
 
 
 def _columns() -> int:
@@ -205,7 +283,7 @@ def _finite_or_none(v):
 def read(run_dir: str) -> list[dict]:
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.isfile(path):
-        raise ValueError(f"{run_dir!r} is not a run folder (it has no metrics.jsonl): pass the folder a run wrote, "
+        raise UserError(f"{run_dir!r} is not a run folder (it has no metrics.jsonl): pass the folder a run wrote, "
                          "the train.output_dir of its config")
     with open(path) as f:
         return [json.loads(x) for x in f if x.strip()]
@@ -245,7 +323,7 @@ def plot(run_dir: str) -> list[str]:
         import matplotlib.pyplot as plt  # noqa: PLC0415
         from matplotlib.ticker import MaxNLocator  # noqa: PLC0415
     except ImportError:
-        raise ValueError("backstream plot: needs `pip install 'backstream[plot]'` (matplotlib)") from None
+        raise UserError("backstream plot: needs `pip install 'backstream[plot]'` (matplotlib)") from None
     rows = read(run_dir)
     keys = list(dict.fromkeys(k for r in rows for k in r))
     per_fn = [k for k in keys if k.startswith("reward/") and k not in ("reward/mean", "reward/std")]
@@ -285,3 +363,16 @@ def plot(run_dir: str) -> list[str]:
         os.replace(tmp, path)
         out.append(path)
     return out
+
+
+def plot_quietly(run_dir: str) -> None:
+    """`plot`, where matplotlib is installed and metrics exist; a plot that fails is reported, never a
+    reason to stop a run."""
+    import importlib.util  # noqa: PLC0415
+
+    if importlib.util.find_spec("matplotlib") is None or not os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
+        return
+    try:
+        plot(run_dir)
+    except Exception as e:  # noqa: BLE001
+        print(f"backstream: warning: the plots were not written ({type(e).__name__}: {e})", file=sys.stderr)

@@ -9,23 +9,33 @@
 - While a process trains, `<folder>/.lock` names it (pid, host). A second process is refused; a lock
   whose process is gone (same host, pid not alive) is stale and taken over.
 - `error.log`: the last error that stopped the run, with its traceback.
+
+`Run` is the lifecycle of one run around the trainer, so that the trainer only trains: the lock,
+config.toml and its change history, the fingerprints of the files it read, error.log, SIGINT/SIGTERM,
+the checkpoint cadence and how the run ends (`Interrupted`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import shutil
+import signal
 import socket
+import sys
 import time
+import traceback
+
+from backstream.checks import UserError
 
 LOCK = ".lock"
 ERROR_LOG = "error.log"
 # what a run writes before its first step and its first checkpoint: a folder holding only these (and
 # no metrics line, no checkpoint) holds nothing of value
-_EARLY = {LOCK, "config.toml", "metrics.jsonl", ERROR_LOG, "error-previous.log", "tensorboard", "wandb",
-          "wandb_id.txt", "fingerprints.json", "config_changes.jsonl", "checkpoints"}
+_EARLY = {LOCK, "config.toml", "metrics.jsonl", "episodes.jsonl", ERROR_LOG, "error-previous.log", "tensorboard",
+          "wandb", "wandb_id.txt", "fingerprints.json", "config_changes.jsonl", "checkpoints"}
 
 
 def has_value(run_dir: str) -> bool:
@@ -96,20 +106,20 @@ def _take_lock(run_dir: str) -> RunLock:
             if host == me["host"] and isinstance(pid, int) and not _alive(pid) or pid == me["pid"]:
                 os.remove(path)  # stale: its process is gone (or it is ours, from an earlier Trainer)
                 continue
-            raise ValueError(
+            raise UserError(
                 f"train.output_dir: {run_dir} is in use by process {pid} on host {host} (since "
                 f"{owner.get('started', '?')}; lock file {path}). Wait for it to finish, or remove the lock file if "
                 "that process is gone") from None
         with os.fdopen(fd, "w") as f:
             json.dump(me, f)
         return RunLock(path)
-    raise ValueError(f"train.output_dir: could not take the lock {path}")
+    raise UserError(f"train.output_dir: could not take the lock {path}")
 
 
 def claim(run_dir: str, *, resume: bool, overwrite: bool = False) -> RunLock:
     """Make `run_dir` this run's folder and lock it; refuse what would mix two runs."""
     if os.path.exists(run_dir) and not os.path.isdir(run_dir):
-        raise ValueError(f"train.output_dir: {run_dir} is a file, not a folder; choose another train.output_dir")
+        raise UserError(f"train.output_dir: {run_dir} is a file, not a folder; choose another train.output_dir")
     if not resume and os.path.isdir(run_dir) and stopped_early(run_dir):
         lock = _take_lock(run_dir)  # refuse a folder another process is writing
         for name in set(os.listdir(run_dir)) - {LOCK}:
@@ -124,7 +134,7 @@ def claim(run_dir: str, *, resume: bool, overwrite: bool = False) -> RunLock:
         return lock
     if not resume and os.path.isdir(run_dir) and [n for n in os.listdir(run_dir) if n != LOCK]:
         if not overwrite:
-            raise ValueError(
+            raise UserError(
                 f"train.output_dir: {run_dir} already holds a run; continue it with `backstream train --resume "
                 f"{run_dir}`, choose a new train.output_dir, or pass --overwrite to move the old folder aside")
         _take_lock(run_dir).release()  # refuse to move a folder another process is writing
@@ -138,7 +148,7 @@ def claim(run_dir: str, *, resume: bool, overwrite: bool = False) -> RunLock:
         os.makedirs(run_dir, exist_ok=True)
         return _take_lock(run_dir)
     except OSError as e:
-        raise ValueError(f"train.output_dir: cannot create the run folder {run_dir} ({e.strerror or e}); set "
+        raise UserError(f"train.output_dir: cannot create the run folder {run_dir} ({e.strerror or e}); set "
                          "train.output_dir to a folder you can write (e.g. runs/NAME)") from None
 
 
@@ -187,7 +197,7 @@ def check_fingerprints(run_dir: str, allow_changed: bool) -> list[str]:
             changed.append(f"{old['key']}: {file} changed since the run started (size {old['size']} -> {new['size']} "
                            f"bytes, sha256 {old['sha256'][:12]}… -> {new['sha256'][:12]}…)")
     if changed and not allow_changed:
-        raise ValueError("--resume: " + "; ".join(changed) + ". Resuming would train on other data or rewards than "
+        raise UserError("--resume: " + "; ".join(changed) + ". Resuming would train on other data or rewards than "
                          "the checkpoints were trained on. Restore the file(s), or pass --allow-changed-files to "
                          "resume with them as they are now (the change is recorded in the run folder)")
     if changed:
@@ -216,3 +226,165 @@ def _write_json(path: str, obj) -> None:
     with open(tmp, "w") as f:
         json.dump(obj, f, indent=1)
     os.replace(tmp, path)
+
+
+# -- the lifecycle of one run -------------------------------------------------------------------------
+
+
+class Interrupted(Exception):
+    """The run stopped on SIGINT or SIGTERM: after finishing and saving its step (`saved`), or at once
+    on a second one (the last complete checkpoint stays). `exit_code` is the shell's 128 + signal."""
+
+    def __init__(self, signum: int, step: int, run_dir: str, last: str | None, saved: bool):
+        self.signum, self.step, self.run_dir, self.last, self.saved = int(signum), step, run_dir, last, saved
+        self.exit_code = 128 + self.signum
+        name = signal.Signals(self.signum).name
+        where = (f"after step {step}, saved" if saved else
+                 f"at once during step {step + 1}; the last checkpoint stays ({last or 'none'})")
+        resume = f"resume with: backstream train --resume {run_dir}" if last else "no checkpoint to resume from"
+        super().__init__(f"interrupted ({name}) {where}; {resume}")
+
+
+def checkpoint_step(path: str | None) -> int:
+    """The step of a checkpoint folder `.../step-N` (0 for none)."""
+    return int(os.path.basename(path).split("-", 1)[1]) if path else 0
+
+
+class Run:
+    """One run's folder and lifecycle (rank 0 owns the folder; every rank holds one of these): `open`
+    claims and records it, `guard` turns an error into error.log and a released lock, `signals` makes a
+    first SIGINT/SIGTERM finish the step and a second stop at once, `checkpoint_due` keeps the cadence.
+    `cfg` is the resolved RunConfig, `dp` the data parallelism (rl/parallel.py)."""
+
+    def __init__(self, cfg, run_dir: str, dp, *, resume: bool, overwrite: bool):
+        self.cfg, self.dir, self.dp, self.resume = cfg, run_dir, dp, resume
+        self.stop = 0  # the signal that asked the run to stop, 0 while none did
+        self.step = 0  # the trainer's, for the messages
+        self.last_save = time.monotonic()
+        self.lock = dp.on_main(lambda: claim(run_dir, resume=resume, overwrite=overwrite))
+
+    def open(self, changes: list, allow_changed_files: bool) -> None:
+        """After the lock: a new run writes its config and fingerprints; a resume checks the
+        fingerprints and records what it changed (rank 0)."""
+        self.dp.check_shared(self.dir, os.path.join(self.dir, LOCK))
+        if self.resume:
+            self.dp.on_main(lambda: self._record_resume(changes, allow_changed_files))
+        else:
+            self.dp.on_main(self._start)
+
+    def _start(self) -> None:
+        self.write_config()
+        record_fingerprints(self.dir, self.cfg.files_read())
+
+    def _record_resume(self, changes: list, allow_changed_files: bool) -> None:
+        """The files the run read must be unchanged (or allowed); what the resume changed is logged
+        with its step and time, and config.toml rewritten to say what the run now is."""
+        from backstream import checkpoint  # noqa: PLC0415  (torch: only where a run is resumed)
+
+        changed = check_fingerprints(self.dir, allow_changed_files)
+        step = checkpoint_step(checkpoint.latest_intact(self.dir))
+        changes = changes + [("file", None, c) for c in changed]
+        if changes:
+            record_changes(self.dir, step, changes)
+            self.write_config()
+
+    def write_config(self) -> None:
+        from backstream.config import to_toml  # noqa: PLC0415  (config imports the whole RL loop)
+
+        notes = [f"resumed at step {c['step']} ({c['time']}): {c['key']} {c['old']!r} -> {c['new']!r}"
+                 for c in read_changes(self.dir)]
+        with open(os.path.join(self.dir, "config.toml"), "w") as f:
+            f.write(to_toml(self.cfg.to_dict(), notes))
+
+    def record_error(self, e: BaseException) -> None:
+        """The error that stopped the run, with its traceback, in RUN_DIR/error.log (rank 0, a folder
+        this run claimed)."""
+        if not self.dp.main or isinstance(e, (KeyboardInterrupt, Interrupted)):
+            return
+        if os.path.isdir(self.dir) and os.path.exists(os.path.join(self.dir, "config.toml")):
+            path = record_error(self.dir, "".join(traceback.format_exception(e)))
+            if path is not None:
+                print(f"backstream: the error and its traceback are in {path}", file=sys.stderr, flush=True)
+
+    def release(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
+    @contextlib.contextmanager
+    def guard(self):
+        """An error inside goes to error.log and releases the lock (set-up before training)."""
+        try:
+            yield
+        except BaseException as e:
+            self.record_error(e)
+            self.release()
+            raise
+
+    def last(self) -> str | None:
+        from backstream import checkpoint  # noqa: PLC0415
+
+        return checkpoint.latest(self.dir)
+
+    def _signal(self, signum, frame):
+        """First SIGINT/SIGTERM: finish the step, save, stop. A second: stop at once (a checkpoint
+        being written is left unpublished; the last complete one stays)."""
+        if self.stop:
+            raise KeyboardInterrupt
+        self.stop = signum
+        if self.dp.main:
+            print(f"\nbackstream: {signal.Signals(signum).name} received: finishing step {self.step + 1} and saving; "
+                  f"press Ctrl-C again to stop now (the last checkpoint stays: {self.last() or 'none yet'})",
+                  file=sys.stderr, flush=True)
+
+    @property
+    def stopping(self) -> bool:
+        """A signal asked the run to stop (on any rank: every rank stops at the same step boundary)."""
+        return self.dp.any(bool(self.stop))
+
+    @contextlib.contextmanager
+    def training(self, step: int):
+        """Around the training loop: the signal handlers; a second Ctrl-C as `Interrupted`; any other
+        error in error.log (under torchrun the other ranks are told); the lock released at the end."""
+        self.step = step
+        old = {s: signal.signal(s, self._signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        self.last_save = time.monotonic()
+        try:
+            yield self
+        except KeyboardInterrupt:  # a second Ctrl-C, or one outside the handler's reach
+            raise Interrupted(self.stop or signal.SIGINT, self.step, self.dir, self.last(), saved=False) from None
+        except BaseException as e:
+            if not isinstance(e, Interrupted):
+                self.record_error(e)
+                self.dp.failed(e)  # under torchrun: say so now, leave the group so that the others stop too
+            raise
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+            self.release()
+
+    def ended(self) -> None:
+        """After the last save: `Interrupted` if a signal stopped the run."""
+        stop = self.dp.broadcast(self.stop)
+        if stop:
+            raise Interrupted(stop, self.step, self.dir, self.last(), saved=True)
+
+    def checkpoint_due(self) -> bool:
+        """After step 1, every train.save_every steps, and when train.save_every_minutes have passed
+        since the last checkpoint (rank 0's clock decides for every rank)."""
+        tc, step = self.cfg.train, self.step
+        due = tc.periodic_checkpoints and step == 1
+        due |= bool(tc.save_every) and step % tc.save_every == 0
+        due |= tc.save_every_minutes > 0 and time.monotonic() - self.last_save >= 60 * tc.save_every_minutes
+        return self.dp.broadcast(due)
+
+    def saved(self) -> None:
+        self.last_save = time.monotonic()
+
+    def finished(self) -> None:
+        """A resume of a run that already reached train.steps: say so, release the folder."""
+        self.release()
+        if self.dp.main:
+            print(f"backstream: the run in {self.dir} is finished (step {self.step} of train.steps = "
+                  f"{self.cfg.train.steps}); to train on, resume it with --set train.steps=N (N > {self.step})",
+                  file=sys.stderr)

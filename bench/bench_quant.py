@@ -1,4 +1,4 @@
-"""Low-bit rollouts (QaRL, DESIGN §6): sampler speed per format, and the paper's comparison at small scale.
+"""Low-bit rollouts (QaRL, docs/design.md §6): sampler speed per format, and the paper's comparison at small scale.
 
     python -m bench.bench_quant speed [--layers 28] [--new 32] [--group 8]
     python -m bench.bench_quant compare [--steps 60]

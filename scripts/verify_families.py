@@ -110,7 +110,7 @@ def write(rows: list[dict], out: str) -> dict:
         "",
         "- exact: every parameter's gradient and every log-prob within 1e-10 (relative);",
         "- refused: the engine refused the model (a `ModelContractError`, `model: …`, from a guard of the family "
-        "contract, DESIGN §6b);",
+        "contract, docs/design.md §6b);",
         "- wrong: it ran and the gradient differs (the worst outcome: a guard is missing);",
         "- could not build: the miniature or the reference itself failed (not a verdict on the engine);",
         "- error: `stream_backward` crashed with some other exception.",

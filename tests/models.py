@@ -2,7 +2,7 @@
 
 HF's RMSNorm (and the Qwen3-MoE router's softmax) compute in float32 even in a float64 model;
 `exact_norms` (backstream/stream/miniature.py) runs them in float64, so that a real 1e-7 error cannot hide
-under that noise (DESIGN §2).
+under that noise (docs/design.md §2).
 """
 
 from __future__ import annotations

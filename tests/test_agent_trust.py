@@ -284,7 +284,7 @@ def test_the_trainer_builds_rewards_with_the_environment(tmp_path):
     t = trainer.Trainer(run_cfg(tmp_path, "t", 'model.dtype="float32"', 'data.task="toolcalc"', "train.steps=1",
                                 'env.factory="envs_for_tests:Calc"'), model=model, tokenizer=tok)
     assert list(t.rewards.functions) == [*t.cfg.reward.functions, "env"] and "reward/env" in t.metric_keys()
-    t.lock.release()
+    t.run_folder.release()
     t.sampler.close()
 
 

@@ -1,4 +1,4 @@
-"""The family contract (DESIGN §6b): every way the engine can meet a model ends in the exact
+"""The family contract (docs/design.md §6b): every way the engine can meet a model ends in the exact
 gradient or a clear error. One tiny config per category: supported features exact in float64
 against `reference_backward`, refused ones with a `model:` error that names the feature."""
 

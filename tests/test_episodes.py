@@ -1,4 +1,4 @@
-"""Multi-turn, tool-using episodes (issue 21, DESIGN §6d): the environment contract (TRL's habit), the
+"""Multi-turn, tool-using episodes (issue 21, docs/design.md §6d): the environment contract (TRL's habit), the
 limits and errors, token-level fidelity (an episode's sequence is bitwise what the sampler fed), the
 episodes trained as one token tree (streamed = reference in float64, with the sampler's K/V too), the
 three layouts of the same episodes giving the same gradient, and the trainer with environments.
@@ -160,7 +160,7 @@ def test_streamed_equals_reference_on_episodes_and_with_the_samplers_kv(script):
 
 
 def test_the_three_layouts_give_the_same_gradient():
-    """DESIGN §6d: an episode as one sequence with weights on every sampled turn (the tree's layout,
+    """docs/design.md §6d: an episode as one sequence with weights on every sampled turn (the tree's layout,
     and TRL's one row per episode) equals the sum over turns of "the context up to turn k, loss on
     turn k" (the per-turn layout of verl, slime and AReaL), in float64."""
     model, tok = tiny(torch.float64)
@@ -293,12 +293,12 @@ def test_evaluation_during_training(tmp_path):
     model, tok = tiny(torch.float32)
     trainer.train(run_cfg(tmp_path, "no-ev", *base, "reward.functions=['exact_match']"), model=model, tokenizer=tok)
     assert all(torch.equal(v, with_eval[k]) for k, v in weights(model).items())
-    from backstream.rl.evaluate import EvalConfig, _held_out
+    from backstream.rl.evaluate import EvalConfig, held_out
     from backstream.rl.data import DataConfig
     from backstream.rl.tasks import make_dataset
 
     train_rows = make_dataset("arith", 16, 0)
-    held = _held_out(EvalConfig(every=1, prompts=50), DataConfig(task="arith"), 0, train_rows)
+    held = held_out(EvalConfig(every=1, prompts=50), DataConfig(task="arith"), 0, train_rows)
     assert len(held) == 50 and not {r["prompt"] for r in held} & {r["prompt"] for r in train_rows}
 
 

@@ -246,7 +246,7 @@ def test_a_run_the_trainer_wrote_exports_its_learner(tmp_path):
         t.train_step()
         t.save()
     finally:
-        t.lock.release()
+        t.run_folder.release()
         t.logger.close()
     with torch.no_grad(), quantized(t.model, True):
         ours = t.model(TOKENS).logits

@@ -1,4 +1,4 @@
-"""stream_backward, reference_backward and logprobs under FSDP2 on 2 gloo processes (DESIGN §6c):
+"""stream_backward, reference_backward and logprobs under FSDP2 on 2 gloo processes (docs/design.md §6c):
 each rank holds its own share of a GRPO-like batch (a different number of block batches), the
 gradients are reduced once per unit by SUM, and the gathered result equals the gradient one
 process computes on all the sequences. One launch runs every check (tests/fsdp_workers.py)."""

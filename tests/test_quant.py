@@ -13,7 +13,7 @@ from models import lora, make
 from torch import nn
 
 from backstream.stream.engine import logprobs, stream_backward
-from backstream.quant.linear import (FORMATS, QuantConfig, QuantLinear, _int8_mm, dequantize_weight, quant_linears,
+from backstream.quant.linear import (FORMATS, QuantConfig, QuantLinear, int8_mm, dequantize_weight, quant_linears,
                               quantize_fp8_act, quantize_int8_act, quantize_model, quantize_weight, quantized,
                               set_quantized)
 from backstream.rl.rollout import SamplingConfig, generate
@@ -169,7 +169,7 @@ def test_exact_int_path_equals_the_integer_product():
     a[0], b[0] = -127, -128  # 2100 · 16256 ≈ 2^25: beyond float32's exact integers in one sum
     want = a.long() @ b.long().t()
     for b_float in (None, b.float(), b.double()):
-        got = _int8_mm(a, b, b_float)
+        got = int8_mm(a, b, b_float)
         assert got.dtype == torch.int32 and torch.equal(got.long(), want)
 
 

@@ -61,7 +61,7 @@ def _run(tmp_path, name, *extra, dtype="float64"):
     try:
         rows = [t.train_step() for _ in range(2)]
     finally:
-        t.lock.release()
+        t.run_folder.release()
         t.logger.close()
     return t, rows
 

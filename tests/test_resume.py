@@ -15,6 +15,7 @@ import torch
 from test_trainer import run_cfg, tiny
 
 from backstream import checkpoint, cli, config, runfolder, trainer
+from backstream.rl.advantages import ZeroAdvantageWatch
 from backstream.rl.rewards import RewardError
 
 CLI = [sys.executable, "-c", "import sys; from backstream.cli import main; sys.exit(main(sys.argv[1:]))"]
@@ -104,10 +105,10 @@ def test_greedy_sampling_with_a_group_estimator_is_refused(tmp_path):
 
 def test_steps_with_every_advantage_zero_warn(tmp_path, capsys):
     model, tok = tiny(torch.float32)
-    trainer.train(run_cfg(tmp_path, "z", 'model.dtype="float32"', f"train.steps={trainer.ZERO_ADVANTAGE_STEPS}",
+    trainer.train(run_cfg(tmp_path, "z", 'model.dtype="float32"', f"train.steps={ZeroAdvantageWatch.STEPS}",
                           "reward.functions=['rewards_for_tests:constant']"), model=model, tokenizer=tok)
     err = capsys.readouterr().err
-    assert f"steps 1-{trainer.ZERO_ADVANTAGE_STEPS} had every advantage 0" in err
+    assert f"steps 1-{ZeroAdvantageWatch.STEPS} had every advantage 0" in err
     assert "algorithm.dynamic_sampling" in err and err.count("had every advantage 0") == 1
 
 

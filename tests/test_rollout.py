@@ -165,7 +165,7 @@ def test_return_kv_matches_full_forward(family):
 
 
 def test_rollout_kv_feeds_stream_backward():
-    # DESIGN §4: at the same weights the sampler's K/V replace the engine's prefill
+    # docs/design.md §4: at the same weights the sampler's K/V replace the engine's prefill
     from backstream import stream_backward
 
     model = model32()

@@ -255,7 +255,7 @@ def test_dynamic_sampling_drops_a_zero_variance_group(tmp_path, dynamic):
     batch = t.collect()
     t.logger.close()
     G = cfg.rollout.group_size
-    groups = [t.prompt_text[i] for i in batch.rollout.prompt_index[::G]]
+    groups = [t.examples[i]["prompt"] for i in batch.rollout.prompt_index[::G]]
     assert len(batch.rollout) == len(batch.rewards) == 4 * G
     if dynamic:
         assert sorted(groups[:3]) == others  # the first round's groups with a signal, the flat one dropped

@@ -11,6 +11,7 @@ import torch
 from transformers import AutoConfig, Qwen3Config, Qwen3ForCausalLM
 
 from backstream import cli, config, trainer
+from backstream.rl import backward
 from backstream.stream import engine, family
 from backstream.default_model import build_tokenizer
 from backstream.stream.miniature import keep_float64, miniature, miniature_config
@@ -242,19 +243,19 @@ def test_trainer_verifies_unless_told_not_to(tmp_path, monkeypatch):
         return VerifyReport(model_type="qwen3", kind=Verdict.EXACT)
 
     monkeypatch.setattr(verify_mod, "verify", fake)
-    monkeypatch.setattr(trainer, "_VERIFIED", {})
+    monkeypatch.setattr(backward, "_VERIFIED", {})
     _run(tmp_path / "a", "engine.verify=false")
     assert calls == []
     _run(tmp_path / "b")
     assert len(calls) == 1
-    trainer.verify_engine(calls[0])  # the same architecture again in this process: checked once
+    backward.verify_engine(calls[0])  # the same architecture again in this process: checked once
     assert len(calls) == 1
 
 
 def test_trainer_stops_before_writing_when_not_exact(tmp_path, monkeypatch):
     monkeypatch.setattr(verify_mod, "verify", lambda model, **kw: VerifyReport(
         model_type="qwen3", kind=Verdict.REFUSED, reason="model: chunked attention"))
-    monkeypatch.setattr(trainer, "_VERIFIED", {})
+    monkeypatch.setattr(backward, "_VERIFIED", {})
     with pytest.raises(ValueError, match=r"engine.verify: .*refused: model: chunked attention.*engine.verify = false"):
         _run(tmp_path)
     assert not os.path.exists(tmp_path / "run")

@@ -1,4 +1,4 @@
-"""Export a run's policy as the quantized model a sampler serves (DESIGN §6, QaRL).
+"""Export a run's policy as the quantized model a sampler serves (docs/design.md §6, QaRL).
 
 `export(RUN_DIR, "w4a16")` takes the run's latest intact checkpoint, quantizes it as the learner's
 forward does (`quantize_model` with the run's [quant] targets; the weight codes and scales written
@@ -22,7 +22,7 @@ the learner does: the base (`model.name`) is exported quantized and the checkpoi
 copied unchanged into OUT/adapter/ (vLLM: `--enable-lora` and a LoRARequest on that folder).
 
 What the runtimes do with it (read 2026-11): vLLM keeps w8a8/fp8 weight scales in float32 and
-quantizes activations as our learner does (DESIGN §6); it holds w4a16 scales in the model dtype,
+quantizes activations as our learner does (docs/design.md §6); it holds w4a16 scales in the model dtype,
 which `quantize_weight` already rounds them to for a 16-bit model (checked here: a scale that would
 round is warned about). transformers (compressed-tensors installed) decompresses the weights to
 dense ones on the first forward, bit for bit codes · scale, and fake-quantizes w8a8/fp8 activations
@@ -52,7 +52,7 @@ from torch import nn
 
 from backstream import checkpoint
 from backstream.stream.hf import base_model
-from backstream.checks import choice
+from backstream.checks import UserError, choice
 from backstream.quant.formats import GROUP_SIZES, Format, get_format
 # compressed-tensors' int4 packing is W4A16's layout (formats.py), importable from here too
 from backstream.quant.formats import pack_int4 as pack_int4, unpack_int4 as unpack_int4
@@ -87,7 +87,7 @@ def _run_config(run_dir: str):
 
     path = os.path.join(run_dir, "config.toml")
     if not os.path.isfile(path):
-        raise ValueError(f"export: {run_dir} is not a run folder (no config.toml)")
+        raise UserError(f"export: {run_dir} is not a run folder (no config.toml)")
     return cfgmod.load(path)
 
 
@@ -111,10 +111,10 @@ def _learner(cfg, ckpt: str, quant_cfg):
     try:
         res = set_peft_model_state_dict(model, load_file(os.path.join(ckpt, "adapter_model.safetensors")))
     except RuntimeError as e:  # a shape mismatch
-        raise ValueError(f"{misfit}: {e}") from None
+        raise UserError(f"{misfit}: {e}") from None
     unexpected = getattr(res, "unexpected_keys", [])
     if unexpected:
-        raise ValueError(f"{misfit}: unexpected keys {unexpected[:3]}")
+        raise UserError(f"{misfit}: unexpected keys {unexpected[:3]}")
     return model, tok
 
 
@@ -135,9 +135,9 @@ def _fused_split(quantized: set[str], linears: list[str]) -> list[str]:
 
 def _check_out(out: str, overwrite: bool) -> None:
     if os.path.exists(out) and not os.path.isdir(out):
-        raise ValueError(f"export: --out {out} is a file, not a folder")
+        raise UserError(f"export: --out {out} is a file, not a folder")
     if os.path.isdir(out) and os.listdir(out) and not overwrite:
-        raise ValueError(f"export: --out {out} exists and is not empty; choose another --out or pass "
+        raise UserError(f"export: --out {out} exists and is not empty; choose another --out or pass "
                          "--overwrite to move the old folder aside")
 
 
@@ -161,10 +161,10 @@ def export(run_dir: str, quant: str, out: str | None = None, group_size: int | N
     cfg = _run_config(run_dir)
     ckpt = checkpoint.latest_intact(run_dir)
     if ckpt is None:
-        raise ValueError(f"export: {run_dir} holds no intact checkpoint (checkpoints/step-N); train it first, "
+        raise UserError(f"export: {run_dir} holds no intact checkpoint (checkpoints/step-N); train it first, "
                          "or keep the run going until it saves one")
     if group_size is not None and not fmt.grouped:
-        raise ValueError(f"export: --group-size applies to w4a16 only; {quant} has one scale per output channel")
+        raise UserError(f"export: --group-size applies to w4a16 only; {quant} has one scale per output channel")
     gs = cfg.quant.group_size if group_size is None else group_size
     choice("export: --group-size", gs, list(GROUP_SIZES))
     with open(os.path.join(ckpt, checkpoint.MANIFEST)) as f:
@@ -224,17 +224,17 @@ def _compress(model: nn.Module, fmt: Format, group_size: int, lora: bool):
     base = base_model(model)
     experts = [n for n, p in base.named_parameters() if p.dim() > 2]
     if experts:
-        raise ValueError(f"export: {type(base).__name__} keeps MoE experts as fused 3-D weights ({experts[0]}, ...), "
+        raise UserError(f"export: {type(base).__name__} keeps MoE experts as fused 3-D weights ({experts[0]}, ...), "
                          "which the learner leaves in full precision; transformers cannot load a compressed-tensors "
                          "folder whose experts are dense beside quantized linears, and vLLM applies the 'Linear' "
                          "scheme to fused experts. Export supports dense (non-MoE) models")
     qlins = quant_linears(base)
     if not qlins:
-        raise ValueError("export: quantize_model replaced no layer; check quant.targets in the run's config.toml")
+        raise UserError("export: quantize_model replaced no layer; check quant.targets in the run's config.toml")
     names = {}
     for name, mod in qlins.items():
         if lora and ".lora_" in name:
-            raise ValueError(f"export: {name} is a LoRA adapter layer quantized by the learner; the export keeps "
+            raise UserError(f"export: {name} is a LoRA adapter layer quantized by the learner; the export keeps "
                              "adapters in full precision, so it would not be the learner's model")
         names[name] = name.removesuffix(".base_layer") if lora else name
     hf = {n: m for n, m in base.named_modules() if ".lora_" not in n}
@@ -243,7 +243,7 @@ def _compress(model: nn.Module, fmt: Format, group_size: int, lora: bool):
     quantized = set(names.values())
     split = _fused_split(quantized, linears)
     if split:
-        raise ValueError(f"export: vLLM fuses {split[0]} into one layer and needs all of its parts quantized or "
+        raise UserError(f"export: vLLM fuses {split[0]} into one layer and needs all of its parts quantized or "
                          f"none; quant.targets quantizes only some ({len(split)} such groups). Retrain with "
                          "targets that take whole groups, or export from a run that did")
     shared = {}
@@ -255,7 +255,7 @@ def _compress(model: nn.Module, fmt: Format, group_size: int, lora: bool):
         for name, mod in qlins.items():
             out_name = names[name]
             if len(shared.get(mod.weight.data_ptr(), [])) > 1:
-                raise ValueError(f"export: {out_name}'s weight is tied to {shared[mod.weight.data_ptr()]}; a tied "
+                raise UserError(f"export: {out_name}'s weight is tied to {shared[mod.weight.data_ptr()]}; a tied "
                                  "weight cannot be stored both quantized and not; leave it out of quant.targets")
             qw = mod.qweight()
             assert qw.format is fmt and qw.group_size == (group_size if fmt.grouped else None), (name, qw.fmt)

@@ -1,5 +1,5 @@
 """The quantization formats, one class each, with the numerics of vLLM's kernels (QaRL/TBPO §3.1,
-DESIGN §6): a format's weight codes and scales, its activation quantizer, its GEMM and what the
+docs/design.md §6): a format's weight codes and scales, its activation quantizer, its GEMM and what the
 straight-through backward reads, and the compressed-tensors layout that `backstream export` writes.
 `FORMATS` maps a name to its format; a name is looked up there once (`get_format`,
 `QuantConfig.format`) and the code past that point asks the format object, never its name.
@@ -15,7 +15,7 @@ model so that float64 tests stay exact; round = round half to even, torch.round 
   int8 activations (w8a8), vLLM `dynamic_scaled_int8_quant` (csrc/quantization/w8a8/int8/scaled_quant.cu):
       s_x = absmax(x_row) / 127,  q_x = sat±127(round(x · (127 / absmax)))   (absmax = 0: s_x = 0, q_x = 0)
     The kernel multiplies by 127/absmax, not by 1/s_x (they differ by an ulp at most; we copy the kernel).
-    Not compressed-tensors'/torchao's fake-quant, which use absmax/127.5 (DESIGN §6: 98.8% differ).
+    Not compressed-tensors'/torchao's fake-quant, which use absmax/127.5 (docs/design.md §6: 98.8% differ).
   fp8 activations, vLLM `QuantFP8.forward_native` (model_executor/layers/quantization/input_quant_fp8.py),
     the per-token twin of the CUDA `dynamic_per_token_scaled_fp8_quant` (csrc/quantization/w8a8/fp8/common.cu):
       s_x = max(absmax / 448, 1 / (448·512)),  q_x = e4m3(clamp(x · (1 / s_x), ±448))
@@ -57,7 +57,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from backstream.checks import choice
+from backstream.checks import UserError, choice
 
 GROUP_SIZES = (32, 64, 128)
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
@@ -105,7 +105,7 @@ def quantize_fp8_act(x: Tensor) -> tuple[Tensor, Tensor]:
 
 @functools.cache
 def _cpu_has_int8_dot() -> bool:
-    """VNNI/AMX CPUs have int8 dot products for `torch._int_mm` (DESIGN §6 reports it 6–9× faster than
+    """VNNI/AMX CPUs have int8 dot products for `torch._int_mm` (docs/design.md §6 reports it 6–9× faster than
     sgemm on its machine); on plain AVX2 it is 8–30× slower than sgemm (measured, torch 2.13)."""
     try:
         with open("/proc/cpuinfo") as f:
@@ -125,7 +125,7 @@ def _exact_float() -> torch.dtype:
     return torch.float64 if lowered else torch.float32
 
 
-def _int8_mm(a: Tensor, b: Tensor, b_float: Tensor | None) -> Tensor:
+def int8_mm(a: Tensor, b: Tensor, b_float: Tensor | None) -> Tensor:
     """Exact int32 a [M, K] · bᵀ (b [N, K], int8 codes); `b_float` = b in `_exact_float()` (CPU path)."""
     M, K = a.shape
     N = b.shape[0]
@@ -167,14 +167,14 @@ def pack_int4(codes_NK: Tensor) -> Tensor:
     nibbles along K, so word j holds codes 8j..8j+7, the first in its lowest bits. K must be a
     multiple of 8 (vLLM allocates K/8 words, no padding)."""
     if codes_NK.dtype != torch.int8 or codes_NK.dim() != 2:
-        raise ValueError(f"pack_int4: expected 2-D int8 codes, got {codes_NK.dtype} of shape {tuple(codes_NK.shape)}")
+        raise UserError(f"pack_int4: expected 2-D int8 codes, got {codes_NK.dtype} of shape {tuple(codes_NK.shape)}")
     N, K = codes_NK.shape
     if K % 8:
-        raise ValueError(f"pack_int4: in_features {K} is not a multiple of 8; the pack-quantized layout vLLM "
+        raise UserError(f"pack_int4: in_features {K} is not a multiple of 8; the pack-quantized layout vLLM "
                          "loads stores 8 codes per int32 word without padding")
     lo, hi = (int(codes_NK.min()), int(codes_NK.max())) if codes_NK.numel() else (0, 0)
     if lo < -8 or hi > 7:
-        raise ValueError(f"pack_int4: codes must lie in [-8, 7], got [{lo}, {hi}]")
+        raise UserError(f"pack_int4: codes must lie in [-8, 7], got [{lo}, {hi}]")
     nibbles = (codes_NK.to(torch.int64) + 8).view(N, K // 8, 8)
     shifts = torch.arange(0, 32, 4, device=codes_NK.device, dtype=torch.int64)
     words = (nibbles << shifts).sum(-1)  # disjoint bits: the sum is the bitwise or, < 2**32
@@ -241,7 +241,7 @@ class Format:
         if not self.grouped:
             return None
         if isinstance(group_size, bool) or group_size not in GROUP_SIZES:
-            raise ValueError(f"group_size: got {group_size!r}, expected one of {list(GROUP_SIZES)} (quant.group_size)")
+            raise UserError(f"group_size: got {group_size!r}, expected one of {list(GROUP_SIZES)} (quant.group_size)")
         return group_size
 
     def check_in_features(self, in_features: int, group_size: int | None) -> None:
@@ -254,7 +254,7 @@ class Format:
         """Symmetric weight quantization as compressed-tensors writes it (module docstring); w [N, K]."""
         g = self.check_group_size(group_size)
         if w.dim() != 2 or not w.is_floating_point():
-            raise ValueError(f"w: expected a floating-point [out_features, in_features] weight, got {w.dtype} "
+            raise UserError(f"w: expected a floating-point [out_features, in_features] weight, got {w.dtype} "
                              f"{tuple(w.shape)}")
         N, K = w.shape
         self.check_in_features(K, g)
@@ -330,7 +330,7 @@ class W8A8(Format):
 
     def check_layer(self, name: str, in_features: int, group_size: int) -> None:
         if in_features > _MAX_K:
-            raise ValueError(f"quant.rollout: w8a8 on {name} with in_features {in_features} > {_MAX_K} could "
+            raise UserError(f"quant.rollout: w8a8 on {name} with in_features {in_features} > {_MAX_K} could "
                              "overflow the int32 accumulator; use w4a16 or fp8")
 
     def operand_dtype(self, q: QWeight, x_dtype: torch.dtype) -> torch.dtype | None:
@@ -340,7 +340,7 @@ class W8A8(Format):
 
     def forward(self, x_MK: Tensor, bias: Tensor | None, q: QWeight, operand: Tensor | None):
         q_x, s_x = self.quantize_act(x_MK)
-        y = _epilogue(_int8_mm(q_x, q.codes, operand), s_x, q.scale, bias, _ct(x_MK.dtype), x_MK.dtype)
+        y = _epilogue(int8_mm(q_x, q.codes, operand), s_x, q.scale, bias, _ct(x_MK.dtype), x_MK.dtype)
         return y, (q_x, s_x)
 
     def scheme(self, group_size: int) -> dict:
@@ -360,11 +360,11 @@ class W4A16(Format):
 
     def check_in_features(self, in_features: int, group_size: int | None) -> None:
         if in_features % group_size:
-            raise ValueError(f"group_size: {group_size} does not divide in_features {in_features}")
+            raise UserError(f"group_size: {group_size} does not divide in_features {in_features}")
 
     def check_layer(self, name: str, in_features: int, group_size: int) -> None:
         if in_features % group_size:
-            raise ValueError(f"quant.group_size: {group_size} does not divide in_features {in_features} of "
+            raise UserError(f"quant.group_size: {group_size} does not divide in_features {in_features} of "
                              f"{name}; pick a group size that divides it or leave the module out of quant.targets")
 
     def operand_dtype(self, q: QWeight, x_dtype: torch.dtype) -> torch.dtype | None:

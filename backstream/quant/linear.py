@@ -1,5 +1,5 @@
 """Low-bit linear layers whose numerics copy vLLM's kernels, with a straight-through backward onto
-the full-precision master weights: the sampler and the learner of QaRL (QaRL/TBPO §3.1, DESIGN §6).
+the full-precision master weights: the sampler and the learner of QaRL (QaRL/TBPO §3.1, docs/design.md §6).
 
 The sampler (rollout) runs the quantized forward; with `quant.aligned` the learner runs the very same
 forward, so the two distributions agree (mismatch 0 up to float rounding), and the backward treats
@@ -27,11 +27,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from backstream.checks import choice
+from backstream.checks import UserError, choice
 from backstream.stream.hf import base_model, decoder_layers, num_experts, text_config
 from backstream.quant.formats import FORMATS, GROUP_SIZES, Format, QWeight, get_format
 # the quantizers live in formats.py and are imported from here too (tests, bench): `x as x` re-exports
-from backstream.quant.formats import (_int8_mm as _int8_mm, dequantize_weight as dequantize_weight,
+from backstream.quant.formats import (int8_mm as int8_mm, dequantize_weight as dequantize_weight,
                                       quantize_fp8_act as quantize_fp8_act, quantize_int8_act as quantize_int8_act,
                                       quantize_weight as quantize_weight)
 
@@ -54,14 +54,14 @@ class QuantConfig:
     def __post_init__(self):
         choice("quant.rollout", self.rollout, ["none", *FORMATS])
         if not isinstance(self.aligned, bool):
-            raise ValueError(f"quant.aligned: got {self.aligned!r}, expected true or false")
+            raise UserError(f"quant.aligned: got {self.aligned!r}, expected true or false")
         if isinstance(self.group_size, bool) or self.group_size not in GROUP_SIZES:
-            raise ValueError(f"quant.group_size: got {self.group_size!r}, expected one of {list(GROUP_SIZES)}")
+            raise UserError(f"quant.group_size: got {self.group_size!r}, expected one of {list(GROUP_SIZES)}")
         if not isinstance(self.targets, list) or not all(isinstance(t, str) and t for t in self.targets):
-            raise ValueError(f"quant.targets: got {self.targets!r}, expected a list of non-empty fnmatch patterns "
+            raise UserError(f"quant.targets: got {self.targets!r}, expected a list of non-empty fnmatch patterns "
                              "(e.g. [\"*.mlp.*\"]); [] = every linear of the decoder layers")
         if self.aligned and not self.enabled:
-            raise ValueError("quant.aligned = true needs quant.rollout = w8a8|w4a16|fp8 (the learner aligns to a "
+            raise UserError("quant.aligned = true needs quant.rollout = w8a8|w4a16|fp8 (the learner aligns to a "
                              "quantized sampler); set quant.rollout or quant.aligned = false")
 
     @property
@@ -174,10 +174,10 @@ def quant_linears(model: nn.Module) -> dict[str, QuantLinear]:
 def set_quantized(model: nn.Module, on: bool) -> None:
     """Every QuantLinear runs its quantized forward (on) or full precision (off)."""
     if not isinstance(on, bool):
-        raise ValueError(f"on: got {on!r}, expected True or False")
+        raise UserError(f"on: got {on!r}, expected True or False")
     mods = quant_linears(model)
     if on and not mods:
-        raise ValueError("model: has no QuantLinear modules to switch on; call quantize_model(model, cfg) first")
+        raise UserError("model: has no QuantLinear modules to switch on; call quantize_model(model, cfg) first")
     for m in mods.values():
         m.enabled = on
 
@@ -238,7 +238,7 @@ def _decoder_layers(model: nn.Module) -> list[str]:
     """Names of the decoder layers (`hf.decoder_layers`), or an error naming what to set instead."""
     names = list(decoder_layers(model))
     if not names:
-        raise ValueError(f"model: found no decoder layers in {type(base_model(model)).__name__}; name the linears "
+        raise UserError(f"model: found no decoder layers in {type(base_model(model)).__name__}; name the linears "
                          "with quant.targets")
     return names
 
@@ -253,11 +253,11 @@ def _targets(model: nn.Module, cfg: QuantConfig) -> list[str]:
         hits = [n for n in linears if fnmatch.fnmatchcase(n, pat) or fnmatch.fnmatchcase(_logical(n), pat)]
         if not hits:
             some = ", ".join(list(linears)[:4])
-            raise ValueError(f"quant.targets: {pat!r} matches no nn.Linear (module names look like {some}, ...)")
+            raise UserError(f"quant.targets: {pat!r} matches no nn.Linear (module names look like {some}, ...)")
         kept = [n for n in hits if n not in never]
         if not kept:
             why = sorted({never[n] for n in hits})
-            raise ValueError(f"quant.targets: {pat!r} matches only {' and '.join(why)} ({', '.join(hits[:3])}), which "
+            raise UserError(f"quant.targets: {pat!r} matches only {' and '.join(why)} ({', '.join(hits[:3])}), which "
                              "stay in full precision (as in vLLM); remove the pattern")
         chosen += [n for n in kept if n not in chosen]
     return [n for n in linears if n in chosen]  # model order
@@ -269,20 +269,20 @@ def quantize_model(model: nn.Module, cfg: QuantConfig) -> list[str]:
     Every check runs before anything is modified."""
     QuantConfig(**{k: getattr(cfg, k) for k in ("rollout", "aligned", "group_size", "targets")})  # re-validate
     if not cfg.enabled:
-        raise ValueError(f"quant.rollout: got 'none', which quantizes nothing; expected one of {list(FORMATS)}")
+        raise UserError(f"quant.rollout: got 'none', which quantizes nothing; expected one of {list(FORMATS)}")
     already = quant_linears(model)
     if already:
-        raise ValueError(f"model: already has {len(already)} QuantLinear modules (e.g. {next(iter(already))}); "
+        raise UserError(f"model: already has {len(already)} QuantLinear modules (e.g. {next(iter(already))}); "
                          "quantizing twice is refused: switch formats on a fresh model, and use "
                          "set_quantized / quantized to turn the quantized forward on or off")
     names = _targets(model, cfg)
     if not names:
-        raise ValueError("quant.targets: no nn.Linear to quantize in the decoder layers; name them with quant.targets")
+        raise UserError("quant.targets: no nn.Linear to quantize in the decoder layers; name them with quant.targets")
     mods = dict(model.named_modules())
     for name in names:
         lin = mods[name]
         if not lin.weight.is_floating_point() or lin.weight.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-            raise ValueError(f"model: {name}.weight is {lin.weight.dtype}, not a full-precision master weight; "
+            raise UserError(f"model: {name}.weight is {lin.weight.dtype}, not a full-precision master weight; "
                              "quantize a float32/bfloat16/float16/float64 model")
         cfg.format.check_layer(name, lin.in_features, cfg.group_size)
     for name in names:

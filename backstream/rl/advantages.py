@@ -12,10 +12,12 @@ from collections.abc import Callable
 
 from torch import Tensor
 
+from backstream.checks import UserError
+
 
 def _groups(rewards: Tensor, group_size: int) -> Tensor:
     if group_size < 1 or rewards.numel() % group_size:
-        raise ValueError(f"group_size: {group_size} does not divide the {rewards.numel()} rewards")
+        raise UserError(f"group_size: {group_size} does not divide the {rewards.numel()} rewards")
     return rewards.double().view(-1, group_size)
 
 
@@ -33,7 +35,7 @@ def drgrpo_advantages(rewards: Tensor, group_size: int) -> Tensor:
 
 def rloo_advantages(rewards: Tensor, group_size: int) -> Tensor:
     if group_size < 2:
-        raise ValueError(f"group_size: RLOO needs at least 2 samples per group, got {group_size}")
+        raise UserError(f"group_size: RLOO needs at least 2 samples per group, got {group_size}")
     r = _groups(rewards, group_size)
     baseline = (r.sum(1, keepdim=True) - r) / (group_size - 1)
     return (r - baseline).flatten().float()
@@ -41,3 +43,22 @@ def rloo_advantages(rewards: Tensor, group_size: int) -> Tensor:
 
 ADVANTAGES: dict[str, Callable[[Tensor, int], Tensor]] = {
     "grpo": grpo_advantages, "drgrpo": drgrpo_advantages, "rloo": rloo_advantages}
+
+
+class ZeroAdvantageWatch:
+    """`STEPS` steps in a row on which every advantage was 0 learn nothing: `saw` says when to warn."""
+
+    STEPS = 5
+
+    def __init__(self):
+        self.in_a_row, self.warning = 0, ""
+
+    def saw(self, all_zero: bool, step: int) -> bool:
+        self.in_a_row = self.in_a_row + 1 if all_zero else 0
+        first = step - self.STEPS + 1
+        self.warning = (f"backstream: warning: steps {first}-{step} had every advantage 0: within each group every "
+                        "sample got the same reward, so nothing is learned. Check that the reward functions tell "
+                        "samples apart (reward/<function> in metrics.jsonl), raise rollout.temperature or "
+                        "rollout.group_size, or set algorithm.dynamic_sampling = true to replace the groups without "
+                        "signal")
+        return self.in_a_row == self.STEPS

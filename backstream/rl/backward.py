@@ -4,6 +4,7 @@ Both take an objective and return the engine's `StreamResult`, and both compute 
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from dataclasses import dataclass
@@ -11,16 +12,17 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from backstream.checks import at_least, choice
+from backstream.checks import UserError, at_least, choice
 from backstream.stream import fsdp
 from backstream.stream.engine import StreamResult, logprobs, stream_backward
+from backstream.stream.hf import base_model
 from backstream.stream.reference import reference_backward
 
 GRAD_ACCUM_DTYPES = {"float32": torch.float32, "param": None}  # engine.grad_accum_dtype → stream_backward's grad_dtype
 
 
 class StreamedBackward:
-    """engine.backward = "stream": the exact streamed backward (DESIGN §2), which times its own
+    """engine.backward = "stream": the exact streamed backward (docs/design.md §2), which times its own
     prefill and backward; log-probs alone from its prefill pass."""
 
     def __init__(self, ec: EngineConfig, device: torch.device):
@@ -100,3 +102,29 @@ class EngineConfig:
 
     def build(self, device: torch.device) -> StreamedBackward | ReferenceBackward:
         return BACKWARDS[self.backward](self, device)
+
+
+_VERIFIED: dict = {}  # architecture → VerifyReport: a process checks each architecture once
+
+
+def verify_engine(model) -> None:
+    """engine.verify: the streamed backward must be exact on a miniature of `model`'s architecture
+    (same config, same LoRA config, same train/eval mode; `backstream.stream.verify`), else stop before
+    the run folder is written."""
+    from backstream.stream.verify import Verdict, verify  # noqa: PLC0415  (loads the miniature builder)
+
+    base = base_model(model)
+    peft = getattr(model, "peft_config", None)
+    # what saving a checkpoint writes into the config (architectures, dtype) is not architecture
+    arch = {k: v for k, v in base.config.to_dict().items()
+            if k not in ("architectures", "dtype", "_name_or_path", "transformers_version")}
+    key = (json.dumps(arch, sort_keys=True, default=str), repr(peft), model.training)
+    report = _VERIFIED.get(key)
+    if report is None:
+        report = _VERIFIED[key] = verify(model)
+    if not report.ok:
+        detail = f"{report.verdict} ({report.reason})" if report.kind is Verdict.WRONG else report.verdict
+        raise UserError("engine.verify: the streamed backward is not exact on a miniature of this model's "
+                         f"architecture ({report.model_type}): {detail}. `backstream verify` prints the details; set "
+                         "engine.backward = \"reference\" to train with the naive backward, or engine.verify = false "
+                         "to skip this check")

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from backstream.checks import at_least
+from backstream.checks import UserError, at_least
 
 
 @dataclass(kw_only=True)
@@ -51,14 +51,14 @@ def load_examples(path: str) -> list[dict]:
         try:
             import datasets  # noqa: PLC0415
         except ImportError:
-            raise ValueError(f"data.path: {path} is a folder; reading a `datasets` folder needs "
+            raise UserError(f"data.path: {path} is a folder; reading a `datasets` folder needs "
                              "`pip install datasets`") from None
         ds = datasets.load_from_disk(path)
         if isinstance(ds, datasets.DatasetDict):
             ds = ds["train"] if "train" in ds else next(iter(ds.values()))
         return [dict(x) for x in ds]
     if not os.path.exists(path):
-        raise ValueError(f"data.path: {path} does not exist")
+        raise UserError(f"data.path: {path} does not exist")
     examples = []
     with open(path) as f:
         for n, line in enumerate(f, 1):
@@ -66,17 +66,17 @@ def load_examples(path: str) -> list[dict]:
                 try:
                     examples.append(json.loads(line))
                 except json.JSONDecodeError as e:
-                    raise ValueError(f"data.path: {path} line {n} is not valid JSON ({e.msg})") from None
+                    raise UserError(f"data.path: {path} line {n} is not valid JSON ({e.msg})") from None
     return examples
 
 
 def check_examples(examples: list[dict], source: str, prompt_optional: bool = False) -> None:
     if not examples:
-        raise ValueError(f"data: {source} holds no examples")
+        raise UserError(f"data: {source} holds no examples")
     for i, ex in enumerate(examples):
         if not isinstance(ex, dict) or ("prompt" not in ex and not prompt_optional):
             cols = sorted(ex) if isinstance(ex, dict) else type(ex).__name__
-            raise ValueError(f"data: example {i} of {source} has no `prompt` column (columns: {cols})")
+            raise UserError(f"data: example {i} of {source} has no `prompt` column (columns: {cols})")
 
 
 def render_prompt(prompt, tokenizer, row: int | None = None) -> str:
@@ -86,13 +86,13 @@ def render_prompt(prompt, tokenizer, row: int | None = None) -> str:
     if isinstance(prompt, str):
         return prompt
     if isinstance(prompt, list) and not prompt:
-        raise ValueError(f"data: the prompt{where} is an empty list of chat messages; give it at least one "
+        raise UserError(f"data: the prompt{where} is an empty list of chat messages; give it at least one "
                          "{\"role\": \"user\", \"content\": ...} message")
     if isinstance(prompt, list) and all(isinstance(m, dict) and "content" in m for m in prompt):
         if getattr(tokenizer, "chat_template", None) is None:
-            raise ValueError("data: the prompt is a list of chat messages but the tokenizer has no chat_template")
+            raise UserError("data: the prompt is a list of chat messages but the tokenizer has no chat_template")
         return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-    raise ValueError(f"data: a prompt must be text or a list of chat messages, got {type(prompt).__name__}")
+    raise UserError(f"data: a prompt must be text or a list of chat messages, got {type(prompt).__name__}")
 
 
 def encode_prompts(examples: list[dict], tokenizer, max_tokens: int) -> list[torch.Tensor]:
@@ -105,14 +105,27 @@ def encode_prompts(examples: list[dict], tokenizer, max_tokens: int) -> list[tor
             continue
         ids = tokenizer(render_prompt(ex["prompt"], tokenizer, i), add_special_tokens=True)["input_ids"]
         if len(ids) > max_tokens:
-            raise ValueError(
+            raise UserError(
                 f"data: prompt {i} has {len(ids)} tokens, more than data.max_prompt_tokens={max_tokens} "
                 "(raise it, or shorten the prompt; prompts are never truncated)"
             )
         if not ids:
-            raise ValueError(f"data: prompt {i} (example {i}) is empty after tokenization; give it some text")
+            raise UserError(f"data: prompt {i} (example {i}) is empty after tokenization; give it some text")
         out.append(torch.tensor(ids, dtype=torch.long))
     return out
+
+
+def encode_and_render(examples: list[dict], tokenizer, max_tokens: int, max_new_tokens: int,
+                      context: int | None) -> tuple[list[torch.Tensor], list[str]]:
+    """Every prompt's token ids and text (a row without a prompt: none, its environment's reset gives
+    it); a prompt whose completion could run past the model's `context` is an error."""
+    prompts = encode_prompts(examples, tokenizer, max_tokens)
+    text = [render_prompt(e["prompt"], tokenizer, i) if "prompt" in e else "" for i, e in enumerate(examples)]
+    longest = max(len(p) for p in prompts)
+    if context is not None and longest + max_new_tokens > context:
+        raise UserError(f"data: the longest prompt ({longest} tokens) + rollout.max_new_tokens "
+                         f"({max_new_tokens}) exceeds the model's context ({context} positions)")
+    return prompts, text
 
 
 class PromptStream:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from backstream.checks import at_least
+from backstream.checks import UserError, at_least
 from backstream.rl import data as datamod
 
 EVAL_SEED = 0x5EED  # xor-ed into the run's seed: the evaluation's generators are not the training's
@@ -73,7 +73,7 @@ class Evaluator(NoEvaluation):
     def __init__(self, cfg: EvalConfig, data_cfg, seed: int, train_examples: list[dict], make_sampler):
         """`make_sampler(examples, group_size)`: the run's kind of sampler over these examples."""
         self.cfg, self.seed, self.at_start = cfg, seed, cfg.at_start
-        self.examples = _held_out(cfg, data_cfg, seed, train_examples)
+        self.examples = held_out(cfg, data_cfg, seed, train_examples)
         self.sampler = make_sampler(self.examples, cfg.samples)
 
     def due(self, step: int, last: int) -> bool:
@@ -111,14 +111,14 @@ class Evaluator(NoEvaluation):
         return ["eval/reward/mean", f"eval/pass@{k}", f"eval/avg@{k}"]
 
 
-def _held_out(cfg: EvalConfig, data_cfg, seed: int, train: list[dict]) -> list[dict]:
+def held_out(cfg: EvalConfig, data_cfg, seed: int, train: list[dict]) -> list[dict]:
     """The evaluation's prompts (see the module docstring)."""
     if cfg.path:
         examples = datamod.load_examples(cfg.path)
         datamod.check_examples(examples, cfg.path)
         return examples[: cfg.prompts]
     if data_cfg.path:
-        raise ValueError("eval.path: the run reads its prompts from data.path, so the evaluation needs its own "
+        raise UserError("eval.path: the run reads its prompts from data.path, so the evaluation needs its own "
                          "held-out file; set eval.path (or eval.every = 0)")
     from backstream.rl.tasks import make_dataset  # noqa: PLC0415
 
@@ -131,7 +131,7 @@ def _held_out(cfg: EvalConfig, data_cfg, seed: int, train: list[dict]) -> list[d
                 out.append(ex)
         draw += 1
     if not out:
-        raise ValueError(f"eval: every prompt of task {data_cfg.task!r} is in the training data; set eval.path")
+        raise UserError(f"eval: every prompt of task {data_cfg.task!r} is in the training data; set eval.path")
     return out
 
 

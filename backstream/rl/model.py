@@ -4,11 +4,13 @@ dropout: the backward must be that of the sampled policy), with PEFT LoRA adapte
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
 
-from backstream.checks import at_least, choice
+from backstream.checks import UserError, at_least, choice
 from backstream.stream.hf import locate
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -40,7 +42,7 @@ class ModelConfig:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         if self.device == "cuda" and not torch.cuda.is_available():
-            raise ValueError("model.device: 'cuda' asked for but no GPU is visible; use 'auto' or 'cpu'")
+            raise UserError("model.device: 'cuda' asked for but no GPU is visible; use 'auto' or 'cpu'")
         return torch.device(self.device)
 
     def build(self, model=None, tokenizer=None):
@@ -51,7 +53,7 @@ class ModelConfig:
             model, tokenizer = self._load()
             model = model.to(device)
         elif tokenizer is None:
-            raise ValueError("tokenizer: required when a model object is passed")
+            raise UserError("tokenizer: required when a model object is passed")
         else:
             model = model.to(device, DTYPES[self.dtype])
         return self.apply_lora(model.eval()), tokenizer
@@ -73,7 +75,7 @@ class ModelConfig:
                                                          use_safetensors=True)
             return model, tok
         except OSError as e:
-            raise ValueError(f"model.name: cannot load {self.name!r} ({e})") from None
+            raise UserError(f"model.name: cannot load {self.name!r} ({e})") from None
 
     def apply_lora(self, model):
         if self.lora_r == 0:
@@ -88,6 +90,23 @@ class ModelConfig:
                 raise
             leaves = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
                              if isinstance(m, torch.nn.Linear) and n.rsplit(".", 1)[-1] != "lm_head"})
-            raise ValueError(f"model.lora_targets: {self.lora_targets} match no module of {type(model).__name__}; "
+            raise UserError(f"model.lora_targets: {self.lora_targets} match no module of {type(model).__name__}; "
                              f"its linear layers are named {leaves} (set model.lora_targets to some of them, e.g. "
                              "[\"q_proj\", \"v_proj\"])") from None
+
+
+def reference_policy(cfg, model, copy_of_given: bool):
+    """The frozen reference policy of the KL term (algorithm.kl_reference) of the run `cfg`: the initial
+    policy, copied from the `model` passed in or loaded again (quantized as the learner computes it).
+    None when not asked for, and with LoRA, where the base model under the adapters is the reference."""
+    if not cfg.algorithm.kl_reference or cfg.model.lora_r > 0:
+        return None
+    if copy_of_given:
+        ref = copy.deepcopy(model)  # before any update: the initial policy
+    else:
+        ref, _ = dataclasses.replace(cfg.model, lora_r=0).build()
+        if cfg.quant.enabled:
+            from backstream.quant.linear import quantize_model  # noqa: PLC0415
+
+            quantize_model(ref, cfg.quant)
+    return ref.requires_grad_(False)

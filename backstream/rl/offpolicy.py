@@ -1,7 +1,7 @@
 """Training–inference mismatch: importance weights that correct for it, and telemetry that shows it.
 
 The sampler μ (the rollout engine: other kernels, a quantized model) and the learner's policy before
-the update π_old differ slightly even at the same weights (QaRL, DESIGN §6). Decoupled PPO (Hilton
+the update π_old differ slightly even at the same weights (QaRL, docs/design.md §6). Decoupled PPO (Hilton
 et al. 2022) corrects for it by weighting each policy-gradient term with the detached ratio π_old/μ:
 
   token level     w_t = exp(log π_old,t − log μ_t)
@@ -33,6 +33,8 @@ import math
 from dataclasses import dataclass
 
 import torch
+
+from backstream.checks import UserError
 from torch import Tensor
 
 
@@ -61,7 +63,7 @@ def _check_known(x_flat: Tensor, name: str, offsets: list[int], sel: Tensor) -> 
     bad = torch.nonzero(torch.isnan(x_flat.detach().cpu()) & sel).flatten()
     if len(bad):
         i = max(k for k, o in enumerate(offsets) if o <= int(bad[0]))
-        raise ValueError(f"{name}: NaN at token {int(bad[0]) - offsets[i]} of sequence {i}, a token of the loss")
+        raise UserError(f"{name}: NaN at token {int(bad[0]) - offsets[i]} of sequence {i}, a token of the loss")
 
 
 _REDUCE = {"sum": Tensor.sum, "mean": Tensor.mean}
@@ -74,7 +76,7 @@ def sequence_log_ratios(num_flat: Tensor, den_flat: Tensor, offsets: list[int], 
     [T] log-prob tensors in the flat layout: [N] float64, 0 for a sequence with no such token.
     A NaN at a token in `mask` is a ValueError naming the input (`names`)."""
     if reduce not in _REDUCE:
-        raise ValueError(f"reduce: got {reduce!r}, expected 'sum' or 'mean'")
+        raise UserError(f"reduce: got {reduce!r}, expected 'sum' or 'mean'")
     fold = _REDUCE[reduce]
     sel = torch.cat([m.to("cpu", torch.bool).reshape(-1) for m in mask]) if mask else torch.zeros(0, dtype=torch.bool)
     assert sel.shape == num_flat.shape == den_flat.shape, "flat layouts disagree"
@@ -106,11 +108,11 @@ def mismatch_weights(old_flat: Tensor, rollout_flat: Tensor, offsets: list[int],
     """
     lvl, how = IS_LEVELS.get(level), IS_MODES.get(mode)
     if lvl is None:
-        raise ValueError(f"level: got {level!r}, expected 'token' or 'sequence'")
+        raise UserError(f"level: got {level!r}, expected 'token' or 'sequence'")
     if how is None:
-        raise ValueError(f"mode: got {mode!r}, expected one of {tuple(IS_MODES)}")
+        raise UserError(f"mode: got {mode!r}, expected one of {tuple(IS_MODES)}")
     if not (0 <= cap_low < cap_high and math.isfinite(cap_high)):
-        raise ValueError(f"cap_low / cap_high: expected 0 <= cap_low < cap_high < inf, got {cap_low}, {cap_high}")
+        raise UserError(f"cap_low / cap_high: expected 0 <= cap_low < cap_high < inf, got {cap_low}, {cap_high}")
     sel = torch.cat([m.to("cpu", torch.bool).reshape(-1) for m in mask]) if mask else torch.zeros(0, dtype=torch.bool)
     has = [bool(m.any()) for m in mask]
     if lvl.per_token:
@@ -175,7 +177,7 @@ ERROR_MIN_COUNT = 4
 def repeated_ngram(ids: Tensor, n: int = ERROR_NGRAM, min_count: int = ERROR_MIN_COUNT) -> bool:
     """Does the token sequence `ids` hold some n-gram at least `min_count` times (overlaps count)?"""
     if n < 1 or min_count < 2:
-        raise ValueError(f"n / min_count: expected n >= 1 and min_count >= 2, got {n}, {min_count}")
+        raise UserError(f"n / min_count: expected n >= 1 and min_count >= 2, got {n}, {min_count}")
     ids = ids.reshape(-1).to("cpu", torch.long)
     if len(ids) < n + min_count - 1:  # min_count n-grams need at least that many tokens
         return False

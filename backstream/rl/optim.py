@@ -3,11 +3,13 @@ linear warm-up then constant. Gradient clipping (`max_grad_norm`) is applied by 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 
-from backstream.checks import at_least, choice
+from backstream.checks import UserError, at_least, choice
+from backstream.stream import fsdp
 
 
 def _adamw(params: list, c: OptimConfig) -> torch.optim.Optimizer:
@@ -20,10 +22,10 @@ def _rmsprop(params: list, c: OptimConfig) -> torch.optim.Optimizer:
 
 def _muon(params: list, c: OptimConfig) -> torch.optim.Optimizer:
     if not hasattr(torch.optim, "Muon"):
-        raise ValueError("optim.name: 'muon' needs a torch with torch.optim.Muon; use adamw or rmsprop")
+        raise UserError("optim.name: 'muon' needs a torch with torch.optim.Muon; use adamw or rmsprop")
     bad = [tuple(p.shape) for p in params if p.dim() != 2]
     if bad:
-        raise ValueError(f"optim.name: Muon optimizes 2-D weights only, and {len(bad)} trainable tensors are not 2-D "
+        raise UserError(f"optim.name: Muon optimizes 2-D weights only, and {len(bad)} trainable tensors are not 2-D "
                          f"(e.g. {bad[0]}); use LoRA (model.lora_r > 0) or adamw")
     return torch.optim.Muon(params, lr=c.lr, weight_decay=c.weight_decay)
 
@@ -53,7 +55,7 @@ class OptimConfig:
         choice("optim.name", self.name, list(OPTIMIZERS))
         at_least("optim.max_nonfinite_steps", self.max_nonfinite_steps, 1)
         if not self.lr > 0:
-            raise ValueError(f"optim.lr: got {self.lr}, expected a number > 0")
+            raise UserError(f"optim.lr: got {self.lr}, expected a number > 0")
 
     def build(self, params) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
         """The optimizer over the trainable tensors of `params`, and its schedule (stepped once per
@@ -62,3 +64,55 @@ class OptimConfig:
         warm = self.warmup_steps
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm) if warm > 0 else 1.0)
         return opt, sched
+
+
+class NonFiniteError(UserError):
+    """Training produced NaN/inf (gradients or weights): the run stops before writing from them."""
+
+
+class Stepper:
+    """One optimizer step: clip by the global gradient norm, step, schedule, zero. A NaN/inf loss term
+    or gradient norm skips the step instead (`skipped` counts them), and `optim.max_nonfinite_steps` of
+    them in a row raise NonFiniteError. `quantized`: layers whose low-bit codes follow the master
+    weights (re-derived after each step); `where()`: (steps done, the last checkpoint) for the message."""
+
+    def __init__(self, cfg: OptimConfig, model, opt, sched, quantized: list, where):
+        self.cfg, self.model, self.opt, self.sched = cfg, model, opt, sched
+        self.quantized, self.where = quantized, where
+        self.skipped = 0  # optimizer steps skipped for a NaN/inf gradient norm, this process
+        self.in_a_row = 0
+
+    def step(self, loss_finite: bool = True) -> float:
+        """Returns the gradient norm (before clipping)."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        fsdp.reshard(self.model)  # no gathered copy outlives the step (the next forward re-gathers)
+        gn = fsdp.grad_norm(params, self.cfg.max_grad_norm)  # global: every rank decides alike
+        if not (math.isfinite(gn) and loss_finite):
+            self.opt.zero_grad(set_to_none=True)
+            self.skipped += 1
+            self.in_a_row += 1
+            if self.in_a_row >= self.cfg.max_nonfinite_steps:
+                step, last = self.where()
+                raise NonFiniteError(
+                    f"optim.max_nonfinite_steps: {self.in_a_row} optimizer steps in a row had a NaN/inf loss or "
+                    f"gradient norm (training step {step + 1}); the run stopped without writing a checkpoint. Last "
+                    f"good checkpoint: {last or 'none'}. Usual causes: a learning rate too high (optim.lr = "
+                    f"{self.cfg.lr}), bfloat16 overflow (model.dtype), or a reward function returning NaN/inf")
+            return gn
+        self.in_a_row = 0
+        self.opt.step()
+        for m in self.quantized:  # new master weights: new codes (a fused optimizer may not bump versions)
+            m.invalidate()
+        self.sched.step()
+        self.opt.zero_grad(set_to_none=True)
+        return gn
+
+
+def check_finite_weights(model, dp, step: int, last: str | None) -> None:
+    """NonFiniteError when a parameter holds NaN/inf (over every rank's shards): no checkpoint is
+    written from them."""
+    local = [n for n, p in model.named_parameters() if not bool(torch.isfinite(fsdp.local(p.detach())).all())]
+    bad = sorted({n for part in dp.gather(local) for n in part})
+    if bad:
+        raise NonFiniteError(f"train: parameters {bad[:3]}{' …' if len(bad) > 3 else ''} hold NaN/inf at step {step}; "
+                             f"no checkpoint is written from them. Last good checkpoint: {last or 'none'}")

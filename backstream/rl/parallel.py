@@ -1,4 +1,4 @@
-"""Data parallelism under torchrun (DESIGN §6c): the process group, and the split of every step's
+"""Data parallelism under torchrun (docs/design.md §6c): the process group, and the split of every step's
 global batch over the ranks behind one object, so that the trainer's step reads the same in one
 process and under torchrun.
 
@@ -46,6 +46,7 @@ import contextlib
 import dataclasses
 import datetime
 import os
+import pickle
 import sys
 from dataclasses import dataclass
 
@@ -53,7 +54,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from backstream.checks import at_least, choice
+from backstream.checks import UserError, at_least, choice
 from backstream.rl.rollout import Rollout
 from backstream.stream import fsdp
 
@@ -119,19 +120,19 @@ def init(cfg: DistributedConfig, device: torch.device) -> bool:
     if not launched():
         return False
     if not dist.is_available():
-        raise ValueError("torchrun: this torch build has no torch.distributed; run in one process (python -m "
+        raise UserError("torchrun: this torch build has no torch.distributed; run in one process (python -m "
                          "backstream train ...) or install a torch with distributed support")
     env = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     missing = [k for k, v in env.items() if v is None]
     if missing:
-        raise ValueError(f"torchrun: WORLD_SIZE is set but {missing} are not; start the job with `torchrun "
+        raise UserError(f"torchrun: WORLD_SIZE is set but {missing} are not; start the job with `torchrun "
                          "--nproc_per_node N -m backstream train run.toml` (which sets them all), or unset "
                          "WORLD_SIZE to train in one process")
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         local = int(env["LOCAL_RANK"])
         if local >= torch.cuda.device_count():
-            raise ValueError(f"torchrun: LOCAL_RANK {local} but this node sees {torch.cuda.device_count()} GPU(s); "
+            raise UserError(f"torchrun: LOCAL_RANK {local} but this node sees {torch.cuda.device_count()} GPU(s); "
                              "set --nproc_per_node to at most the number of GPUs per node")
         torch.cuda.set_device(local)
     try:
@@ -229,20 +230,28 @@ def on_main(fn):
     with the same message (a run folder in use, say), instead of leaving them waiting on rank 0."""
     if not active():
         return fn()
-    result, error, raised = None, None, None
+    result, raised = None, None
     if is_main():
         try:
             result = fn()
         except Exception as e:  # noqa: BLE001  (re-raised below, on every rank)
-            raised, error = e, (type(e).__name__, str(e))
-    error = broadcast(error)
+            raised = e
+    error = broadcast(_portable(raised))  # the exception itself: its type (UserError, say) survives
     if raised is not None:
         raise raised
     if error is not None:
-        kind, msg = error
-        raise (ValueError if kind == "ValueError" else RuntimeError)(f"{msg}" if kind == "ValueError"
-                                                                     else f"rank 0: {kind}: {msg}")
+        raise error
     return result
+
+
+def _portable(e: BaseException | None) -> BaseException | None:
+    """`e` as it can cross ranks: itself where it pickles, else a RuntimeError that names it."""
+    if e is None:
+        return None
+    try:
+        return pickle.loads(pickle.dumps(e))  # a traceback does not pickle: rank 0 keeps its own
+    except Exception:  # noqa: BLE001  (an exception whose arguments do not pickle)
+        return RuntimeError(f"rank 0: {type(e).__name__}: {e}")
 
 
 def check_shared(run_dir: str, marker: str) -> None:
@@ -265,7 +274,7 @@ def check_shared(run_dir: str, marker: str) -> None:
     seen = gather((read() == expect, socket.gethostname()))
     blind = [f"{r} ({host})" for r, (ok, host) in enumerate(seen) if not ok]
     if blind:
-        raise ValueError(f"train.output_dir: {run_dir}, as rank 0 ({seen[0][1]}) created it, is not visible from "
+        raise UserError(f"train.output_dir: {run_dir}, as rank 0 ({seen[0][1]}) created it, is not visible from "
                          f"rank(s) {', '.join(blind)}; every rank writes its checkpoint shards there, so under "
                          "torchrun on several nodes it must be on storage every node sees (a shared file system); "
                          "set train.output_dir to such a path")
@@ -285,7 +294,7 @@ def rank_groups(n_groups: int, parts: int, world_size: int, r: int) -> list[int]
     that rank r trains: of every minibatch its r-th of `world_size` contiguous slices, in order, so
     that the rank's own minibatch m lies inside the global minibatch m."""
     if n_groups % (parts * world_size):
-        raise ValueError(f"train.prompts_per_step: {n_groups} prompt groups do not split into {parts} "
+        raise UserError(f"train.prompts_per_step: {n_groups} prompt groups do not split into {parts} "
                          f"minibatch(es) × {world_size} ranks")
     per, share = n_groups // parts, n_groups // parts // world_size
     return [m * per + r * share + j for m in range(parts) for j in range(share)]
@@ -301,7 +310,7 @@ def round_share(need: int, parts: int, world_size: int, r: int, held: list[int] 
     (`group_generator`), only where its K/V lie."""
     if held is not None:
         if len(held) != world_size:
-            raise ValueError(f"round_share: held has {len(held)} counts for {world_size} ranks")
+            raise UserError(f"round_share: held has {len(held)} counts for {world_size} ranks")
         counts, mine = list(held), []
         for j in range(need):
             k = min(range(world_size), key=lambda q: (counts[q], q))
@@ -321,6 +330,31 @@ def group_generator(seed: int, position: int, device="cpu") -> torch.Generator:
 
 
 # -- the object the trainer holds ----------------------------------------------------------------
+
+
+def minibatches(n_groups: int, n: int, group_size: int) -> list[list[int]]:
+    """The sample rows of `n` group-aligned minibatches of equal size, in order."""
+    assert n_groups % n == 0, (n_groups, n)  # RunConfig.validate: minibatches divides prompts_per_step
+    rows = n_groups // n * group_size
+    return [list(range(m * rows, (m + 1) * rows)) for m in range(n)]
+
+
+def take(xs: list | None, rows: list[int]) -> list | None:
+    """The entries `rows` of a per-sample list (None stays None)."""
+    return None if xs is None else [xs[i] for i in rows]
+
+
+@dataclass
+class UpdatePlan:
+    """How this process trains a step's batch: `mine`, its sample rows in the batch; per minibatch,
+    `batch_rows` (the global minibatch's rows: its normalisers count them all), `own` (this process's
+    rows of it, in the batch) and `local` (the same rows as positions in `mine`). One process: every
+    row is its own."""
+
+    mine: list[int]
+    batch_rows: list[list[int]]
+    own: list[list[int]]
+    local: list[list[int]]
 
 
 class DataParallel:
@@ -390,6 +424,14 @@ class DataParallel:
         """The groups of the step's batch this rank trains (`kv`: the batch's per-sample K/V, None
         where this rank does not hold them)."""
         return list(range(n_groups))
+
+    def plan_update(self, n_groups: int, n_minibatches: int, group_size: int, kv: list | None) -> UpdatePlan:
+        """This process's share of the update's group-aligned minibatches (`UpdatePlan`)."""
+        glob = minibatches(n_groups, n_minibatches, group_size)
+        mine = [g * group_size + i for g in self.train_groups(n_groups, kv) for i in range(group_size)]
+        owned, at = set(mine), {r: k for k, r in enumerate(mine)}
+        own = [[r for r in rows if r in owned] for rows in glob]
+        return UpdatePlan(mine=mine, batch_rows=glob, own=own, local=[[at[r] for r in rows] for rows in own])
 
     def gather_rows(self, rows: list[int], values: list, n: int) -> list:
         """Per-sample `values` of this rank's `rows`, gathered into the order of the n-sample batch."""
@@ -522,6 +564,6 @@ def check_same_weights(model: nn.Module) -> None:
                 for p in model.parameters())
     sums = gather(s)
     if any(x != sums[0] for x in sums):
-        raise ValueError(f"torchrun: the ranks built different initial weights (checksums {sums}); every rank "
+        raise UserError(f"torchrun: the ranks built different initial weights (checksums {sums}); every rank "
                          "must load the same model with the same train.seed (a model object passed to the "
                          "Trainer must be built identically on every rank)")

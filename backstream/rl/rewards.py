@@ -1,4 +1,4 @@
-"""Reward functions: the step between the rollout and the advantages (DESIGN §1).
+"""Reward functions: the step between the rollout and the advantages (docs/design.md §1).
 
 A reward function has TRL's signature, so functions written for TRL's GRPOTrainer work unchanged:
 
@@ -32,10 +32,8 @@ either format. `load_reward(spec)` turns the strings of a run file into function
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import functools
-import inspect
 import math as _math
 import numbers
 import re
@@ -47,6 +45,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from backstream.checks import UserError
+from backstream.rl import usercode
 from backstream.rl.specs import is_module_spec, is_path_spec, load_object
 
 RewardFn = Callable[..., Sequence[float]]
@@ -82,7 +82,7 @@ class RewardLog:
         return {f"reward_log/{k}": sum(v) / len(v) for k, v in self.metrics.items()}
 
 
-class RewardError(ValueError):
+class RewardError(UserError):
     """A reward function failed or returned something unusable; the step cannot go on."""
 
 
@@ -237,10 +237,10 @@ class RewardModel:
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any, *, batch_size: int = 8):
         if batch_size < 1:
-            raise ValueError(f"RewardModel batch_size={batch_size}: must be at least 1")
+            raise UserError(f"RewardModel batch_size={batch_size}: must be at least 1")
         if tokenizer.pad_token is None:
             if tokenizer.eos_token is None:
-                raise ValueError("RewardModel: the tokenizer has neither a pad nor an eos token")
+                raise UserError("RewardModel: the tokenizer has neither a pad nor an eos token")
             tokenizer.pad_token = tokenizer.eos_token
         config = model.config.get_text_config()
         # HF pools the rightmost token that is not the model's pad id: padding must use that id
@@ -295,8 +295,7 @@ def env_reward(environments: list, **kwargs: Any) -> list[float | None]:
             out.append(0.0)
             continue
         fn = getattr(e, "get_reward", None)
-        value = fn() if callable(fn) else None
-        out.append(asyncio.run(value) if inspect.iscoroutine(value) else value)
+        out.append(usercode.call(fn) if callable(fn) else None)
     return out
 
 
@@ -308,11 +307,11 @@ def with_env_reward(functions: list[tuple[RewardFn | str, float]], environment) 
     named = any(f == "env" for f, _ in functions)
     if environment is None:
         if named:
-            raise ValueError("reward.functions: 'env' scores an episode with its environment's get_reward, but the "
+            raise UserError("reward.functions: 'env' scores an episode with its environment's get_reward, but the "
                              "run has no environment ([env] factory)")
         return functions
     if named and not environment.has_reward:
-        raise ValueError(f"reward.functions: 'env' reads get_reward(), but {environment.name} has none; add one or "
+        raise UserError(f"reward.functions: 'env' reads get_reward(), but {environment.name} has none; add one or "
                          "remove 'env'")
     if environment.has_reward and not named:
         print(f"backstream: reward: {environment.name}.get_reward() is the reward 'env' with weight 1, as in TRL "
@@ -347,7 +346,7 @@ def _spec_form(spec: str):
     for entry in SPECS:
         if entry[1](spec):
             return entry
-    raise ValueError(f"unknown reward spec {spec!r}; accepted forms: {SPEC_FORMS}")
+    raise UserError(f"unknown reward spec {spec!r}; accepted forms: {SPEC_FORMS}")
 
 
 def load_reward(spec: str) -> RewardFn:
@@ -369,38 +368,38 @@ class RewardConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.functions, (list, tuple)) or not self.functions:
-            raise ValueError(
+            raise UserError(
                 f"reward functions={self.functions!r}: give a non-empty list of specs, "
                 f"e.g. functions=['exact_match']"
             )
         for spec in self.functions:
             if not isinstance(spec, str):
-                raise ValueError(f"reward functions entry {spec!r}: must be a string spec")
+                raise UserError(f"reward functions entry {spec!r}: must be a string spec")
             try:
                 _spec_form(spec)
             except ValueError as e:
-                raise ValueError(f"reward functions entry {spec!r}: {e}") from None
+                raise UserError(f"reward functions entry {spec!r}: {e}") from None
         self.functions = list(self.functions)
         if self.weights is not None:
             if not isinstance(self.weights, (list, tuple)):
-                raise ValueError(
+                raise UserError(
                     f"reward weights={self.weights!r}: give a list with one weight per function"
                 )
             if len(self.weights) != len(self.functions):
-                raise ValueError(
+                raise UserError(
                     f"reward weights={self.weights!r}: {len(self.weights)} weights for "
                     f"{len(self.functions)} functions; give one weight per function, or omit "
                     f"weights for all 1.0"
                 )
             for w in self.weights:
                 if isinstance(w, bool) or not isinstance(w, numbers.Real) or not _math.isfinite(w):
-                    raise ValueError(
+                    raise UserError(
                         f"reward weights={self.weights!r}: {w!r} is not a finite number"
                     )
             self.weights = [float(w) for w in self.weights]
         t = self.timeout_s
         if t is not None and (isinstance(t, bool) or not isinstance(t, numbers.Real) or t <= 0):
-            raise ValueError(
+            raise UserError(
                 f"reward timeout_s={self.timeout_s!r}: must be a positive number of seconds, "
                 f"or None for no limit"
             )
@@ -440,7 +439,7 @@ class Rewards:
             functions, timeout_s = list(zip(cfg.functions, weights)), cfg.timeout_s
         functions = with_env_reward(list(functions), environment) if environment is not _NO_ENV else functions
         if timeout_s is not None and timeout_s <= 0:
-            raise ValueError(f"Rewards timeout_s={timeout_s!r}: must be positive, or None")
+            raise UserError(f"Rewards timeout_s={timeout_s!r}: must be positive, or None")
         self.functions: dict[str, RewardFn] = {}
         self.weights: dict[str, float] = {}
         for fn, weight in functions:
@@ -452,7 +451,7 @@ class Rewards:
                 name = f"{name}#{len(self.functions)}"
             self.functions[name], self.weights[name] = fn, float(weight)
         if not self.functions:
-            raise ValueError("Rewards: give at least one reward function")
+            raise UserError("Rewards: give at least one reward function")
         self.timeout_s = timeout_s
 
     def __call__(
@@ -467,14 +466,14 @@ class Rewards:
         ids = completion_ids if completion_ids is not None else completions_ids
         log = log if log is not None else RewardLog()
         if len(prompts) != n:
-            raise ValueError(f"Rewards: {len(prompts)} prompts for {n} completions")
+            raise UserError(f"Rewards: {len(prompts)} prompts for {n} completions")
         for key, values in columns.items():
             if key in RESERVED:
-                raise ValueError(f"Rewards: column {key!r} clashes with a reward argument")
+                raise UserError(f"Rewards: column {key!r} clashes with a reward argument")
             if len(values) != n:
-                raise ValueError(f"Rewards: column {key!r} has {len(values)} rows for {n} samples")
+                raise UserError(f"Rewards: column {key!r} has {len(values)} rows for {n} samples")
         if ids is not None and len(ids) != n:
-            raise ValueError(f"Rewards: {len(ids)} completion_ids for {n} completions")
+            raise UserError(f"Rewards: {len(ids)} completion_ids for {n} completions")
         total = torch.zeros(n, dtype=torch.float64)
         scored = torch.zeros(n, dtype=torch.bool)
         per_function = {}
@@ -504,38 +503,17 @@ class Rewards:
         return total.float(), per_function
 
     def _invoke(self, name: str, fn: RewardFn, kwargs: dict) -> Any:
-        if self.timeout_s is None:
-            return _call(fn, kwargs)
-        # a daemon thread: Python cannot kill a hung thread, but it must not block the exit either
-        box: dict[str, Any] = {}
-
-        def target() -> None:
-            try:
-                box["value"] = _call(fn, kwargs)
-            except BaseException as e:  # re-raised in the caller's thread
-                box["error"] = e
-
-        thread = threading.Thread(target=target, name=f"reward:{name}", daemon=True)
-        thread.start()
-        thread.join(self.timeout_s)
-        if thread.is_alive():
-            raise RewardError(
-                f"reward function {name!r} did not return within timeout_s={self.timeout_s} "
-                f"for {len(kwargs['completions'])} samples"
-            )
-        if "error" in box:
-            raise box["error"]
-        return box["value"]
+        try:
+            return usercode.with_deadline(lambda: usercode.call(fn, kwargs=kwargs), self.timeout_s,
+                                          f"reward:{name}")
+        except TimeoutError:
+            raise RewardError(f"reward function {name!r} did not return within timeout_s={self.timeout_s} "
+                              f"for {len(kwargs['completions'])} samples") from None
 
     def _run(self, name: str, fn: RewardFn, kwargs: dict, prompts: list) -> torch.Tensor:
         n = len(prompts)
-        try:
-            params = list(inspect.signature(fn).parameters.values())
-        except (TypeError, ValueError):
-            params = []
-        if params and not any(p.kind == p.VAR_KEYWORD for p in params):
-            # TRL passes every argument to every function; one without **kwargs gets what it names
-            kwargs = {k: v for k, v in kwargs.items() if k in {p.name for p in params}}
+        params = usercode.params(fn)
+        kwargs = usercode.named(fn, kwargs)  # TRL passes every argument; one without **kwargs gets what it names
         missing = [
             p.name
             for p in params
@@ -589,12 +567,6 @@ class Rewards:
 
 def _where(prompts: list, i: int) -> str:
     return f"sample {i} (prompt {text_of(prompts[i])[:80]!r})"
-
-
-def _call(fn: RewardFn, kwargs: dict) -> Any:
-    """fn(**kwargs); an `async def` function is awaited (in this thread's own event loop)."""
-    out = fn(**kwargs)
-    return asyncio.run(out) if inspect.iscoroutine(out) else out
 
 
 def _as_list(name: str, values: Any, n: int) -> list:

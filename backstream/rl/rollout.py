@@ -1,5 +1,5 @@
 """The in-process rollout engine: G sampled completions per prompt, with the sampler's log-probs and,
-on request, the K/V the streamed backward can reuse (DESIGN §1, §4).
+on request, the K/V the streamed backward can reuse (docs/design.md §1, §4).
 
 Each prompt is prefilled once at batch 1; its cache is then repeated over the G rows of the group
 and one batched decode loop samples the G completions. Rows that finished are still fed (their
@@ -24,6 +24,7 @@ from torch import Tensor
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from backstream.checks import UserError
 from backstream.stream.hf import cache_arg, takes_logits_to_keep
 
 
@@ -44,7 +45,7 @@ class SamplingConfig:
 
     def __post_init__(self):
         def bad(name, allowed):
-            raise ValueError(f"rollout.{name}: got {getattr(self, name)!r}, expected {allowed}")
+            raise UserError(f"rollout.{name}: got {getattr(self, name)!r}, expected {allowed}")
 
         def is_int(x):
             return isinstance(x, int) and not isinstance(x, bool)
@@ -260,7 +261,7 @@ def row_kv(cache: DynamicCache, row: int, length: int) -> list[tuple[Tensor, Ten
     """Row `row`'s first `length` positions of every layer of a decode cache, as views [Hkv, L, D]."""
     for layer in cache.layers:
         if type(layer) is not DynamicLayer:
-            raise ValueError(f"return_kv: cache layer {type(layer).__name__} does not keep the full K/V history")
+            raise UserError(f"return_kv: cache layer {type(layer).__name__} does not keep the full K/V history")
     return [(layer.keys[row, :, :length], layer.values[row, :, :length]) for layer in cache.layers]
 
 
@@ -304,17 +305,17 @@ def generate(
     The model runs as it is: call `model.eval()` first if it has dropout.
     """
     if config.stop and tokenizer is None:
-        raise ValueError("tokenizer: required to detect SamplingConfig.stop strings, got None")
+        raise UserError("tokenizer: required to detect SamplingConfig.stop strings, got None")
     if not isinstance(prompts, (list, tuple)):
-        raise ValueError(f"prompts: expected a list of 1-D integer tensors, got {type(prompts).__name__}")
+        raise UserError(f"prompts: expected a list of 1-D integer tensors, got {type(prompts).__name__}")
     gens = generator if isinstance(generator, (list, tuple)) else [generator] * len(prompts)
     if len(gens) != len(prompts):
-        raise ValueError(f"generator: got {len(gens)} generators for {len(prompts)} prompts; pass one per prompt "
+        raise UserError(f"generator: got {len(gens)} generators for {len(prompts)} prompts; pass one per prompt "
                          "or a single one")
     for j, p in enumerate(prompts):
         if not isinstance(p, Tensor) or p.dim() != 1 or len(p) == 0 or p.is_floating_point():
             got = tuple(p.shape) if isinstance(p, Tensor) else type(p).__name__
-            raise ValueError(f"prompts[{j}]: expected a non-empty 1-D integer tensor, got {got}")
+            raise UserError(f"prompts[{j}]: expected a non-empty 1-D integer tensor, got {got}")
     eos = set() if eos_token_id is None else {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
     keep_last = takes_logits_to_keep(model)
 
@@ -337,9 +338,8 @@ def generate(
 
 
 class Sampler:
-    """The trainer's sampler of single-turn completions: G per prompt (`generate`), and the inputs of
-    the reward functions in TRL's formats (`reward_inputs`). `EpisodeSampler` (rl/episodes.py) has the
-    same methods for multi-turn episodes, so the trainer's step reads the same for both."""
+    """The sampler of single-turn completions (rl/sampling.py's protocol): G per prompt (`generate`),
+    and the inputs of the reward functions in TRL's formats (`reward_inputs`)."""
 
     metric_keys: tuple[str, ...] = ()
     environment = None  # an EpisodeSampler's Environment (its get_reward is a reward)

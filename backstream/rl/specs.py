@@ -10,11 +10,13 @@ import importlib.util
 import os
 import sys
 import traceback
+
+from backstream.checks import UserError
 from pathlib import Path
 from typing import Any
 
 
-class NotCallableSpec(ValueError, TypeError):
+class NotCallableSpec(UserError, TypeError):
     """A spec names something that is not callable: a mistake in the run file (ValueError), of the kind
     Python calls a TypeError."""
 
@@ -38,10 +40,10 @@ def load_object(spec: str, key: str) -> Any:
     elif is_module_spec(spec):
         module = _from_module(spec, key, target)
     else:
-        raise ValueError(f"{key} {spec!r}: expected 'path/to/file.py:name' or 'package.module:name'")
+        raise UserError(f"{key} {spec!r}: expected 'path/to/file.py:name' or 'package.module:name'")
     obj = getattr(module, name, None)
     if obj is None:
-        raise ValueError(f"{key} {spec!r}: {target!r} has no attribute {name!r}")
+        raise UserError(f"{key} {spec!r}: {target!r} has no attribute {name!r}")
     if not callable(obj):
         raise NotCallableSpec(f"{key} {spec!r}: {name!r} is a {type(obj).__name__}, not callable; name a "
                               "function (or a callable object) of that file or module")
@@ -50,7 +52,7 @@ def load_object(spec: str, key: str) -> Any:
 
 def _from_file(spec: str, key: str, path: Path):
     if not path.is_file():
-        raise ValueError(f"{key} {spec!r}: no file {str(path)!r}")
+        raise UserError(f"{key} {spec!r}: no file {str(path)!r}")
     module_name = f"backstream_user_{path.stem}_{abs(hash(str(path.resolve()))) % 10**8}"
     if module_name in sys.modules:  # the reward and the environment of one file: one module
         return sys.modules[module_name]
@@ -62,7 +64,7 @@ def _from_file(spec: str, key: str, path: Path):
         module_spec.loader.exec_module(module)
     except Exception as e:  # noqa: BLE001  (the user's file: name the file and line, no traceback of ours)
         sys.modules.pop(module_name, None)
-        raise ValueError(f"{key} {spec!r}: {where_in(e, path)}") from e
+        raise UserError(f"{key} {spec!r}: {where_in(e, path)}") from e
     return module
 
 
@@ -70,9 +72,9 @@ def _from_module(spec: str, key: str, target: str):
     try:
         return importlib.import_module(target)
     except ModuleNotFoundError as e:
-        raise ValueError(f"{key} {spec!r}: cannot import {target!r} ({e})") from e
+        raise UserError(f"{key} {spec!r}: cannot import {target!r} ({e})") from e
     except Exception as e:  # noqa: BLE001  (the user's module raised while importing)
-        raise ValueError(f"{key} {spec!r}: importing {target!r} failed: {where_in(e, None)}") from e
+        raise UserError(f"{key} {spec!r}: importing {target!r} failed: {where_in(e, None)}") from e
 
 
 def where_in(e: BaseException, path: Path | None) -> str:

@@ -19,7 +19,7 @@ trainer does.
 - `kvlookup`: a long-context retrieval task. One prompt of more than 1024 tokens (with the
   default character-level tokenizer) lists key=value pairs and then asks for one key's value; the G
   samples of a GRPO group share that whole prompt, which is the case prefix sharing exists for.
-- `toolcalc`: a multi-turn, tool-using task (DESIGN §6d). The sum of three two-digit numbers, which
+- `toolcalc`: a multi-turn, tool-using task (docs/design.md §6d). The sum of three two-digit numbers, which
   the tiny default model gets right more often with the environment's `add(a, b)` tool than without:
   an episode in the plain format (rl/turns.py) reads
 
@@ -41,6 +41,7 @@ import string
 from dataclasses import dataclass, field
 from typing import Callable
 
+from backstream.checks import UserError
 from backstream.rl.rewards import exact_match
 
 Row = dict[str, str]
@@ -165,14 +166,14 @@ def get_task(task: str | Task) -> Task:
     if isinstance(task, Task):
         return task
     if task not in TASKS:
-        raise ValueError(f"unknown task {task!r}: choose one of {sorted(TASKS)}")
+        raise UserError(f"unknown task {task!r}: choose one of {sorted(TASKS)}")
     return TASKS[task]
 
 
 def make_dataset(task: str | Task, n: int, seed: int = 0) -> list[Row]:
     """`n` rows of `task`, the same for the same seed (on any machine: Python's `random`)."""
     if n < 0:
-        raise ValueError(f"make_dataset n={n}: must be >= 0")
+        raise UserError(f"make_dataset n={n}: must be >= 0")
     task = get_task(task)
     # the task name is part of the seed so two tasks with the same seed draw unrelated streams
     rng = random.Random(f"{task.name}:{seed}")

@@ -1,5 +1,5 @@
 """The exact streamed backward over a shared-prefix token tree: a library for any Hugging Face causal
-LM (DESIGN §2–§5, §6b, §6c). It never imports the RL loop (`backstream.rl`) or quantization
+LM (docs/design.md §2–§5, §6b, §6c). It never imports the RL loop (`backstream.rl`) or quantization
 (`backstream.quant`); tests/test_layout.py keeps it that way.
 
     tree, schedule, kvstore   the token tree, which chunks form a block batch, the K/V store + gK/gV

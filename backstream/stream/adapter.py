@@ -6,7 +6,7 @@ with two substitutions:
 - `BlockCache` as the cache: it records each layer's new K/V (the roots of the backward) and hands
   them back unchanged, so the history is never concatenated;
 - `attention` registered in transformers' AttentionInterface (and `family.mask_info` in its mask
-  interface) under `ATTN_NAME`: it checks the family contract (DESIGN §6b) and attends over the
+  interface) under `ATTN_NAME`: it checks the family contract (docs/design.md §6b) and attends over the
   batch's history parts and its own keys with the merged attention (`backstream.stream.attention`).
 """
 
@@ -75,7 +75,7 @@ class BlockCache(Cache):
         return self.past_len + query_length, 0  # (kv_length, kv_offset): the whole history, every layer
 
     def layer_of(self, key: Tensor, value: Tensor) -> int | None:
-        """The layer whose `update` returned exactly these tensors (DESIGN §6b (c))."""
+        """The layer whose `update` returned exactly these tensors (docs/design.md §6b (c))."""
         for layer, (k, v) in self.new.items():
             if k is key and v is value:
                 return layer
@@ -110,7 +110,7 @@ _ACTIVE: list = []  # the running batch (a stack, so that nothing leaks if a for
 def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
               sliding_window=None, softcap=None, s_aux=None, **kwargs):
     """Every keyword that does work is implemented or refused, the mask is read, and the K/V must be
-    the ones the cache handed out (the family contract, DESIGN §6b)."""
+    the ones the cache handed out (the family contract, docs/design.md §6b)."""
     if not _ACTIVE:
         raise RuntimeError("the backstream attention function runs only inside stream_backward")
     if dropout and dropout > 0:

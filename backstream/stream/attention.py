@@ -5,7 +5,7 @@ A block batch of B rows (sibling blocks of a token tree) attends to three parts:
   private — each row's own earlier tokens (earlier chunks of its node), batch B;
   block   — the block's own keys, batch B, causal.
 Concatenating an expanded shared part with each row's keys would materialise B copies of the
-prefix per layer, and autograd would keep them for the backward (DESIGN §5, trap 1). Instead each
+prefix per layer, and autograd would keep them for the backward (docs/design.md §5, trap 1). Instead each
 part is attended separately and the outputs are merged by their log-sum-exp (Hydragen's
 decomposition): with lse_i the row log-sum-exp of part i and lse = logaddexp_i lse_i,
     out = Σ_i exp(lse_i − lse) · out_i.
@@ -25,7 +25,7 @@ the scores of all parts and lets autograd differentiate them.
 Positions are absolute: a query at position p sees a key at position k iff k ≤ p and, with a
 sliding window W, p − k < W (the convention of transformers' masks).
 
-Two score modifiers of real families (DESIGN §6b):
+Two score modifiers of real families (docs/design.md §6b):
 - attention sinks (GPT-OSS `s_aux`): a learned per-head logit with a zero value, one more term of
   the log-sum-exp merge: lse = logaddexp(lse_1, …, lse_n, sink_h); its gradient is
   ∂/∂sink_h = −Σ_{b,q} exp(sink_h − lse) · rowsum(dO ∘ O). Both kernels support it.
@@ -41,6 +41,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from backstream.checks import UserError
 
 
 @dataclass
@@ -276,7 +278,7 @@ def use_flash(kernel: str, device: torch.device) -> bool:
     on CPU only (elsewhere the naive path, until a fused GPU path exists). The one place a kernel's
     name is read."""
     if kernel not in KERNELS:
-        raise ValueError(f"kernel: expected one of {list(KERNELS)}, got {kernel!r}")
+        raise UserError(f"kernel: expected one of {list(KERNELS)}, got {kernel!r}")
     return kernel == "flash" or (kernel == "auto" and device.type == "cpu")
 
 

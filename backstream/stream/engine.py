@@ -1,4 +1,4 @@
-"""The exact streamed backward over a shared-prefix token tree (DESIGN §2; MetroRLHF §3; the
+"""The exact streamed backward over a shared-prefix token tree (docs/design.md §2; MetroRLHF §3; the
 schedule-level shared-prefix reuse paper).
 
     stream_backward(model, sequences, weights)  ⇒  p.grad += ∂/∂p Σ_i Σ_t w_i,t · log πθ(x_i,t | x_i,<t)
@@ -21,7 +21,7 @@ prefix shared by several sequences once.
 A batch with no target and no pending K/V gradient does nothing (the "zero-reward shortcut"); with
 a sliding window, history outside every query's window is not read at all.
 
-FSDP2 (DESIGN §6c): every call runs inside one `fsdp.FSDPCall` (parameters gathered once, gradients
+FSDP2 (docs/design.md §6c): every call runs inside one `fsdp.FSDPCall` (parameters gathered once, gradients
 reduced once at the end, also on a rank without sequences); see backstream/stream/fsdp.py.
 """
 
@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from backstream.checks import UserError
 from backstream.stream import family, fsdp, memory
 from backstream.stream.adapter import (ATTN_NAME, BlockCache, check_model, concat_layers, run_model,
                                        use_backstream_attention)
@@ -138,7 +139,7 @@ class _Batch:
 
     def concat_history(self, layer: int, key_BHQD: Tensor, value_BHQD: Tensor) -> tuple[Tensor, Tensor]:
         """History ⊕ block per row, [B, Hkv, Lh + Q, D], for a concat layer (the shared prefix
-        expanded over the rows: the memory trap of DESIGN §5, accepted for the layers that need it)."""
+        expanded over the rows: the memory trap of docs/design.md §5, accepted for the layers that need it)."""
         parts = rows_as_batch(self.history_parts(layer, key_BHQD, value_BHQD, None))
         B = key_BHQD.shape[0]
         out = [torch.cat([(p.k if j == 0 else p.v).expand(B, -1, -1, -1) for p in parts] + [x], dim=2)
@@ -265,44 +266,44 @@ def validate_sequences(model, sequences, name: str = "sequences", allow_empty: b
     base = check_model(model)
     if not isinstance(sequences, (list, tuple)) or (len(sequences) == 0 and not allow_empty):
         n = len(sequences) if isinstance(sequences, (list, tuple)) else "n/a"
-        raise ValueError(f"{name}: expected a non-empty list of 1-D integer tensors, got "
+        raise UserError(f"{name}: expected a non-empty list of 1-D integer tensors, got "
                          f"{type(sequences).__name__} of length {n}")
     vocab = base.get_input_embeddings().num_embeddings
     for i, s in enumerate(sequences):
         if not isinstance(s, Tensor):
             raise TypeError(f"{name}[{i}]: expected a torch.Tensor of token ids, got {type(s).__name__}")
         if s.dim() != 1 or s.numel() == 0:
-            raise ValueError(f"{name}[{i}]: expected a non-empty 1-D tensor, got shape {tuple(s.shape)}")
+            raise UserError(f"{name}[{i}]: expected a non-empty 1-D tensor, got shape {tuple(s.shape)}")
         if s.dtype.is_floating_point or s.dtype.is_complex or s.dtype == torch.bool:
             raise TypeError(f"{name}[{i}]: token ids must be an integer tensor, got {s.dtype}")
         lo, hi = int(s.min()), int(s.max())
         if lo < 0 or hi >= vocab:
-            raise ValueError(f"{name}[{i}]: token id {lo if lo < 0 else hi} is outside the vocabulary [0, {vocab})")
+            raise UserError(f"{name}[{i}]: token id {lo if lo < 0 else hi} is outside the vocabulary [0, {vocab})")
     return vocab
 
 
 def validate_weights(sequences, weights) -> None:
     if not isinstance(weights, (list, tuple)) or len(weights) != len(sequences):
         n = len(weights) if isinstance(weights, (list, tuple)) else "n/a"
-        raise ValueError(f"weights: expected a list of {len(sequences)} tensors (one per sequence), got "
+        raise UserError(f"weights: expected a list of {len(sequences)} tensors (one per sequence), got "
                          f"{type(weights).__name__} of length {n}")
     for i, (s, w) in enumerate(zip(sequences, weights)):
         if not isinstance(w, Tensor) or not w.dtype.is_floating_point:
             got = getattr(w, "dtype", type(w).__name__)
             raise TypeError(f"weights[{i}]: expected a floating-point tensor, got {got}")
         if w.shape != s.shape:
-            raise ValueError(f"weights[{i}]: shape {tuple(w.shape)} does not match sequences[{i}] shape "
+            raise UserError(f"weights[{i}]: shape {tuple(w.shape)} does not match sequences[{i}] shape "
                              f"{tuple(s.shape)}")
         if w[0] != 0:
-            raise ValueError(f"weights[{i}][0] = {float(w[0])}: the first token has no prediction; "
+            raise UserError(f"weights[{i}][0] = {float(w[0])}: the first token has no prediction; "
                              "its weight must be 0")
         if not torch.isfinite(w).all():
-            raise ValueError(f"weights[{i}]: contains NaN or inf")
+            raise UserError(f"weights[{i}]: contains NaN or inf")
 
 
-def _objective_from(weights, objective) -> Objective:
+def objective_from(weights, objective) -> Objective:
     if (weights is None) == (objective is None):
-        raise ValueError("weights / objective: pass exactly one of them")
+        raise UserError("weights / objective: pass exactly one of them")
     if objective is not None and not isinstance(objective, Objective):
         raise TypeError(f"objective: expected a backstream.Objective, got {type(objective).__name__}")
     return objective if objective is not None else TokenWeights(list(weights))
@@ -469,7 +470,7 @@ def stream_backward(
     the sum of `objective`'s block terms — block by block, shared prefixes once.
 
     sequences: 1-D integer tensors of token ids; weights: float tensors of the same lengths
-      (weights[i][0] must be 0). Pass `objective=` instead of weights for RL losses (DESIGN §3).
+      (weights[i][0] must be 0). Pass `objective=` instead of weights for RL losses (docs/design.md §3).
     block_size: tokens per block (default 512, or the planner's choice under `memory_budget`).
     batch_tokens: cap on rows × block_size of one sibling batch (default 8 × block_size).
     memory_budget: bytes; the planner picks block_size and batch_tokens to fit (see `plan`).
@@ -486,13 +487,13 @@ def stream_backward(
     every token (`backstream.stream.router`); its value is in `stats.router_aux_loss`.
     Returns the log-probs at the current weights (NaN where no target was active) and stats.
     """
-    obj = _objective_from(weights, objective)
+    obj = objective_from(weights, objective)
     sharded = bool(fsdp.units(model))
     validate_sequences(model, sequences, allow_empty=sharded)
     if weights is not None:
         validate_weights(sequences, weights)
     if grad_dtype is not None and not (isinstance(grad_dtype, torch.dtype) and grad_dtype.is_floating_point):
-        raise ValueError(f"grad_dtype: expected a floating torch.dtype or None, got {grad_dtype!r}")
+        raise UserError(f"grad_dtype: expected a floating torch.dtype or None, got {grad_dtype!r}")
     return _run(model, sequences, obj, block_size=block_size, batch_tokens=batch_tokens,
                 memory_budget=memory_budget, kv=kv, kernel=kernel, backward=True,
                 grad_dtype=None if sharded else grad_dtype, progress=progress)
@@ -540,13 +541,13 @@ def _run_local(model, sequences, obj, *, block_size, batch_tokens, memory_budget
 
     for name, val in (("block_size", block_size), ("batch_tokens", batch_tokens), ("memory_budget", memory_budget)):
         if val is not None and (not isinstance(val, int) or isinstance(val, bool) or val < 1):
-            raise ValueError(f"{name}: expected a positive integer, got {val!r}")
+            raise UserError(f"{name}: expected a positive integer, got {val!r}")
     use_flash(kernel, torch.device("cpu"))  # a name it does not know is refused here, before any work
     active = obj.active(sequences)
     if len(active) != len(sequences) or any(a.shape != s.shape for a, s in zip(active, sequences)):
-        raise ValueError("objective.active: must return one bool tensor per sequence, of the sequence's shape")
+        raise UserError("objective.active: must return one bool tensor per sequence, of the sequence's shape")
     if any(bool(a[0]) for a in active):
-        raise ValueError("objective.active: index 0 has no prediction and cannot be active")
+        raise UserError("objective.active: index 0 has no prediction and cannot be active")
     router = router_term(model, obj, across_ranks) if backward else None
     if router is not None:
         if kv is not None:

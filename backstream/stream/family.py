@@ -1,4 +1,4 @@
-"""The family contract (DESIGN §6b): what the streamed backward may assume of a transformers model,
+"""The family contract (docs/design.md §6b): what the streamed backward may assume of a transformers model,
 checked while it runs.
 
 The engine drives a model through transformers' `Cache` and attention interface. That computes the
@@ -14,6 +14,8 @@ silently different gradient.
 
 from __future__ import annotations
 
+from backstream.checks import UserError
+
 import os
 import weakref
 from dataclasses import dataclass
@@ -24,7 +26,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 
-class ModelContractError(ValueError):
+class ModelContractError(UserError):
     """The model breaks the family contract or cannot be driven by the engine (or K/V handed over
     with `kv=` do not fit it): the streamed backward refuses rather than compute another gradient.
     The message starts with `model:` (or `kv:` / `kv[i]:`) and names what to do. `backstream

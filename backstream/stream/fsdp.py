@@ -1,4 +1,4 @@
-"""FSDP2 around the streamed backward (DESIGN §6c): everything backstream knows of FSDP2, in one
+"""FSDP2 around the streamed backward (docs/design.md §6c): everything backstream knows of FSDP2, in one
 leaf module that imports nothing of the engine.
 
 Why the engine cannot let FSDP2 work as it does for one forward and one backward: ranks hold different

@@ -14,6 +14,8 @@ from urllib.parse import urlparse
 
 from torch import nn
 
+from backstream.checks import UserError
+
 # config keys that name an MoE's number of routed experts and the experts a token picks, by family
 EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "num_routed_experts")
 TOP_K_KEYS = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "moe_k", "top_k_experts",
@@ -100,13 +102,13 @@ def locate(name: str, key: str, model_types: bool = False) -> str:
                 + "or a Hub id (org/name)")
     if os.path.isdir(name):
         if not os.path.isfile(os.path.join(name, "config.json")):
-            raise ValueError(f"{key}: {name!r} is a folder but holds no config.json, so it is not a Hugging Face "
+            raise UserError(f"{key}: {name!r} is a folder but holds no config.json, so it is not a Hugging Face "
                              f"model folder (save_pretrained writes one); pass {expected}")
         return "folder"
     if model_types and name in CONFIG_MAPPING:
         return "type"
     if name.startswith((".", os.sep, "~")) or name.count("/") > 1 or os.path.splitext(name)[1]:
-        raise ValueError(f"{key}: {name!r} is no folder here; pass {expected} (a relative path starts at "
+        raise UserError(f"{key}: {name!r} is no folder here; pass {expected} (a relative path starts at "
                          f"{os.getcwd()})")
     if _cached(name) or _hub_reachable():
         return "hub"
@@ -114,7 +116,7 @@ def locate(name: str, key: str, model_types: bool = False) -> str:
                                      cutoff=0.5)
     hint = f"; the nearest model types: {', '.join(near)}" if near and model_types else ""
     what = "a folder, a model_type" if model_types else "a folder"
-    raise ValueError(f"{key}: cannot load {name!r}: it is not {what} or a Hub id in the local cache, and the Hub "
+    raise UserError(f"{key}: cannot load {name!r}: it is not {what} or a Hub id in the local cache, and the Hub "
                      f"cannot be reached (offline, or HF_HUB_OFFLINE=1){hint}; pass {expected}")
 
 

@@ -1,10 +1,10 @@
-"""The K/V store of the streamed backward and its gradient accumulators (DESIGN §2, §5).
+"""The K/V store of the streamed backward and its gradient accumulators (docs/design.md §2, §5).
 
 Per tree node and layer: the K and V of its tokens, from the prefill or the caller; the gradient
 that later blocks left for them (gK/gV, fp32 or wider, allocated on first deposit); and a bool
 mask of the positions with a pending gradient.
 
-What it holds is the memory floor of the backward (DESIGN §5), so nothing more:
+What it holds is the memory floor of the backward (docs/design.md §5), so nothing more:
 - only the positions some later block reads (`extent`: a node without children is never read
   past the start of its last chunk);
 - position-major ([len, Hkv, D], read as [Hkv, len, D] views): a block's history is a view of it

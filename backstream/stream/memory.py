@@ -1,4 +1,4 @@
-"""Exact accounting of the tensor memory a call holds (DESIGN §5): peak live bytes, and what was
+"""Exact accounting of the tensor memory a call holds (docs/design.md §5): peak live bytes, and what was
 alive at the peak, by category.
 
     with LiveBytes(model) as m:

@@ -1,6 +1,6 @@
 """`miniature`: a float64 tiny random model of any transformers causal-LM architecture, built from
 config.json alone, on which `backstream.stream.verify` checks the streamed backward (issue 7,
-DESIGN §6b).
+docs/design.md §6b).
 
 `miniature(config)` keeps the `model_type` and the attention / RoPE (type and parameters, the
 head-dim-sized ones resized) / sliding-window / chunked / MoE / MLA / soft-capping settings, and
@@ -68,7 +68,7 @@ class keep_float64(TorchFunctionMode):  # noqa: N801  (used as a context manager
 def exact_norms(model):
     """Run every RMSNorm (and MoE top-k router) of a float64 model under `keep_float64`, so that the
     norm keeps its own formula (Llama's w·x̂, Gemma's (1+w)·x̂, gated or weightless variants) but
-    computes in float64. HF computes them in float32 even in a float64 model (DESIGN §2)."""
+    computes in float64. HF computes them in float32 even in a float64 model (docs/design.md §2)."""
     for mod in model.modules():
         name = type(mod).__name__
         if name.endswith("RMSNorm") or name.endswith("TopKRouter"):

@@ -1,4 +1,4 @@
-"""The objective contract between an RL loss and the streamed backward (DESIGN §3).
+"""The objective contract between an RL loss and the streamed backward (docs/design.md §3).
 
 The engine never sees a whole sequence's logits. It hands an objective one *block view* at a
 time: the logits of the positions in one block batch that predict a token the objective reads,

@@ -1,4 +1,4 @@
-"""Memory planner: picks the block size and the rows per batch from a byte budget (DESIGN §5).
+"""Memory planner: picks the block size and the rows per batch from a byte budget (docs/design.md §5).
 
     peak ≈ weights + grads + K/V of the tree + gK/gV + one block batch
     one block batch = its activations + its K/V seeds + max(its logits' three [P × V] tensors,
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from backstream.checks import UserError
 from backstream.stream.family import Unsupported
 from backstream.stream.hf import base_model, num_experts
 from backstream.stream.schedule import read_extent
@@ -152,7 +153,7 @@ def plan(model, tree, *, block_size=None, batch_tokens=None, memory_budget=None)
     try:
         est(block_size or DEFAULT_BLOCK, 1)
     except Unsupported as e:
-        raise ValueError(f"memory_budget: {str(e).removeprefix('model: ')}; pass block_size and batch_tokens "
+        raise UserError(f"memory_budget: {str(e).removeprefix('model: ')}; pass block_size and batch_tokens "
                          "instead (trainer: engine.block_size, engine.memory_budget_mb = 0)") from e
     sizes = [block_size] if block_size else [8192, 4096, 2048, 1024, 512, 256, 128, 64, 32, 16]
     smallest = None
@@ -164,7 +165,7 @@ def plan(model, tree, *, block_size=None, batch_tokens=None, memory_budget=None)
             smallest = e if smallest is None or e.peak_bytes < smallest.peak_bytes else smallest
             if e.peak_bytes <= memory_budget:
                 return e
-    raise ValueError(
+    raise UserError(
         f"memory_budget: {memory_budget / 2**20:.0f} MiB is below the smallest plan's estimate "
         f"({smallest.peak_bytes / 2**20:.0f} MiB at block_size={smallest.block_size}, 1 row): raise it "
         f"(breakdown in MiB: { {k: round(v / 2**20) for k, v in smallest.breakdown.items()} })"

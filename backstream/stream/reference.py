@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from backstream.stream import fsdp
-from backstream.stream.engine import StreamResult, StreamStats, _objective_from, validate_sequences, validate_weights
+from backstream.stream.engine import StreamResult, StreamStats, objective_from, validate_sequences, validate_weights
 from backstream.stream.hf import takes_logits_to_keep
 from backstream.stream.objective import BlockView, Objective, flat_offsets
 from backstream.stream.router import load_balancing_loss, load_balancing_sums, router_term
@@ -43,7 +43,7 @@ def reference_backward(model: nn.Module, sequences: list[Tensor], weights: list[
     the end, as in `stream_backward` (see backstream.stream.engine).
     """
     validate_sequences(model, sequences, allow_empty=bool(fsdp.units(model)))
-    obj = _objective_from(weights, objective)
+    obj = objective_from(weights, objective)
     if weights is not None:
         validate_weights(sequences, weights)
 

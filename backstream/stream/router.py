@@ -6,7 +6,7 @@ Over all router layers l and all input tokens t of all sequences (N = Σ_i len_i
     aux = E · Σ_e f_e · P_e,            p_{l,t} = softmax(router logits of token t at layer l)
 
 f_e is a count: it has no gradient. So ∂aux = Σ_{l,t} Σ_e (E·f_e / (L·N)) ∂p_{l,t,e}: a per-token
-term with coefficients fixed before any block runs (DESIGN §3). The streamed engine takes f_e from
+term with coefficients fixed before any block runs (docs/design.md §3). The streamed engine takes f_e from
 its prefill, where a token of a shared prefix stands for every sequence that contains it
 (multiplicity m_t), exactly as the per-sequence computation counts it once per sequence.
 
@@ -26,6 +26,7 @@ import math
 import torch
 from torch import Tensor, nn
 
+from backstream.checks import UserError
 from backstream.stream import fsdp
 from backstream.stream.hf import base_model, experts_per_token, num_experts, text_config
 from backstream.stream.objective import BlockView, Objective
@@ -36,7 +37,7 @@ def moe_spec(model: nn.Module, what: str = "router_aux_coef") -> tuple[int, int]
     base, cfg = base_model(model), text_config(model)
     experts, top_k = num_experts(cfg), experts_per_token(cfg)
     if not experts or top_k is None or not hasattr(cfg, "output_router_logits"):
-        raise ValueError(
+        raise UserError(
             f"{what}: {type(base).__name__} is not a mixture-of-experts model with router logits "
             "(config needs num_experts, num_experts_per_tok and output_router_logits); set it to 0"
         )
@@ -108,7 +109,7 @@ class RouterAux(Objective):
 
     def _probs(self, logits: Tensor) -> Tensor:
         if logits.dim() != 2 or logits.shape[-1] != self.E:
-            raise ValueError(f"router_aux_coef: expected router logits of shape [tokens, {self.E}], "
+            raise UserError(f"router_aux_coef: expected router logits of shape [tokens, {self.E}], "
                              f"got {tuple(logits.shape)}")
         return torch.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
 
@@ -144,7 +145,7 @@ def router_term(model: nn.Module, objective: Objective, across_ranks: bool = Fal
     minibatch, summed over the ranks of an FSDP model."""
     coef = getattr(objective, "router_aux_coef", 0.0)
     if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not math.isfinite(coef) or coef < 0:
-        raise ValueError(f"objective.router_aux_coef: expected a finite number >= 0, got {coef!r}")
+        raise UserError(f"objective.router_aux_coef: expected a finite number >= 0, got {coef!r}")
     if coef == 0:
         return None
     return RouterAux(float(coef), *moe_spec(model, "objective.router_aux_coef"), across_ranks=across_ranks)

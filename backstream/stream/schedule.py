@@ -1,4 +1,4 @@
-"""The schedule of the streamed backward (DESIGN §2): which chunks of the token tree form a batch,
+"""The schedule of the streamed backward (docs/design.md §2): which chunks of the token tree form a batch,
 in what order, and which of them can be skipped.
 
 Each tree node is cut into chunks of at most `block_size` tokens. Sibling chunks at the same offset

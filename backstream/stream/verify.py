@@ -1,5 +1,5 @@
 """`verify`: does the streamed backward compute the exact gradient on this architecture? (issue 7,
-DESIGN §6b.)
+docs/design.md §6b.)
 
 The engine drives a model through transformers' Cache and attention interface, which is exact only
 if the model keeps the family contract (plain softmax attention over the K/V the cache returned,

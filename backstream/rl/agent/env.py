@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from backstream.checks import at_least, choice
+from backstream.checks import UserError, at_least, choice
 from backstream.rl.agent.worker import EnvHandle, EnvTimeout, RemoteError, WorkerPool
 from backstream.rl.specs import load_object, where_in
 
@@ -75,14 +75,14 @@ class EnvConfig:
         for key in ("factory", "chat_template"):
             v = getattr(self, key)
             if not isinstance(v, str):
-                raise ValueError(f"env.{key}: got {v!r}, expected a string (or \"\")")
+                raise UserError(f"env.{key}: got {v!r}, expected a string (or \"\")")
         if not isinstance(self.tools, list) or not all(isinstance(t, str) and t for t in self.tools):
-            raise ValueError(f"env.tools: got {self.tools!r}, expected a list of 'file.py:function' strings")
+            raise UserError(f"env.tools: got {self.tools!r}, expected a list of 'file.py:function' strings")
         at_least("env.max_turns", self.max_turns, 1)
         at_least("env.max_episode_tokens", self.max_episode_tokens, 0)
         at_least("env.max_result_tokens", self.max_result_tokens, 1)
         if not (isinstance(self.tool_timeout_s, (int, float)) and self.tool_timeout_s > 0):
-            raise ValueError(f"env.tool_timeout_s: got {self.tool_timeout_s!r}, expected a number of seconds > 0")
+            raise UserError(f"env.tool_timeout_s: got {self.tool_timeout_s!r}, expected a number of seconds > 0")
         choice("env.format", self.format, list(FORMATS))
 
     @property
@@ -90,7 +90,7 @@ class EnvConfig:
         return bool(self.factory or self.tools)
 
 
-class EnvError(ValueError):
+class EnvError(UserError):
     """An environment that cannot start an episode (its class, or `reset` on a row, failed)."""
 
 
@@ -121,7 +121,7 @@ class Environment:
         self.tool_names = [f.__name__ for f in self.functions] + [n for n, _ in _methods(probe)]
         dupes = {n for n in self.tool_names if self.tool_names.count(n) > 1}
         if dupes:
-            raise ValueError(f"env: two tools are named {sorted(dupes)} (env.tools and {self.name}'s methods); "
+            raise UserError(f"env: two tools are named {sorted(dupes)} (env.tools and {self.name}'s methods); "
                              "rename one")
         self.schemas = [_schema(f, f"env.tools {f.__name__}") for f in self.functions]
         self.schemas += [_schema(m, f"env.factory {self.name}.{n}") for n, m in _methods(probe)]
@@ -214,6 +214,6 @@ def _schema(fn, what: str) -> dict:
     try:
         return get_json_schema(fn)
     except Exception as e:  # noqa: BLE001  (transformers' DocstringParsingException / TypeHintParsingException)
-        raise ValueError(f"{what} is a tool, but transformers cannot describe it ({type(e).__name__}: {e}); give it "
+        raise UserError(f"{what} is a tool, but transformers cannot describe it ({type(e).__name__}: {e}); give it "
                          "type hints and a docstring with an Args: section (or, for a method that is no tool, a name "
                          "that starts with _)") from None

@@ -1,4 +1,4 @@
-"""Multi-turn, tool-using episodes (DESIGN §6d): the sampler that plays an episode against its
+"""Multi-turn, tool-using episodes (docs/design.md §6d): the sampler that plays an episode against its
 environment and hands the trainer one token sequence per episode.
 
 An episode of a task: the prompt (its tools' schemas and `reset`'s text in it), then turns. A turn is
@@ -28,9 +28,10 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache
 
+from backstream.checks import UserError
 from backstream.rl.agent.env import Environment, EnvConfig, EnvError, ToolResult
 from backstream.rl.agent.turns import make_format
-from backstream.rl.rollout import EpisodeInfo, Rollout, SamplingConfig, Sampler, decode, forward_last, row_kv
+from backstream.rl.rollout import EpisodeInfo, Rollout, SamplingConfig, decode, forward_last, row_kv
 from backstream.stream.hf import takes_logits_to_keep
 
 METRIC_KEYS = ("episode/turns/mean", "episode/tool_calls/mean", "episode/tool_errors/mean", "episode/truncated",
@@ -74,14 +75,15 @@ class _Episode:
         self.messages[-1]["finish_reason"] = reason
 
 
-class EpisodeSampler(Sampler):
-    """`Sampler` for `[env]` runs: G episodes per task (see the module docstring)."""
+class EpisodeSampler:
+    """The sampler of `[env]` runs (rl/sampling.py's protocol): G episodes per task (see the module
+    docstring)."""
 
     metric_keys = METRIC_KEYS
 
     def __init__(self, config: SamplingConfig, env_cfg: EnvConfig, tokenizer, eos: list[int], return_kv: bool,
                  context: int | None):
-        super().__init__(config, tokenizer, eos, return_kv, [], [])
+        self.config, self.tok, self.eos, self.return_kv = config, tokenizer, eos, return_kv
         self.env_cfg, self.env = env_cfg, Environment.load(env_cfg)
         self.environment = self.env
         self.format = make_format(env_cfg.format, tokenizer, self.env.schemas, set(eos), env_cfg.chat_template)
@@ -148,7 +150,7 @@ class EpisodeSampler(Sampler):
         for prompt, eps in by_prompt.items():
             P = len(prompt)
             if P >= self.max_tokens:
-                raise ValueError(f"env.max_episode_tokens: a prompt of {P} tokens leaves no room for a turn "
+                raise UserError(f"env.max_episode_tokens: a prompt of {P} tokens leaves no room for a turn "
                                  f"(limit {self.max_tokens}); raise it or shorten the prompt")
             cfg = copy.copy(self.config)
             cache = DynamicCache()
@@ -305,21 +307,3 @@ def _own_cache(kv: list[tuple[Tensor, Tensor]]) -> DynamicCache:
     for layer, (k, v) in enumerate(kv):
         cache.update(k[None], v[None], layer)
     return cache
-
-
-def eos_ids(model, tokenizer) -> list[int]:
-    """The tokens that end a turn: the tokenizer's EOS and the model's generation config's (a chat
-    model's end-of-turn token, <|im_end|> say, is often only there)."""
-    ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    extra = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    ids += extra if isinstance(extra, list) else [extra] if isinstance(extra, int) else []
-    return list(dict.fromkeys(ids))
-
-
-def build_sampler(env_cfg: EnvConfig, config: SamplingConfig, tokenizer, eos: list[int], return_kv: bool,
-                  prompts: list[Tensor], prompt_text: list[str], context: int | None) -> Sampler:
-    """The trainer's sampler: episodes against `[env]` when it names an environment or tools, else
-    single-turn completions."""
-    if env_cfg.enabled:
-        return EpisodeSampler(config, env_cfg, tokenizer, eos, return_kv, context)
-    return Sampler(config, tokenizer, eos, return_kv, prompts, prompt_text)

@@ -1,4 +1,4 @@
-"""How the turns of an episode become tokens, and tokens tool calls (DESIGN §6d: token-level fidelity).
+"""How the turns of an episode become tokens, and tokens tool calls (docs/design.md §6d: token-level fidelity).
 
 The sampled tokens of a turn are kept verbatim, never decoded and re-encoded into the sequence: the
 sampler appends to what it already fed only the *new* part — the tool results, a user message and the
@@ -26,6 +26,7 @@ import json
 import os
 import re
 
+from backstream.checks import UserError
 from backstream.rl.agent.env import ToolCall
 
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
@@ -49,7 +50,7 @@ class PlainFormat:
         """The episode's first tokens and its prompt as messages (for the reward functions); `prompt`
         None: the environment's reset text is the whole prompt."""
         if prompt is not None and not isinstance(prompt, str):
-            raise ValueError("env.format: 'plain' takes text prompts; chat prompts need a tokenizer with a chat "
+            raise UserError("env.format: 'plain' takes text prompts; chat prompts need a tokenizer with a chat "
                              "template (env.format = 'chat')")
         text = (prompt or "") + (extra or "")
         return self.tok(text, add_special_tokens=True)["input_ids"], [{"role": "user", "content": text}]
@@ -90,7 +91,7 @@ class ChatFormat:
     def __init__(self, tokenizer, schemas: list[dict], end_of_turn: set[int], template: str = ""):
         self.template = _read_template(template) if template else None
         if self.template is None and getattr(tokenizer, "chat_template", None) is None:
-            raise ValueError("env.format: 'chat' needs a tokenizer with a chat template (or env.chat_template); use "
+            raise UserError("env.format: 'chat' needs a tokenizer with a chat template (or env.chat_template); use "
                              "env.format = 'plain' for a model without one")
         self.tok, self.schemas, self.end_of_turn = tokenizer, schemas, end_of_turn
         # special tokens that are not turn ends: a parser reads tool-call markers among them
@@ -107,7 +108,7 @@ class ChatFormat:
                     self.tool_results([(name, "1")])
             self.user("ok")
         except ValueError as e:
-            raise ValueError(f"{e}. The start-up check rendered a two-turn conversation through "
+            raise UserError(f"{e}. The start-up check rendered a two-turn conversation through "
                              f"{'env.chat_template' if self.template else 'the tokenizer’s chat template'}; set "
                              "env.chat_template to a training template that renders earlier turns as they were "
                              "(TRL ships one for such families, e.g. Qwen3's, which drops earlier reasoning)") from None
@@ -152,7 +153,7 @@ class ChatFormat:
                 if isinstance(args, str):
                     args = json.loads(args)
                 if not isinstance(obj.get("name"), str) or not isinstance(args, dict):
-                    raise ValueError("needs a name and an arguments object")
+                    raise UserError("needs a name and an arguments object")
                 calls.append(ToolCall(name=obj["name"], arguments=args))
             except (ValueError, AttributeError) as e:
                 calls.append(ToolCall("?", {}, error=f"malformed tool call {block[:60]!r} ({e})"))
@@ -181,7 +182,7 @@ class ChatFormat:
         if ends:  # the sampled turn ends at its end-of-turn token; what the template puts after it is ours
             prefix = prefix[: ends[-1] + 1]
         if full[: len(prefix)] != prefix:
-            raise ValueError("env.format: the chat template renders the conversation before the tool results "
+            raise UserError("env.format: the chat template renders the conversation before the tool results "
                              "differently once they are added, so the inserted tokens cannot be cut out of it; use "
                              "a template that extends a conversation at its end")
         return full[len(prefix):]
@@ -205,7 +206,7 @@ def _read_template(template: str) -> str:
     """env.chat_template: a .jinja file's text, or the template itself."""
     if template.endswith((".jinja", ".j2", ".txt")) and "{" not in template:
         if not os.path.isfile(template):
-            raise ValueError(f"env.chat_template: no file {template!r}")
+            raise UserError(f"env.chat_template: no file {template!r}")
         with open(template) as f:
             return f.read()
     return template

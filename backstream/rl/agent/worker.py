@@ -22,7 +22,6 @@ function reads of an environment. `async def` tools and methods are awaited in t
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 import json
 import os
@@ -34,6 +33,8 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
+from backstream.checks import UserError
+from backstream.rl import usercode
 from backstream.rl.specs import load_object, where_in
 
 STARTUP_TIMEOUT_S = 120.0  # the zygote imports the environments' modules (torch, say) once
@@ -70,19 +71,6 @@ def as_text(value: Any) -> str:
         return str(value)
 
 
-def _call(fn, args, kwargs):
-    out = fn(*args, **kwargs)
-    return asyncio.run(out) if inspect.iscoroutine(out) else out
-
-
-def _with_names(fn, row: dict):
-    """fn(**row), or with only the columns it names when it takes no **kwargs."""
-    params = inspect.signature(fn).parameters.values()
-    if not any(p.kind == p.VAR_KEYWORD for p in params):
-        row = {k: v for k, v in row.items() if k in {p.name for p in params}}
-    return _call(fn, (), row)
-
-
 def _serve(conn, factory_spec: str, tool_specs: list[str]) -> None:
     """The worker's loop: one environment at a time (`new` builds it and resets it), requests on it
     until `release`; answers ("ok", value) or ("error", message, type name)."""
@@ -102,7 +90,7 @@ def _serve(conn, factory_spec: str, tool_specs: list[str]) -> None:
             if op == "new":
                 _, env_id, row = msg
                 env = factory() if factory is not None else None
-                out = _with_names(env.reset, row) if env is not None else None
+                out = usercode.call(env.reset, kwargs=row, names_only=True) if env is not None else None
             elif op == "release":
                 env, env_id, out = None, None, None
             else:
@@ -111,16 +99,17 @@ def _serve(conn, factory_spec: str, tool_specs: list[str]) -> None:
                 if op == "tool":
                     _, _, name, args, max_chars = msg
                     fn = functions.get(name) or getattr(env, name)
-                    text = as_text(_call(fn, args, {}) if isinstance(args, list) else _call(fn, (), args))
+                    positional = isinstance(args, list)  # the plain format's calls are positional
+                    text = as_text(usercode.call(fn, args) if positional else usercode.call(fn, kwargs=args))
                     out = (text[:max_chars], len(text))
                 elif op == "getattr":
                     value = getattr(env, msg[2])
                     out = ("method",) if inspect.ismethod(value) or inspect.isfunction(value) else ("value", value)
                 elif op == "method":
                     _, _, name, args, kwargs = msg
-                    out = _call(getattr(env, name), args, kwargs)
+                    out = usercode.call(getattr(env, name), args, kwargs)
                 else:
-                    raise ValueError(f"unknown request {op!r}")
+                    raise UserError(f"unknown request {op!r}")
             conn.send(("ok", out))
         except BaseException as e:  # noqa: BLE001  (the environment's error goes back as a result)
             conn.send(("error", where_in(e, None), type(e).__name__, str(e)))
@@ -137,7 +126,7 @@ def _die_with_parent() -> None:
         pass
 
 
-def _zygote(fd: int) -> None:
+def zygote_main(fd: int) -> None:
     """The zygote's loop (`python -c ...` with the control socket's fd): set sys.path, import specs,
     fork workers; answers ("ok", value) or ("error", where, type name, text)."""
     _die_with_parent()
@@ -173,7 +162,7 @@ def _zygote(fd: int) -> None:
                 os.close(fds[0])
                 out = pid
             else:
-                raise ValueError(f"unknown request {msg[0]!r}")
+                raise UserError(f"unknown request {msg[0]!r}")
             conn.send(("ok", out))
         except Exception as e:  # noqa: BLE001  (an import error of the user's module: back to the trainer)
             conn.send(("error", where_in(e, None), type(e).__name__, str(e)))
@@ -186,7 +175,7 @@ class Zygote:
 
     def __init__(self):
         ours, theirs = socket.socketpair()
-        code = "import sys; from backstream.rl.agent.worker import _zygote; _zygote(int(sys.argv[1]))"
+        code = "import sys; from backstream.rl.agent.worker import zygote_main; zygote_main(int(sys.argv[1]))"
         self.proc = subprocess.Popen([sys.executable, "-c", code, str(theirs.fileno())], pass_fds=[theirs.fileno()],
                                      stdin=subprocess.DEVNULL)
         theirs.close()

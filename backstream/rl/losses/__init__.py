@@ -1,4 +1,4 @@
-"""RL objectives, written as per-block terms (DESIGN §3); advantages are in `backstream.rl.advantages`.
+"""RL objectives, written as per-block terms (docs/design.md §3); advantages are in `backstream.rl.advantages`.
 
 One module per concept:
   base      the fields every variant shares (KL, entropy, temperature, mismatch correction), the

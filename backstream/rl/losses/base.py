@@ -1,4 +1,4 @@
-"""What every RL objective shares (DESIGN §3): the config fields common to all variants, the KL
+"""What every RL objective shares (docs/design.md §3): the config fields common to all variants, the KL
 estimators, the normalisers, and `PolicyObjective`, the bookkeeping between a loss and the engine.
 
 Every variant adds, to its policy-gradient term, per-token penalties with the variant's per-token
@@ -38,7 +38,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from backstream.checks import choice
+from backstream.checks import UserError, choice
 from backstream.rl.offpolicy import IS_LEVELS, IS_MODES, ISLevel, ISMode, mismatch_weights
 from backstream.stream.objective import BlockView, Objective, flat_offsets
 
@@ -125,24 +125,24 @@ class LossConfigBase:
     def _check(self, type_: str) -> None:
         """The checks of the shared fields; `type_` is the variant's own `type`."""
         if self.type != type_:
-            raise ValueError(f"loss.type: got {self.type!r} for {type(self).__name__}")
+            raise UserError(f"loss.type: got {self.type!r} for {type(self).__name__}")
         if self.kl_estimator not in KL_ESTIMATORS:
-            raise ValueError(f"loss.kl_estimator: got {self.kl_estimator!r}, expected 'k1' or 'k3'")
+            raise UserError(f"loss.kl_estimator: got {self.kl_estimator!r}, expected 'k1' or 'k3'")
         if self.kl_coef < 0 or self.entropy_coef < 0:
-            raise ValueError("loss.kl_coef / loss.entropy_coef: expected numbers >= 0")
+            raise UserError("loss.kl_coef / loss.entropy_coef: expected numbers >= 0")
         if not (self.router_aux_coef >= 0 and math.isfinite(self.router_aux_coef)):
-            raise ValueError(f"loss.router_aux_coef: got {self.router_aux_coef}, expected a finite number >= 0")
+            raise UserError(f"loss.router_aux_coef: got {self.router_aux_coef}, expected a finite number >= 0")
         if not self.temperature > 0:
-            raise ValueError(f"loss.temperature: got {self.temperature}, expected > 0")
+            raise UserError(f"loss.temperature: got {self.temperature}, expected > 0")
         choice("loss.is_level", self.is_level, list(IS_LEVELS))
         choice("loss.is_mode", self.is_mode, list(IS_MODES))
         lo, hi = self.is_cap_low, self.is_cap_high
         if not (math.isfinite(lo) and math.isfinite(hi) and 0 <= lo < hi):
-            raise ValueError(f"loss.is_cap_low / loss.is_cap_high: expected finite 0 <= low < high, got {lo}, {hi}")
+            raise UserError(f"loss.is_cap_low / loss.is_cap_high: expected finite 0 <= low < high, got {lo}, {hi}")
 
     def _check_eps(self) -> None:
         if not (self.eps_low >= 0 and self.eps_high >= 0):
-            raise ValueError(f"loss.eps_low / loss.eps_high: expected >= 0, got {self.eps_low}, {self.eps_high}")
+            raise UserError(f"loss.eps_low / loss.eps_high: expected >= 0, got {self.eps_low}, {self.eps_high}")
 
     # the string fields, parsed (table look-ups, so a field edited after construction is read anew)
     @property
@@ -201,20 +201,20 @@ class PolicyObjective(Objective):
                  rollout_logprobs=None, old_is_current=False, normalisers: Normalisers | None = None):
         n = len(sequences)
         if old_is_current and old_logprobs is None:
-            raise ValueError("old_is_current: needs old_logprobs (the log-probs at the current weights)")
+            raise UserError("old_is_current: needs old_logprobs (the log-probs at the current weights)")
         if len(completion_mask) != n or len(advantages) != n:
-            raise ValueError(f"completion_mask / advantages: expected {n} entries (one per sequence)")
+            raise UserError(f"completion_mask / advantages: expected {n} entries (one per sequence)")
         for name, x in (("old_logprobs", old_logprobs), ("ref_logprobs", ref_logprobs),
                         ("rollout_logprobs", rollout_logprobs)):
             if x is not None and len(x) != n:
-                raise ValueError(f"{name}: expected {n} entries (one per sequence)")
+                raise UserError(f"{name}: expected {n} entries (one per sequence)")
             if x is not None and any(len(a) != len(s) for a, s in zip(x, sequences)):
-                raise ValueError(f"{name}: expected one log-prob per token of each sequence (NaN at the prompt)")
+                raise UserError(f"{name}: expected one log-prob per token of each sequence (NaN at the prompt)")
         if config.kl_coef > 0 and ref_logprobs is None:
-            raise ValueError("ref_logprobs: required when loss.kl_coef > 0")
+            raise UserError("ref_logprobs: required when loss.kl_coef > 0")
         corrected = config.mismatch_level is not None
         if corrected and rollout_logprobs is None:
-            raise ValueError(f"rollout_logprobs: the sampler's log-probs are required when loss.is_level = "
+            raise UserError(f"rollout_logprobs: the sampler's log-probs are required when loss.is_level = "
                              f"{config.is_level!r}")
         self.cfg = config
         self.router_aux_coef = config.router_aux_coef

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from backstream.checks import UserError
 from backstream.rl.losses.base import (AGGREGATIONS, LossConfigBase, Metrics, PolicyObjective, SetupObjective, flat,
                                        logp_entropy)
 from backstream.stream.objective import BlockView
@@ -44,11 +45,11 @@ class PPOClipConfig(LossConfigBase):
         self._check("ppo_clip")
         self._check_eps()
         if self.aggregation not in AGGREGATIONS:
-            raise ValueError(f"loss.aggregation: got {self.aggregation!r}, expected one of {list(AGGREGATIONS)}")
+            raise UserError(f"loss.aggregation: got {self.aggregation!r}, expected one of {list(AGGREGATIONS)}")
         if self.dual_clip is not None and not self.dual_clip > 1:
-            raise ValueError(f"loss.dual_clip: got {self.dual_clip}, expected a number > 1 (or none)")
+            raise UserError(f"loss.dual_clip: got {self.dual_clip}, expected a number > 1 (or none)")
         if self.max_len_norm is not None and self.max_len_norm < 1:
-            raise ValueError(f"loss.max_len_norm: got {self.max_len_norm}, expected an integer >= 1")
+            raise UserError(f"loss.max_len_norm: got {self.max_len_norm}, expected an integer >= 1")
 
     def build(self, **inputs) -> PolicyObjective:
         # the corrected variant has a `setup` (its π_old may be the prefill's); the plain one has
@@ -102,7 +103,7 @@ class PPOClipISObjective(PPOClipObjective, SetupObjective):
         old = self.old_flat
         if old is None:
             if logprobs is None:
-                raise ValueError("loss.is_level: the mismatch weight needs π_old: pass old_logprobs, or let the "
+                raise UserError("loss.is_level: the mismatch weight needs π_old: pass old_logprobs, or let the "
                                  "engine run its prefill (no kv=)")
             old = flat(logprobs)
         return self.mismatch_terms(old)

@@ -1,5 +1,5 @@
 """Sequence-ratio objectives (GSPO, TBPO): the ratio of a whole response, one statistic per sequence
-taken from the prefill (DESIGN §3), and GSPO itself.
+taken from the prefill (docs/design.md §3), and GSPO itself.
 
 For response i with completion tokens t = 1..|y_i|:
   s_i = exp(mean_t(log π_t − log π_old,t))             (the geometric mean of the token ratios)
@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from backstream.checks import UserError
 from backstream.rl.losses.base import LossConfigBase, Metrics, PolicyObjective, SetupObjective, flat, logp_entropy
 from backstream.rl.offpolicy import sequence_log_ratios
 from backstream.stream.objective import BlockView
@@ -50,7 +51,7 @@ class SequenceRatioObjective(SetupObjective):
     def setup_terms(self, logprobs: list[Tensor] | None) -> Metrics:
         logprobs = self.current(logprobs)
         if logprobs is None:
-            raise ValueError(f"{self.label}: needs the prefill's log-probs for its sequence ratios (do not pass "
+            raise UserError(f"{self.label}: needs the prefill's log-probs for its sequence ratios (do not pass "
                              "kv=, or pass old_is_current=True with old_logprobs at the current weights)")
         cur = flat(logprobs)
         pg_mask = self.pg_mask()
@@ -94,7 +95,7 @@ class GSPOConfig(LossConfigBase):
         self._check_eps()
         level = self.mismatch_level
         if level is not None and level.per_token:
-            raise ValueError("loss.is_level: GSPO's ratio and clip are per sequence, so is its mismatch weight; "
+            raise UserError("loss.is_level: GSPO's ratio and clip are per sequence, so is its mismatch weight; "
                              "use 'sequence' (or 'none')")
 
     def build(self, **inputs) -> PolicyObjective:

@@ -47,6 +47,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
+from backstream.checks import UserError
 from backstream.rl.losses.base import LossConfigBase, Metrics
 from backstream.rl.losses.sequence import SequenceRatioObjective
 from backstream.rl.offpolicy import sequence_log_ratios
@@ -73,15 +74,15 @@ class TBPOConfig(LossConfigBase):
     def __post_init__(self):
         self._check("tbpo")
         if self.mismatch_level is not None:
-            raise ValueError(f"loss.is_level: got {self.is_level!r}; TBPO has its own sequence mismatch weight "
+            raise UserError(f"loss.is_level: got {self.is_level!r}; TBPO has its own sequence mismatch weight "
                              "(loss.seq_tis_imp_ratio_cap), so is_level must be 'none'")
         for name in ("seq_clip_ratio_low", "seq_clip_ratio_high", "neg_seq_clip_ratio_low", "neg_seq_clip_ratio_high"):
             v = getattr(self, name)
             if not (math.isfinite(v) and v > 0):
-                raise ValueError(f"loss.{name}: got {v}, expected a finite number > 0")
+                raise UserError(f"loss.{name}: got {v}, expected a finite number > 0")
         c = self.seq_tis_imp_ratio_cap
         if not (math.isfinite(c) and c >= 1):
-            raise ValueError(f"loss.seq_tis_imp_ratio_cap: got {c}, expected a finite number >= 1")
+            raise UserError(f"loss.seq_tis_imp_ratio_cap: got {c}, expected a finite number >= 1")
 
     def build(self, **inputs) -> TBPOObjective:
         return TBPOObjective(self, **inputs)
@@ -94,7 +95,7 @@ class TBPOObjective(SequenceRatioObjective):
 
     def __init__(self, config: TBPOConfig, *, rollout_logprobs=None, **inputs):
         if rollout_logprobs is None:
-            raise ValueError("rollout_logprobs: TBPO's mismatch weight needs the sampler's log-probs")
+            raise UserError("rollout_logprobs: TBPO's mismatch weight needs the sampler's log-probs")
         super().__init__(config, rollout_logprobs=rollout_logprobs, **inputs)
 
     def sequence_terms(self, s: dict[int, float], old: Tensor) -> tuple[dict[int, float], Metrics]:
