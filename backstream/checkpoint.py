@@ -222,7 +222,7 @@ class _Agreement:
             local = e
             r, (exc, _) = min(e.failures.items(), key=lambda kv: kv[0])
             failure = (r, getattr(exc, "errno", None), _why(exc))
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001  (any failure of this rank: agreed on by every rank below)
             local = e
             failure = (rank, getattr(e, "errno", None), _why(e))
         failures = [None] * world

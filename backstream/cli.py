@@ -1,6 +1,6 @@
 """Command line: a thin layer over the Python API, one function per subcommand.
 
-    backstream demo [--task arith|kvlookup|toolcalc] [--steps N] [--output DIR]
+    backstream demo [--task TASK] [--steps N] [--output DIR]
                                                      the built-in default: tiny model, a built-in task
     backstream train [CONFIG.toml] [--set section.key=value ...] [--resume RUN_DIR [--allow-changed-files]]
                      [--overwrite]                  exit 0 done, 2 a mistake in the input (named), 130 / 143
@@ -29,6 +29,7 @@ import sys
 import traceback
 
 from backstream.checks import UserError
+from backstream.log import log
 
 
 def cmd_train(args) -> int:
@@ -130,7 +131,7 @@ def main(argv=None) -> int:
     try:
         return _main(argv)
     except KeyboardInterrupt:
-        print("backstream: interrupted", file=sys.stderr)
+        log.info("interrupted")
         return 130
 
 
@@ -150,9 +151,10 @@ def _main(argv=None) -> int:
                         "changed since it started (the change is recorded in the run folder)")
     t.set_defaults(fn=cmd_train)
     d = sub.add_parser("demo", help="train the built-in tiny model on a built-in task (no download)")
-    d.add_argument("--task", default="arith", choices=["arith", "kvlookup", "toolcalc"],
-                   help="arith (two-digit additions), kvlookup (>1K-token prompts) or toolcalc (multi-turn "
-                        "episodes with an add tool)")
+    from backstream.rl.tasks import TASKS  # noqa: PLC0415  (the registry: the choices and their help)
+
+    d.add_argument("--task", default="arith", choices=sorted(TASKS),
+                   help="; ".join(f"{name}: {task.description}" for name, task in TASKS.items()))
     d.add_argument("--steps", type=int, default=60)
     d.add_argument("--output", default=None, help="the run folder (default runs/demo, runs/demo-TASK)")
     d.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE")
@@ -182,22 +184,22 @@ def _main(argv=None) -> int:
     try:
         return args.fn(args)
     except UserError as e:  # a user's mistake (a config key, a file, a model): named, no traceback
-        print(f"backstream: error: {e}", file=sys.stderr)
+        log.error(e)
         return 2
     except Interrupted as e:
         # the run is over and what could be saved is saved: a late second Ctrl-C (after the trainer gave
         # the signal handlers back) must not turn exit 130 into death by SIGINT during teardown
         for s in (signal.SIGINT, signal.SIGTERM):
             signal.signal(s, signal.SIG_IGN)
-        print(f"backstream: {e}", file=sys.stderr)
+        log.info(e)
         return e.exit_code
     except KeyboardInterrupt:  # before the run's own handler was installed (loading the model, say)
-        print("backstream: interrupted before training started; nothing was saved", file=sys.stderr)
+        log.info("interrupted before training started; nothing was saved")
         return 130
     except Exception:  # noqa: BLE001  (not the input's fault: the traceback, and where to report it)
         traceback.print_exc()
-        print("backstream: this is a bug in backstream (or in a library it calls), not a mistake in your input; "
-              "please report it with the traceback above and your command", file=sys.stderr)
+        log.error("this is a bug in backstream (or in a library it calls), not a mistake in your input; please "
+                  "report it with the traceback above and your command")
         return 1
 
 

@@ -20,28 +20,28 @@ import tomllib
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
-from backstream.checks import UserError, at_least, choice
+from backstream.checks import UserError, at_least, choice, literals
 from backstream.quant.linear import QuantConfig
 from backstream.rl.advantages import ADVANTAGES
+from backstream.rl.agent.env import EnvConfig
 from backstream.rl.backward import EngineConfig
 from backstream.rl.data import DataConfig
-from backstream.rl.agent.env import EnvConfig
 from backstream.rl.evaluate import EvalConfig
 from backstream.rl.losses import LOSS_TYPES, LossConfig, PPOClipConfig
 from backstream.rl.model import ModelConfig
 from backstream.rl.optim import OptimConfig
 from backstream.rl.parallel import DistributedConfig
 from backstream.rl.rewards import RewardConfig
-from backstream.rl.specs import absolute_spec, spec_files
 from backstream.rl.rollout import SamplingConfig
 from backstream.rl.shaping import OVERLONG
+from backstream.rl.specs import absolute_spec, spec_files
 
 
 @dataclass(kw_only=True)
 class AlgorithmConfig:
-    advantage: str = "grpo"
+    advantage: Literal[tuple(ADVANTAGES)] = "grpo"
     """Advantage estimator: grpo (group mean/std), drgrpo (group mean, no std), rloo (leave-one-out)."""
     epochs: int = 1
     """PPO epochs over each rollout batch."""
@@ -51,7 +51,7 @@ class AlgorithmConfig:
     """DAPO: drop groups whose rewards are all equal and refill the batch with new prompts."""
     max_refills: int = 4
     """Most extra rollout rounds per step that dynamic sampling may run."""
-    overlong: str = "none"
+    overlong: Literal[tuple(OVERLONG)] = "none"
     """Completions cut at max_new_tokens: none, filter (no loss), or penalty (DAPO soft penalty)."""
     overlong_buffer: int = 16
     """Length of the soft-penalty ramp before max_new_tokens (penalty mode)."""
@@ -59,8 +59,7 @@ class AlgorithmConfig:
     """Keep a frozen copy of the initial policy for the KL term (loss.kl_coef > 0 needs it)."""
 
     def __post_init__(self):
-        choice("algorithm.advantage", self.advantage, list(ADVANTAGES))
-        choice("algorithm.overlong", self.overlong, list(OVERLONG))
+        literals(self, "algorithm")
         at_least("algorithm.epochs", self.epochs, 1)
         at_least("algorithm.minibatches", self.minibatches, 1)
         at_least("algorithm.max_refills", self.max_refills, 0)
@@ -121,6 +120,25 @@ class TrainConfig:
 
 
 LOSSES = LOSS_TYPES  # [loss] is the variant its `type` key names (the registry of backstream.rl.losses)
+# sections whose class is a variant picked by one of their keys: section → (key, registry, default)
+VARIANTS: dict[str, tuple[str, dict[str, type], str]] = {"loss": ("type", LOSSES, "ppo_clip")}
+# the run's rollout defaults (a run samples groups; `SamplingConfig`'s own defaults are generate()'s)
+RUN_ROLLOUT = {"group_size": 8, "max_new_tokens": 8}
+
+
+def variants(section: str) -> list[type]:
+    """The classes a section may be: its variants, or its one class."""
+    return list(VARIANTS[section][1].values()) if section in VARIANTS else [SECTIONS[section]]
+
+
+def section_class(section: str, values: dict) -> type:
+    """The class of a section's table: the variant its key names, or the section's one class."""
+    if section not in VARIANTS:
+        return SECTIONS[section]
+    key, registry, default = VARIANTS[section]
+    kind = values.get(key, default)
+    choice(f"{section}.{key}", kind, list(registry))
+    return registry[kind]
 
 SECTIONS: dict[str, type] = {
     "model": ModelConfig, "data": DataConfig, "rollout": SamplingConfig, "env": EnvConfig, "reward": RewardConfig,
@@ -138,11 +156,11 @@ class RunConfig:
 
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
-    rollout: SamplingConfig = field(default_factory=lambda: SamplingConfig(group_size=8, max_new_tokens=8))
+    rollout: SamplingConfig = field(default_factory=lambda: SamplingConfig(**RUN_ROLLOUT))
     env: EnvConfig = field(default_factory=EnvConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
-    loss: LossConfig = field(default_factory=PPOClipConfig)
+    loss: LossConfig = field(default_factory=lambda: section_class("loss", {})())
     optim: OptimConfig = field(default_factory=OptimConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -254,21 +272,18 @@ def _coerce(key: str, value, hint):
     return value
 
 
-def _build(section: str, cls: type, values: dict):
+def _build(section: str, values: dict):
     if not isinstance(values, dict):
         raise UserError(f"[{section}]: expected a table of keys, got {values!r}")
-    if section == "loss":
-        kind = values.get("type", "ppo_clip")
-        choice("loss.type", kind, list(LOSSES))
-        cls = LOSSES[kind]
+    cls = section_class(section, values)
     names = {f.name: f for f in dataclasses.fields(cls)}
     for key in values:
         if key not in names:
             raise UserError(f"{section}.{key}: unknown key; the keys of [{section}] are {sorted(names)}")
     hints = typing.get_type_hints(cls)
     kwargs = {k: _coerce(f"{section}.{k}", v, hints.get(k, Any)) for k, v in values.items()}
-    if section == "rollout":  # the run's defaults differ from the sampler's
-        kwargs = {"group_size": 8, "max_new_tokens": 8, **kwargs}
+    if section == "rollout":
+        kwargs = {**RUN_ROLLOUT, **kwargs}
     try:
         return cls(**kwargs)
     except TypeError as e:  # a missing required key
@@ -312,7 +327,7 @@ def load(path: str | None = None, overrides: list[str] = (), base: dict | None =
         if section not in SECTIONS:
             raise UserError(f"[{section}]: unknown section; the sections are {list(SECTIONS)}")
     _task_defaults(raw)
-    return RunConfig(**{s: _build(s, cls, raw.get(s, {})) for s, cls in SECTIONS.items()})
+    return RunConfig(**{s: _build(s, raw.get(s, {})) for s in SECTIONS})
 
 
 def _task_defaults(raw: dict) -> None:
@@ -353,12 +368,11 @@ def describe() -> str:
     lines = []
     defaults = RunConfig()
     for section, cls in SECTIONS.items():
-        classes = list(LOSSES.values()) if section == "loss" else [cls]
-        for c in classes:
-            title = f"[{section}]" + (f"  (type = \"{c().type}\")" if section == "loss" else "")
-            lines.append(title)
+        for c in variants(section):
+            key = VARIANTS.get(section, (None,))[0]
+            lines.append(f"[{section}]" + (f"  ({key} = \"{getattr(c(), key)}\")" if key else ""))
             docs = field_docs(c)
-            inst = c() if section == "loss" else getattr(defaults, section)
+            inst = c() if key else getattr(defaults, section)
             for f in dataclasses.fields(c):
                 lines.append(f"  {f.name} = {getattr(inst, f.name)!r}")
                 if f.name in docs:

@@ -34,8 +34,8 @@ CHARS = string.digits + string.ascii_letters + string.punctuation + " \n"
 def build_tokenizer():
     """A character-level `PreTrainedTokenizerFast`: 4 special tokens then 96 characters (100 ids).
     A character outside `CHARS` (a tab, a non-ASCII letter) becomes `<unk>`."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers  # noqa: PLC0415  (transformers: on use)
+    from transformers import PreTrainedTokenizerFast  # noqa: PLC0415
 
     vocab = {tok: i for i, tok in enumerate([*SPECIAL_TOKENS, *CHARS])}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
@@ -57,7 +57,7 @@ def build_tokenizer():
 def default_config(vocab_size: int = len(SPECIAL_TOKENS) + len(CHARS)):
     """The documented architecture: Qwen3, hidden 128, 4 layers, 4 query heads and 2 K/V heads
     (GQA) of dimension 32, MLP 384, tied embeddings, 4096 positions (kvlookup prompts are ~1.1K)."""
-    from transformers import Qwen3Config
+    from transformers import Qwen3Config  # noqa: PLC0415  (transformers: on use)
 
     return Qwen3Config(
         vocab_size=vocab_size,
@@ -79,7 +79,7 @@ def default_config(vocab_size: int = len(SPECIAL_TOKENS) + len(CHARS)):
 def load_default(dtype: torch.dtype = torch.float32):
     """(model, tokenizer) from the packaged folder, local files only. The model is in eval mode
     (as `from_pretrained` returns it) on the CPU; move it with `.to(device)`."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415  (transformers: on use)
 
     if not (DEFAULT_MODEL_DIR / "config.json").is_file():
         raise FileNotFoundError(

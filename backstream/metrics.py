@@ -22,6 +22,7 @@ import sys
 import uuid
 
 from backstream.checks import UserError
+from backstream.log import log
 
 
 def check_backends(tensorboard: bool, wandb: bool) -> None:
@@ -375,4 +376,4 @@ def plot_quietly(run_dir: str) -> None:
     try:
         plot(run_dir)
     except Exception as e:  # noqa: BLE001
-        print(f"backstream: warning: the plots were not written ({type(e).__name__}: {e})", file=sys.stderr)
+        log.warning(f"the plots were not written ({type(e).__name__}: {e})")

@@ -29,6 +29,7 @@ import time
 import traceback
 
 from backstream.checks import UserError
+from backstream.log import log
 
 LOCK = ".lock"
 ERROR_LOG = "error.log"
@@ -128,9 +129,9 @@ def claim(run_dir: str, *, resume: bool, overwrite: bool = False) -> RunLock:
                 os.replace(path, os.path.join(run_dir, "error-previous.log"))
             elif name != "error-previous.log":
                 shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
-        print(f"backstream: {run_dir} held a run that stopped before saving anything (no checkpoint, no metrics "
-              "line); starting anew in it" + (" (its error: error-previous.log)" if os.path.exists(
-                  os.path.join(run_dir, "error-previous.log")) else ""))
+        log.info(f"{run_dir} held a run that stopped before saving anything (no checkpoint, no metrics line); "
+                 "starting anew in it" + (" (its error: error-previous.log)" if os.path.exists(
+                     os.path.join(run_dir, "error-previous.log")) else ""))
         return lock
     if not resume and os.path.isdir(run_dir) and [n for n in os.listdir(run_dir) if n != LOCK]:
         if not overwrite:
@@ -143,7 +144,7 @@ def claim(run_dir: str, *, resume: bool, overwrite: bool = False) -> RunLock:
         while os.path.exists(aside):
             aside, n = f"{aside.rsplit('~', 1)[0]}~{n}", n + 1
         os.rename(run_dir, aside)
-        print(f"backstream: moved the earlier run in {run_dir} aside to {aside}")
+        log.info(f"moved the earlier run in {run_dir} aside to {aside}")
     try:
         os.makedirs(run_dir, exist_ok=True)
         return _take_lock(run_dir)
@@ -304,7 +305,7 @@ class Run:
         if os.path.isdir(self.dir) and os.path.exists(os.path.join(self.dir, "config.toml")):
             path = record_error(self.dir, "".join(traceback.format_exception(e)))
             if path is not None:
-                print(f"backstream: the error and its traceback are in {path}", file=sys.stderr, flush=True)
+                log.info(f"the error and its traceback are in {path}")
 
     def release(self) -> None:
         if self.lock is not None:
@@ -332,10 +333,9 @@ class Run:
         if self.stop:
             raise KeyboardInterrupt
         self.stop = signum
-        if self.dp.main:
-            print(f"\nbackstream: {signal.Signals(signum).name} received: finishing step {self.step + 1} and saving; "
-                  f"press Ctrl-C again to stop now (the last checkpoint stays: {self.last() or 'none yet'})",
-                  file=sys.stderr, flush=True)
+        sys.stderr.write("\n")  # off a progress bar's line
+        log.info(f"{signal.Signals(signum).name} received: finishing step {self.step + 1} and saving; press Ctrl-C "
+                 f"again to stop now (the last checkpoint stays: {self.last() or 'none yet'})")
 
     @property
     def stopping(self) -> bool:
@@ -384,7 +384,5 @@ class Run:
     def finished(self) -> None:
         """A resume of a run that already reached train.steps: say so, release the folder."""
         self.release()
-        if self.dp.main:
-            print(f"backstream: the run in {self.dir} is finished (step {self.step} of train.steps = "
-                  f"{self.cfg.train.steps}); to train on, resume it with --set train.steps=N (N > {self.step})",
-                  file=sys.stderr)
+        log.info(f"the run in {self.dir} is finished (step {self.step} of train.steps = {self.cfg.train.steps}); to "
+                 f"train on, resume it with --set train.steps=N (N > {self.step})")

@@ -20,32 +20,43 @@ import contextlib
 import dataclasses
 import math
 import os
-import sys
 import time
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from backstream import checkpoint, runfolder
+from backstream import config as cfgmod
 from backstream.checks import UserError
-from backstream import checkpoint, config as cfgmod, runfolder
-from backstream.runfolder import Interrupted  # noqa: F401  (the CLI's: where a stopped run says it stopped)
-from backstream.metrics import (EpisodeLog, Logger, NoLogger, check_backends, episode_rows, gathered_means, peak_mib,
-                                plot_quietly, sum_metrics)
+from backstream.log import log
+from backstream.metrics import (
+    EpisodeLog,
+    Logger,
+    NoLogger,
+    check_backends,
+    episode_rows,
+    gathered_means,
+    peak_mib,
+    plot_quietly,
+    sum_metrics,
+)
 from backstream.quant.linear import quant_linears, quantize_model, quantized
-from backstream.rl import data as datamod, parallel
-from backstream.rl.parallel import take
+from backstream.rl import data as datamod
+from backstream.rl import parallel
 from backstream.rl.advantages import ADVANTAGES, ZeroAdvantageWatch
 from backstream.rl.backward import verify_engine
+from backstream.rl.evaluate import Evaluator, with_group_size
 from backstream.rl.losses import Normalisers, build_objective
 from backstream.rl.model import reference_policy
-from backstream.rl.optim import NonFiniteError, Stepper, check_finite_weights  # noqa: F401  (NonFiniteError: the API's)
 from backstream.rl.offpolicy import error_token_share, mismatch_metrics
+from backstream.rl.optim import NonFiniteError, Stepper, check_finite_weights  # noqa: F401  (NonFiniteError: the API's)
+from backstream.rl.parallel import take
 from backstream.rl.rewards import RewardLog, Rewards, TrainerState
-from backstream.rl.sampling import build_sampler, eos_ids
-from backstream.rl.evaluate import Evaluator, with_group_size
 from backstream.rl.rollout import Rollout
+from backstream.rl.sampling import build_sampler, eos_ids
 from backstream.rl.shaping import informative_groups, overlong_shaping
+from backstream.runfolder import Interrupted  # noqa: F401  (the CLI's: where a stopped run says it stopped)
 from backstream.stream import fsdp
 from backstream.stream.router import moe_spec
 
@@ -424,8 +435,8 @@ class Trainer:
                     if self.evaluator.due(self.step, tc.steps):
                         m.update(self.evaluate())
                     self.logger.log(m)
-                    if self.zero_adv.saw(m["batch/zero_adv_frac"] == 1.0, self.step) and self.dp.main:
-                        print(self.zero_adv.warning, file=sys.stderr, flush=True)
+                    if self.zero_adv.saw(m["batch/zero_adv_frac"] == 1.0, self.step):
+                        log.warning(self.zero_adv.warning)
                     if run.checkpoint_due():
                         self.save()
                 self.save()

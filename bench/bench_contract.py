@@ -15,8 +15,7 @@ import torch
 from transformers.masking_utils import AttentionMaskInterface
 
 from backstream import stream_backward
-from backstream.stream import engine
-from backstream.stream import family
+from backstream.stream import engine, family
 from bench.common import RESULTS, model, timed_side_by_side
 
 

@@ -42,7 +42,7 @@ def small_model():
 
 
 def moe_model():
-    from bench.bench_moe import moe_model as build  # noqa: PLC0415
+    from bench.bench_moe import moe_model as build
 
     return build()
 

@@ -81,8 +81,8 @@ RUNS = {  # name -> overrides on the demo's settings
 
 
 def compare(a) -> dict:
-    from backstream import config, metrics, trainer  # noqa: PLC0415
-    from backstream.cli import DEMO  # noqa: PLC0415
+    from backstream import config, metrics, trainer
+    from backstream.cli import DEMO
 
     tmp = tempfile.mkdtemp()
     curves = {}
@@ -115,10 +115,10 @@ def compare(a) -> dict:
 
 
 def plot(curves: dict, path: str) -> None:
-    import matplotlib  # noqa: PLC0415
+    import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
+    import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     for name, rows in curves.items():

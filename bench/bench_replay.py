@@ -27,7 +27,7 @@ def main():
     a = ap.parse_args()
     torch.set_num_threads(2)
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-    from test_trainer import tiny  # noqa: PLC0415  (the tests' tiny model and tokenizer)
+    from test_trainer import tiny
 
     tmp = tempfile.mkdtemp()
     runs = {}

@@ -32,8 +32,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, not installed
 
-from backstream.default_model import load_default  # noqa: E402
-from backstream.rl.tasks import get_task, make_dataset, score  # noqa: E402
+from backstream.default_model import load_default
+from backstream.rl.tasks import get_task, make_dataset, score
 
 
 @torch.no_grad()

@@ -62,12 +62,19 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, not installed
 
-from backstream.default_model import DEFAULT_MODEL_DIR, build_tokenizer, default_config  # noqa: E402
-from backstream.rl.agent.env import EnvConfig, Environment  # noqa: E402
-from backstream.rl.tasks import (  # noqa: E402
-    KV_PAIRS, TASKS, arith_row, kvlookup_row, make_dataset, score, toolcalc_episode, toolcalc_row,
+from backstream.default_model import DEFAULT_MODEL_DIR, build_tokenizer, default_config
+from backstream.rl.agent.env import EnvConfig, Environment
+from backstream.rl.agent.turns import PlainFormat
+from backstream.rl.tasks import (
+    KV_PAIRS,
+    TASKS,
+    arith_row,
+    kvlookup_row,
+    make_dataset,
+    score,
+    toolcalc_episode,
+    toolcalc_row,
 )
-from backstream.rl.agent.turns import PlainFormat  # noqa: E402
 
 
 def encode_batch(tokenizer, rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -29,23 +29,23 @@ KINDS = tuple(v.value for v in Verdict)
 
 
 def families() -> list[str]:
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES  # noqa: PLC0415
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
 def _one(model_type: str) -> None:
     """Child process: verify one family, JSON on the last line of stdout, stages on stderr."""
-    import warnings  # noqa: PLC0415
+    import warnings
 
     warnings.filterwarnings("ignore")
-    import torch  # noqa: PLC0415
+    import torch
 
     torch.set_num_threads(1)
-    from transformers.utils import logging  # noqa: PLC0415
+    from transformers.utils import logging
 
     logging.set_verbosity_error()
-    from backstream.stream.verify import verify  # noqa: PLC0415
+    from backstream.stream.verify import verify
 
     rep = verify(model_type, stage=lambda s: print(f"stage: {s}", file=sys.stderr, flush=True))
     print(json.dumps(rep.to_dict(), default=str))
@@ -86,8 +86,8 @@ def _md_cell(text: str) -> str:
 def write(rows: list[dict], out: str) -> dict:
     counts = {k: sum(r["kind"] == k for r in rows) for k in KINDS}
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-    import transformers  # noqa: PLC0415
-    import torch  # noqa: PLC0415
+    import torch
+    import transformers
 
     meta = {"transformers": transformers.__version__, "torch": torch.__version__,
             "date": time.strftime("%Y-%m-%d"), "counts": counts, "total": len(rows)}

@@ -46,7 +46,7 @@ def _worker(rank: int, world: int, port: int, fn, args, out_dir: str, init: bool
         result = fn(*args)
         torch.save({"ok": result}, os.path.join(out_dir, f"{rank}.pt"))
         code = 0
-    except BaseException:
+    except BaseException:  # noqa: BLE001  (the rank's failure, whatever it is, goes to its file)
         torch.save({"error": traceback.format_exc()}, os.path.join(out_dir, f"{rank}.pt"))
     finally:
         try:

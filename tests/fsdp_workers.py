@@ -18,9 +18,9 @@ from models import VOCAB, lora, make
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from backstream import Objective, TokenWeights, logprobs, reference_backward, stream_backward
-from backstream.stream.hf import base_model
-from backstream.stream.fsdp import FSDPCall
 from backstream.rl.losses import PPOClipConfig, build_objective
+from backstream.stream.fsdp import FSDPCall
+from backstream.stream.hf import base_model
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 CONFIGS = [(use_lora, reshard) for use_lora in (False, True) for reshard in (True, False)]

@@ -8,10 +8,20 @@ under that noise (docs/design.md §2).
 from __future__ import annotations
 
 import torch
-from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig,
-                          MixtralForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
-from backstream.stream.miniature import exact_norms  # noqa: F401  (re-exported for the tests)
+from backstream.stream.miniature import exact_norms
 
 VOCAB = 61
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
@@ -83,7 +93,7 @@ GRANITE_ATTENTION = 0.2  # scaling 0.2, not 8^-0.5 ≈ 0.354
 
 def _family_model(family: str):
     """The float32 model of `family`, with HF's own numerics (nothing patched)."""
-    import transformers as tf  # noqa: PLC0415
+    import transformers as tf
 
     common = {**COMMON, **SPECIAL}
     mha = {k: v for k, v in common.items() if k not in ("num_key_value_heads", "head_dim")}  # head_dim 32/4 = 8
@@ -150,7 +160,7 @@ LORA_TARGETS = {"gpt2": ["c_attn", "c_proj"], "phi3": ["qkv_proj", "o_proj"], "g
 
 def lora_family(model, family: str, r: int = 4, seed: int = 1):
     """PEFT LoRA on the family's attention projections (names differ by family)."""
-    from peft import LoraConfig, get_peft_model  # noqa: PLC0415
+    from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(seed)
     targets = LORA_TARGETS.get(family, ["q_proj", "v_proj", "o_proj"])

@@ -10,11 +10,10 @@ from test_engine import assert_same, group_batch, rand_ids
 from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, DynamicCache
 
 from backstream import stream_backward
-from backstream.stream import planner
-from backstream.stream import adapter
+from backstream.stream import adapter, planner
 from backstream.stream.family import Unsupported
-from backstream.stream.miniature import exact_norms
 from backstream.stream.hf import cache_arg
+from backstream.stream.miniature import exact_norms
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 SMALL = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,

@@ -8,7 +8,12 @@ import pytest
 import torch
 
 from backstream.default_model import (
-    CHARS, DEFAULT_MODEL_DIR, SPECIAL_TOKENS, build_tokenizer, default_config, load_default,
+    CHARS,
+    DEFAULT_MODEL_DIR,
+    SPECIAL_TOKENS,
+    build_tokenizer,
+    default_config,
+    load_default,
 )
 from backstream.rl.rewards import exact_match
 from backstream.rl.tasks import TASKS, make_dataset

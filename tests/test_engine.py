@@ -11,10 +11,9 @@ from hypothesis import strategies as st
 from models import FAMILIES, VOCAB, lora, make
 
 from backstream import Objective, TokenWeights, reference_backward, stream_backward
-from backstream.stream import adapter
-from backstream.stream import family
-from backstream.stream.verify import relative_errors, token_tree
+from backstream.stream import adapter, family
 from backstream.stream.hf import returned_cache
+from backstream.stream.verify import relative_errors, token_tree
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 TOL = 1e-10

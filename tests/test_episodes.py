@@ -293,8 +293,8 @@ def test_evaluation_during_training(tmp_path):
     model, tok = tiny(torch.float32)
     trainer.train(run_cfg(tmp_path, "no-ev", *base, "reward.functions=['exact_match']"), model=model, tokenizer=tok)
     assert all(torch.equal(v, with_eval[k]) for k, v in weights(model).items())
-    from backstream.rl.evaluate import EvalConfig, held_out
     from backstream.rl.data import DataConfig
+    from backstream.rl.evaluate import EvalConfig, held_out
     from backstream.rl.tasks import make_dataset
 
     train_rows = make_dataset("arith", 16, 0)

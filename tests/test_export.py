@@ -19,8 +19,15 @@ from backstream import checkpoint
 from backstream.cli import main
 from backstream.default_model import build_tokenizer
 from backstream.quant.export import export, pack_int4, unpack_int4
-from backstream.quant.linear import (QuantConfig, dequantize_weight, quant_linears, quantize_fp8_act, quantize_int8_act,
-                              quantize_model, quantized)
+from backstream.quant.linear import (
+    QuantConfig,
+    dequantize_weight,
+    quant_linears,
+    quantize_fp8_act,
+    quantize_int8_act,
+    quantize_model,
+    quantized,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 FORMATS = ["w8a8", "w4a16", "fp8"]

@@ -13,8 +13,19 @@ import warnings
 
 import pytest
 import torch
-from models import (BOS, EOS, FAMILY_MATRIX, GEMMA3_QUERY_SCALAR, GEMMA3_WINDOW, GRANITE_ATTENTION, VOCAB,
-                    _family_model, lora_family, make_family, same_weights)
+from models import (
+    BOS,
+    EOS,
+    FAMILY_MATRIX,
+    GEMMA3_QUERY_SCALAR,
+    GEMMA3_WINDOW,
+    GRANITE_ATTENTION,
+    VOCAB,
+    _family_model,
+    lora_family,
+    make_family,
+    same_weights,
+)
 
 from backstream import reference_backward, stream_backward
 from backstream.stream import adapter

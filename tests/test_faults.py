@@ -18,7 +18,7 @@ from backstream import checkpoint, trainer
 from backstream.rl.rewards import RewardError, Rewards
 
 STEPS = 5
-ARGS = ["--set", "train.steps=%d" % STEPS, "--set", "train.save_every=1", "--set", "train.keep_checkpoints=10",
+ARGS = ["--set", f"train.steps={STEPS}", "--set", "train.save_every=1", "--set", "train.keep_checkpoints=10",
         "--set", "train.prompts_per_step=2", "--set", "rollout.group_size=4", "--set", "rollout.max_new_tokens=8",
         "--set", "train.progress=false", "--set", "engine.verify=false", "--set", "train.plots=false"]
 CLI = [sys.executable, "-c", "import sys; from backstream.cli import main; sys.exit(main(sys.argv[1:]))"]

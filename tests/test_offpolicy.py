@@ -13,13 +13,24 @@ from test_losses import current_logprobs, problem
 
 from backstream import reference_backward, stream_backward
 from backstream.rl import offpolicy
+from backstream.rl.losses import (
+    GSPOConfig,
+    PPOClipConfig,
+    PPOClipISObjective,
+    PPOClipObjective,
+    build_objective,
+    naive_loss,
+)
+from backstream.rl.offpolicy import (
+    error_token_share,
+    mismatch_metrics,
+    mismatch_weights,
+    repeated_ngram,
+    sequence_log_ratios,
+)
 from backstream.stream.engine import logprobs as engine_logprobs
-from backstream.rl.losses import (GSPOConfig, PPOClipConfig, PPOClipISObjective, PPOClipObjective, build_objective,
-                                  naive_loss)
 from backstream.stream.objective import BlockView, Objective, flat_offsets
 from backstream.stream.verify import relative_errors
-from backstream.rl.offpolicy import (error_token_share, mismatch_metrics, mismatch_weights, repeated_ngram,
-                                  sequence_log_ratios)
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 NAN = math.nan

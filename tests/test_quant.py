@@ -12,11 +12,22 @@ import torch
 from models import lora, make
 from torch import nn
 
-from backstream.stream.engine import logprobs, stream_backward
-from backstream.quant.linear import (FORMATS, QuantConfig, QuantLinear, int8_mm, dequantize_weight, quant_linears,
-                              quantize_fp8_act, quantize_int8_act, quantize_model, quantize_weight, quantized,
-                              set_quantized)
+from backstream.quant.linear import (
+    FORMATS,
+    QuantConfig,
+    QuantLinear,
+    dequantize_weight,
+    int8_mm,
+    quant_linears,
+    quantize_fp8_act,
+    quantize_int8_act,
+    quantize_model,
+    quantize_weight,
+    quantized,
+    set_quantized,
+)
 from backstream.rl.rollout import SamplingConfig, generate
+from backstream.stream.engine import logprobs, stream_backward
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 F64 = torch.float64
@@ -139,9 +150,9 @@ def test_weight_quantizers_match_compressed_tensors_formula(fmt):
 def test_weights_equal_compressed_tensors_own_output(fmt):
     """float32 weights: our codes and scales are compressed-tensors' (what llm-compressor exports)."""
     pytest.importorskip("compressed_tensors")
-    from compressed_tensors.quantization import QuantizationArgs  # noqa: PLC0415
-    from compressed_tensors.quantization.lifecycle.forward import quantize  # noqa: PLC0415
-    from compressed_tensors.quantization.utils import calculate_qparams  # noqa: PLC0415
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import quantize
+    from compressed_tensors.quantization.utils import calculate_qparams
 
     w = torch.randn(16, 128, generator=torch.Generator().manual_seed(3)) * 0.05
     kind = dict(num_bits=4, type="int", strategy="group", group_size=32) if fmt == "w4a16" else \

@@ -155,7 +155,7 @@ def test_a_failed_first_step_leaves_its_error_and_no_obstacle(tmp_path, capsys):
     assert str(log) in capsys.readouterr().err  # the user is told where it is
     model, tok = tiny(torch.float32)
     run = trainer.train(run_cfg(tmp_path, "r", 'model.dtype="float32"', "train.steps=1"), model=model, tokenizer=tok)
-    assert "stopped before saving anything" in capsys.readouterr().out
+    assert "stopped before saving anything" in capsys.readouterr().err  # diagnostics: stderr
     assert [json.loads(x)["step"] for x in open(os.path.join(run, "metrics.jsonl"))] == [1]
     assert "ZeroDivisionError" in (tmp_path / "r" / "error-previous.log").read_text()
     assert not (tmp_path / "r" / "error.log").exists()

@@ -6,6 +6,7 @@ import threading
 import pytest
 import torch
 
+from backstream.rl import rewards as R
 from backstream.rl.rewards import (
     RewardConfig,
     RewardError,
@@ -15,7 +16,6 @@ from backstream.rl.rewards import (
     format_reward,
     load_reward,
 )
-from backstream.rl import rewards as R
 
 # ------------------------------------------------------------------ built-ins
 
@@ -353,13 +353,16 @@ def _tiny_reward_model(family):
         num_key_value_heads=2, max_position_embeddings=128,
     )  # fmt: skip
     if family == "llama":
-        from transformers import LlamaConfig as Config, LlamaForSequenceClassification as Model
+        from transformers import LlamaConfig as Config
+        from transformers import LlamaForSequenceClassification as Model
         small |= llama_like
     elif family == "qwen3":
-        from transformers import Qwen3Config as Config, Qwen3ForSequenceClassification as Model
+        from transformers import Qwen3Config as Config
+        from transformers import Qwen3ForSequenceClassification as Model
         small |= llama_like | dict(head_dim=8)
     else:  # absolute position embeddings: left padding would change the scores
-        from transformers import GPT2Config as Config, GPT2ForSequenceClassification as Model
+        from transformers import GPT2Config as Config
+        from transformers import GPT2ForSequenceClassification as Model
         small |= dict(n_embd=32, n_layer=2, n_head=4, n_positions=128, bos_token_id=None,
                       eos_token_id=None)  # fmt: skip
     torch.manual_seed(0)

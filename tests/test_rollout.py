@@ -4,11 +4,11 @@ it hands to the streamed backward."""
 
 import pytest
 import torch
+from models import VOCAB, lora, make
 from transformers import DynamicCache
 
 from backstream.rl.rollout import Rollout, SamplingConfig, generate
 from backstream.stream.hf import cache_arg, returned_cache
-from models import VOCAB, lora, make
 
 PROMPTS = [torch.tensor([3, 14, 15, 9, 26]), torch.tensor([5, 35, 8, 9, 7, 9, 3])]
 

@@ -8,9 +8,9 @@ from test_engine import group_batch
 from transformers.models.qwen3_moe import modeling_qwen3_moe
 
 from backstream import TokenWeights, reference_backward, stream_backward
+from backstream.stream.hf import returned_cache
 from backstream.stream.router import load_balancing_loss, load_balancing_sums
 from backstream.stream.verify import relative_errors
-from backstream.stream.hf import returned_cache
 
 TOL = 1e-10
 

@@ -33,7 +33,7 @@ def test_overwrite_moves_the_old_run_aside(tmp_path, capsys):
     lock = runfolder.claim(str(folder), resume=False, overwrite=True)
     aside = [p for p in tmp_path.iterdir() if p.name.startswith("r.old-")]
     assert len(aside) == 1 and (aside[0] / "metrics.jsonl").read_text() == '{"step": 1}\n'
-    assert os.listdir(folder) == [runfolder.LOCK] and "moved the earlier run" in capsys.readouterr().out
+    assert os.listdir(folder) == [runfolder.LOCK] and "moved the earlier run" in capsys.readouterr().err
     lock.release()
     assert os.listdir(folder) == []
 

@@ -11,8 +11,8 @@ from models import make
 from test_losses import current_logprobs
 from test_offpolicy import assert_streamed_equals_reference, engine_problem, streamed_total
 
-from backstream.stream.engine import logprobs as engine_logprobs
 from backstream.rl.losses import TBPOConfig, TBPOObjective, build_objective, naive_loss
+from backstream.stream.engine import logprobs as engine_logprobs
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 NAN = math.nan

@@ -11,9 +11,9 @@ import torch
 from transformers import AutoConfig, Qwen3Config, Qwen3ForCausalLM
 
 from backstream import cli, config, trainer
+from backstream.default_model import build_tokenizer
 from backstream.rl import backward
 from backstream.stream import engine, family
-from backstream.default_model import build_tokenizer
 from backstream.stream.miniature import keep_float64, miniature, miniature_config
 from backstream.stream.verify import TOL, Verdict, VerifyReport, role, verify
 

@@ -51,12 +51,15 @@ import torch
 from torch import nn
 
 from backstream import checkpoint
-from backstream.stream.hf import base_model
 from backstream.checks import UserError, choice
+from backstream.log import log
 from backstream.quant.formats import GROUP_SIZES, Format, get_format
+
 # compressed-tensors' int4 packing is W4A16's layout (formats.py), importable from here too
-from backstream.quant.formats import pack_int4 as pack_int4, unpack_int4 as unpack_int4
+from backstream.quant.formats import pack_int4 as pack_int4
+from backstream.quant.formats import unpack_int4 as unpack_int4
 from backstream.quant.linear import quant_linears, quantize_model
+from backstream.stream.hf import base_model
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 RECORD = "backstream_export.json"
@@ -214,7 +217,7 @@ def export(run_dir: str, quant: str, out: str | None = None, group_size: int | N
             os.rename(aside, out)  # the old folder back where it was
         raise
     if aside is not None:
-        print(f"backstream: moved the earlier {out} aside to {aside}")
+        log.info(f"moved the earlier {out} aside to {aside}")
     return out
 
 

@@ -22,23 +22,27 @@ from __future__ import annotations
 import fnmatch
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from backstream.checks import UserError, choice
-from backstream.stream.hf import base_model, decoder_layers, num_experts, text_config
+from backstream.checks import UserError, literals
 from backstream.quant.formats import FORMATS, GROUP_SIZES, Format, QWeight, get_format
+from backstream.quant.formats import dequantize_weight as dequantize_weight
+
 # the quantizers live in formats.py and are imported from here too (tests, bench): `x as x` re-exports
-from backstream.quant.formats import (int8_mm as int8_mm, dequantize_weight as dequantize_weight,
-                                      quantize_fp8_act as quantize_fp8_act, quantize_int8_act as quantize_int8_act,
-                                      quantize_weight as quantize_weight)
+from backstream.quant.formats import int8_mm as int8_mm
+from backstream.quant.formats import quantize_fp8_act as quantize_fp8_act
+from backstream.quant.formats import quantize_int8_act as quantize_int8_act
+from backstream.quant.formats import quantize_weight as quantize_weight
+from backstream.stream.hf import base_model, decoder_layers, num_experts, text_config
 
 
 @dataclass(kw_only=True)
 class QuantConfig:
-    rollout: str = "none"
+    rollout: Literal[("none", *FORMATS)] = "none"
     """The sampler's (rollout's) forward: "none", "w8a8" (int8 weights per channel, int8 activations per
     token), "w4a16" (int4 weights per group, activations as they are) or "fp8" (e4m3 weights per channel,
     e4m3 activations per token); numerics copied from vLLM (docs/quant.md)."""
@@ -52,7 +56,7 @@ class QuantConfig:
     [] = every nn.Linear inside the decoder layers. Embeddings, the LM head and MoE routers never are."""
 
     def __post_init__(self):
-        choice("quant.rollout", self.rollout, ["none", *FORMATS])
+        literals(self, "quant")
         if not isinstance(self.aligned, bool):
             raise UserError(f"quant.aligned: got {self.aligned!r}, expected true or false")
         if isinstance(self.group_size, bool) or self.group_size not in GROUP_SIZES:

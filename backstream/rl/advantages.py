@@ -56,7 +56,7 @@ class ZeroAdvantageWatch:
     def saw(self, all_zero: bool, step: int) -> bool:
         self.in_a_row = self.in_a_row + 1 if all_zero else 0
         first = step - self.STEPS + 1
-        self.warning = (f"backstream: warning: steps {first}-{step} had every advantage 0: within each group every "
+        self.warning = (f"steps {first}-{step} had every advantage 0: within each group every "
                         "sample got the same reward, so nothing is learned. Check that the reward functions tell "
                         "samples apart (reward/<function> in metrics.jsonl), raise rollout.temperature or "
                         "rollout.group_size, or set algorithm.dynamic_sampling = true to replace the groups without "

@@ -8,11 +8,12 @@ import json
 import math
 import time
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import Tensor
 
-from backstream.checks import UserError, at_least, choice
+from backstream.checks import UserError, at_least, literals
 from backstream.stream import fsdp
 from backstream.stream.engine import StreamResult, logprobs, stream_backward
 from backstream.stream.hf import base_model
@@ -71,7 +72,7 @@ BACKWARDS = {"stream": StreamedBackward, "reference": ReferenceBackward}
 
 @dataclass(kw_only=True)
 class EngineConfig:
-    backward: str = "stream"
+    backward: Literal[tuple(BACKWARDS)] = "stream"
     """stream (the exact streamed backward) or reference (one full-sequence backward per sample)."""
     block_size: int = 0
     """Tokens per block; 0 = the engine's default (or the planner's choice under memory_budget_mb)."""
@@ -79,7 +80,7 @@ class EngineConfig:
     """Let the planner pick the block size and rows per batch for this many MiB; 0 = off."""
     reuse_rollout_kv: bool = False
     """Hand the rollout's K/V to the engine (no prefill); only when epochs = minibatches = 1."""
-    grad_accum_dtype: str = "float32"
+    grad_accum_dtype: Literal[tuple(GRAD_ACCUM_DTYPES)] = "float32"
     """stream backward, bfloat16/float16 models: "float32" gathers each parameter's gradient over the
     block batches in a float32 buffer (4 bytes per trainable parameter during the backward) and
     rounds it into .grad once; "param" adds every block batch straight into .grad (one rounding per
@@ -90,8 +91,7 @@ class EngineConfig:
     Only with backward = "stream"."""
 
     def __post_init__(self):
-        choice("engine.backward", self.backward, list(BACKWARDS))
-        choice("engine.grad_accum_dtype", self.grad_accum_dtype, list(GRAD_ACCUM_DTYPES))
+        literals(self, "engine")
         at_least("engine.block_size", self.block_size, 0)
         at_least("engine.memory_budget_mb", self.memory_budget_mb, 0)
 

@@ -7,10 +7,11 @@ from __future__ import annotations
 import copy
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
-from backstream.checks import UserError, at_least, choice
+from backstream.checks import UserError, at_least, literals
 from backstream.stream.hf import locate
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -20,7 +21,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch
 class ModelConfig:
     name: str = "default"
     """"default" for the built-in tiny model (no download), or a hub id / local folder of a causal LM."""
-    dtype: str = "float32"
+    dtype: Literal[tuple(DTYPES)] = "float32"
     """Parameter dtype: float32, bfloat16 or float64."""
     lora_r: int = 0
     """LoRA rank; 0 trains all weights."""
@@ -28,14 +29,13 @@ class ModelConfig:
     """LoRA scaling numerator (scale = alpha / r)."""
     lora_targets: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
     """Module names that get LoRA adapters."""
-    device: str = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
     """"auto" (cuda if available, else cpu), "cpu" or "cuda"."""
     trust_remote_code: bool = False
     """Run the Python code a Hub model ships with its weights (only for a model you trust)."""
 
     def __post_init__(self):
-        choice("model.dtype", self.dtype, list(DTYPES))
-        choice("model.device", self.device, ["auto", "cpu", "cuda"])
+        literals(self, "model")
         at_least("model.lora_r", self.lora_r, 0)
 
     def torch_device(self) -> torch.device:

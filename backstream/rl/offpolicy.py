@@ -33,9 +33,9 @@ import math
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 
 from backstream.checks import UserError
-from torch import Tensor
 
 
 @dataclass(frozen=True)

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
-from backstream.checks import UserError, at_least, choice
+from backstream.checks import UserError, at_least, literals
 from backstream.stream import fsdp
 
 
@@ -35,7 +36,7 @@ OPTIMIZERS = {"adamw": _adamw, "rmsprop": _rmsprop, "muon": _muon}
 
 @dataclass(kw_only=True)
 class OptimConfig:
-    name: str = "adamw"
+    name: Literal[tuple(OPTIMIZERS)] = "adamw"
     """adamw, rmsprop, or muon (torch.optim.Muon, where the installed torch has it; 2-D weights only)."""
     lr: float = 1e-4
     """Peak learning rate."""
@@ -52,7 +53,7 @@ class OptimConfig:
     optim/skipped_nonfinite); this many in a row stop the run with an error."""
 
     def __post_init__(self):
-        choice("optim.name", self.name, list(OPTIMIZERS))
+        literals(self, "optim")
         at_least("optim.max_nonfinite_steps", self.max_nonfinite_steps, 1)
         if not self.lr > 0:
             raise UserError(f"optim.lr: got {self.lr}, expected a number > 0")

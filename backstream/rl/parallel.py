@@ -47,14 +47,15 @@ import dataclasses
 import datetime
 import os
 import pickle
-import sys
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from backstream.checks import UserError, at_least, choice
+from backstream.checks import UserError, at_least, literals
+from backstream.log import log
 from backstream.rl.rollout import Rollout
 from backstream.stream import fsdp
 
@@ -63,7 +64,7 @@ MIXED_PRECISION = {"none": False, "bf16": True}  # distributed.mixed_precision â
 
 @dataclass(kw_only=True)
 class DistributedConfig:
-    mixed_precision: str = "none"
+    mixed_precision: Literal[tuple(MIXED_PRECISION)] = "none"
     """Under torchrun: "bf16" all-gathers parameters and runs forwards in bfloat16 while gradients are
     reduced in float32 (FSDP2's MixedPrecisionPolicy); "none" computes in model.dtype."""
     timeout_s: int = 1800
@@ -71,7 +72,7 @@ class DistributedConfig:
     error (a rank that died or hangs); also the wait for every rank to join at start."""
 
     def __post_init__(self):
-        choice("distributed.mixed_precision", self.mixed_precision, list(MIXED_PRECISION))
+        literals(self, "distributed")
         at_least("distributed.timeout_s", self.timeout_s, 1)
 
 
@@ -139,7 +140,7 @@ def init(cfg: DistributedConfig, device: torch.device) -> bool:
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.timeout_s),
                                 device_id=torch.device("cuda", torch.cuda.current_device())
                                 if backend == "nccl" else None)
-    except Exception as e:  # noqa: BLE001  (the store, the rendezvous, the backend: all worth the same advice)
+    except Exception as e:
         raise RuntimeError(
             f"torchrun: rank {env['RANK']} of {env['WORLD_SIZE']} could not start the {backend} process group at "
             f"{env['MASTER_ADDR']}:{env['MASTER_PORT']} within distributed.timeout_s={cfg.timeout_s} "
@@ -483,7 +484,7 @@ class Torchrun(DataParallel):
     def failed(self, error: BaseException) -> None:
         # torchrun ends this process soon after a rank failed: say why now, while the trainer's
         # SIGTERM handler still holds, not only when the exception reaches the top
-        print(f"backstream: rank {self.rank}: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
+        log.info(f"rank {self.rank}: {type(error).__name__}: {error}", extra={"every_rank": True})
         abandon()  # the other ranks' collectives fail now rather than at the timeout
 
     def begin_step(self) -> None:

@@ -37,15 +37,16 @@ import functools
 import math as _math
 import numbers
 import re
-import sys
 import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
 from backstream.checks import UserError
+from backstream.log import log
 from backstream.rl import usercode
 from backstream.rl.specs import is_module_spec, is_path_spec, load_object
 
@@ -180,7 +181,7 @@ def exact_match(completions: list[str], answer: list[str], **kwargs: Any) -> lis
 
 def _import_math_verify():
     try:
-        import math_verify
+        import math_verify  # noqa: PLC0415  (an optional extra: only for the math reward)
     except ImportError as e:
         raise ImportError(
             "the 'math' reward needs Math-Verify: pip install 'backstream[math]'"
@@ -253,7 +254,7 @@ class RewardModel:
 
     @classmethod
     def from_pretrained(cls, folder: str | Path, *, batch_size: int = 8) -> RewardModel:
-        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer  # noqa: PLC0415
 
         model = AutoModelForSequenceClassification.from_pretrained(folder)
         return cls(model, AutoTokenizer.from_pretrained(folder), batch_size=batch_size)
@@ -314,8 +315,8 @@ def with_env_reward(functions: list[tuple[RewardFn | str, float]], environment) 
         raise UserError(f"reward.functions: 'env' reads get_reward(), but {environment.name} has none; add one or "
                          "remove 'env'")
     if environment.has_reward and not named:
-        print(f"backstream: reward: {environment.name}.get_reward() is the reward 'env' with weight 1, as in TRL "
-              "(name 'env' in reward.functions to weight it; weight 0 leaves it out)", file=sys.stderr, flush=True)
+        log.info(f"reward: {environment.name}.get_reward() is the reward 'env' with weight 1, as in TRL (name 'env' "
+                 "in reward.functions to weight it; weight 0 leaves it out)")
         return [*functions, ("env", 1.0)]
     return functions
 
@@ -512,7 +513,7 @@ class Rewards:
 
     def _run(self, name: str, fn: RewardFn, kwargs: dict, prompts: list) -> torch.Tensor:
         n = len(prompts)
-        params = usercode.params(fn)
+        params = usercode.params(fn) or []
         kwargs = usercode.named(fn, kwargs)  # TRL passes every argument; one without **kwargs gets what it names
         missing = [
             p.name
@@ -560,7 +561,7 @@ class Rewards:
         for i in range(len(kwargs["completions"])):
             try:
                 self._invoke(name, fn, {k: v[i : i + 1] if isinstance(v, list) else v for k, v in kwargs.items()})
-            except Exception:
+            except Exception:  # noqa: BLE001  (looking for the sample that fails, whatever it raises)
                 return f"called alone, {_where(prompts, i)} fails"
         return "no single sample fails when called alone"
 

@@ -10,10 +10,10 @@ import importlib.util
 import os
 import sys
 import traceback
-
-from backstream.checks import UserError
 from pathlib import Path
 from typing import Any
+
+from backstream.checks import UserError
 
 
 class NotCallableSpec(UserError, TypeError):
@@ -62,7 +62,7 @@ def _from_file(spec: str, key: str, path: Path):
     sys.modules[module_name] = module  # dataclasses and pickling look the module up here
     try:
         module_spec.loader.exec_module(module)
-    except Exception as e:  # noqa: BLE001  (the user's file: name the file and line, no traceback of ours)
+    except Exception as e:
         sys.modules.pop(module_name, None)
         raise UserError(f"{key} {spec!r}: {where_in(e, path)}") from e
     return module
@@ -73,7 +73,7 @@ def _from_module(spec: str, key: str, target: str):
         return importlib.import_module(target)
     except ModuleNotFoundError as e:
         raise UserError(f"{key} {spec!r}: cannot import {target!r} ({e})") from e
-    except Exception as e:  # noqa: BLE001  (the user's module raised while importing)
+    except Exception as e:
         raise UserError(f"{key} {spec!r}: importing {target!r} failed: {where_in(e, None)}") from e
 
 

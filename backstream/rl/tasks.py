@@ -38,8 +38,8 @@ from __future__ import annotations
 
 import random
 import string
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from backstream.checks import UserError
 from backstream.rl.rewards import exact_match

@@ -9,21 +9,23 @@ from __future__ import annotations
 import asyncio
 import inspect
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
-def params(fn) -> list[inspect.Parameter]:
+def params(fn) -> list[inspect.Parameter] | None:
+    """fn's parameters; None when it has no signature (a builtin: it takes what it gets)."""
     try:
         return list(inspect.signature(fn).parameters.values())
-    except (TypeError, ValueError):  # a builtin or an object without a signature: it takes what it gets
-        return []
+    except (TypeError, ValueError):
+        return None
 
 
 def named(fn, kwargs: dict) -> dict:
     """The keyword arguments `fn` takes: all of them when it has **kwargs (or no signature), else
     those it names."""
     ps = params(fn)
-    if not ps or any(p.kind == p.VAR_KEYWORD for p in ps):
+    if ps is None or any(p.kind == p.VAR_KEYWORD for p in ps):
         return kwargs
     names = {p.name for p in ps}
     return {k: v for k, v in kwargs.items() if k in names}

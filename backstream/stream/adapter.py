@@ -96,7 +96,7 @@ class NeedsConcat(Exception):
         return same | {self.layer}
 
 
-_CONCAT_LAYERS: "weakref.WeakKeyDictionary[nn.Module, set[int]]" = weakref.WeakKeyDictionary()
+_CONCAT_LAYERS: weakref.WeakKeyDictionary[nn.Module, set[int]] = weakref.WeakKeyDictionary()
 
 
 def concat_layers(base: nn.Module) -> set[int]:

@@ -36,8 +36,14 @@ from torch import Tensor, nn
 
 from backstream.checks import UserError
 from backstream.stream import family, fsdp, memory
-from backstream.stream.adapter import (ATTN_NAME, BlockCache, check_model, concat_layers, run_model,
-                                       use_backstream_attention)
+from backstream.stream.adapter import (
+    ATTN_NAME,
+    BlockCache,
+    check_model,
+    concat_layers,
+    run_model,
+    use_backstream_attention,
+)
 from backstream.stream.attention import Part, rows_as_batch, use_flash
 from backstream.stream.hf import base_model, takes_logits_to_keep
 from backstream.stream.kvstore import KVStore
@@ -83,7 +89,7 @@ class _Batch:
     """One batch of sibling chunks: rows share the parent path (shared history, one copy) and each
     reads its own node's earlier tokens (private history)."""
 
-    def __init__(self, engine: "_Engine", parent: int, rows: list[Row]):
+    def __init__(self, engine: _Engine, parent: int, rows: list[Row]):
         self.engine, self.parent, self.rows = engine, parent, rows
         self.model, self.kernel, self.concat_layers = engine.model, engine.kernel, engine.concat_layers
         tree = engine.tree
@@ -330,7 +336,7 @@ class GradAccumulator:
                 self.buf[p] = g.to(self.dtype) if b is None else b.add_(g)
             p.grad = None
 
-    def __enter__(self) -> "GradAccumulator":
+    def __enter__(self) -> GradAccumulator:
         for p in self.params:
             self._take(p)
             self.handles.append(p.register_post_accumulate_grad_hook(self._take))

@@ -14,8 +14,6 @@ silently different gradient.
 
 from __future__ import annotations
 
-from backstream.checks import UserError
-
 import os
 import weakref
 from dataclasses import dataclass
@@ -24,6 +22,8 @@ import torch
 from torch import Tensor, nn
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from backstream.checks import UserError
 
 
 class ModelContractError(UserError):
@@ -236,7 +236,7 @@ def check_positions(model: nn.Module, longest: int) -> None:
                     f"{'under' if strict else 'at most'} {limit} tokens, or {ENGINE_HINT}")
 
 
-_POSITIONS_OK: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+_POSITIONS_OK: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
 def check_default_positions(model: nn.Module, tokens: Tensor) -> None:

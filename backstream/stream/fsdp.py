@@ -89,7 +89,7 @@ class FSDPCall:
         self.units, self.backward, self.reshard_all = units, backward, reshard_all
         self.states = list({id(s): s for s in (m._get_fsdp_state() for m in units)}.values())
 
-    def __enter__(self) -> "FSDPCall":
+    def __enter__(self) -> FSDPCall:
         for state in self.states:
             if state._is_root is None:
                 state._lazy_init()  # what FSDP does at the root's first forward; outer units come first

@@ -40,7 +40,7 @@ from torch.utils._pytree import tree_flatten
 
 __all__ = ["LiveBytes", "label", "tag"]
 
-_ACTIVE: list["LiveBytes"] = []  # trackers in force (innermost last)
+_ACTIVE: list[LiveBytes] = []  # trackers in force (innermost last)
 _LABELS: list[str] = []  # the phase stack the code under measurement pushes
 
 

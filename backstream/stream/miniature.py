@@ -49,7 +49,7 @@ MAX_LAYERS = 6
 _LOW = (torch.float32, torch.float16, torch.bfloat16)
 
 
-class keep_float64(TorchFunctionMode):  # noqa: N801  (used as a context manager, like torch.no_grad)
+class keep_float64(TorchFunctionMode):
     """Within this context every cast or allocation in float32/float16/bfloat16 is done in float64
     instead: HF's RMSNorm, MoE routers, RoPE tables and the eager softmax upcast to float32 on purpose,
     which in a float64 model rounds to 1e-7 and would hide (or fake) a real error."""

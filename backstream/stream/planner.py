@@ -69,7 +69,7 @@ class _Dims:
 def _dims(model) -> _Dims:
     try:
         return _read_dims(base_model(model).config.get_text_config())
-    except Exception as e:  # noqa: BLE001  (per-layer attributes some configs refuse to read globally)
+    except Exception as e:
         raise Unsupported(f"model: the memory planner cannot read the config's sizes ({type(e).__name__}: {e})") from e
 
 

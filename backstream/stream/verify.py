@@ -34,7 +34,6 @@ from backstream.stream.family import ModelContractError, Unsupported
 from backstream.stream.hf import EXPERT_KEYS, TOP_K_KEYS, base_model
 from backstream.stream.miniature import VOCAB, WINDOW_KEYS, keep_float64, load_config, miniature, special_ids
 
-
 TOL = 1e-10
 BLOCK_SIZES = (1, 3, 16)
 

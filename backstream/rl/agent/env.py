@@ -31,13 +31,12 @@ from __future__ import annotations
 import inspect
 import time
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
-from backstream.checks import UserError, at_least, choice
+from backstream.checks import UserError, at_least, literals
 from backstream.rl.agent.worker import EnvHandle, EnvTimeout, RemoteError, WorkerPool
 from backstream.rl.specs import load_object, where_in
 
-FORMATS = ("auto", "chat", "plain")  # how turns become tokens: rl/agent/turns.py
 TEXT_HOOK = "env_response"  # the text environment's hook: not a tool
 NOT_TOOLS = ("reset", "get_reward", TEXT_HOOK)
 CHARS_PER_TOKEN = 32  # a worker sends at most env.max_result_tokens × this many characters of a result
@@ -61,7 +60,7 @@ class EnvConfig:
     """Seconds one tool call, reset, text hook or read of the environment may take; past it the
     environment's worker process is killed, the environment discarded and its episode ended (a
     counted error; a reset that overruns stops the step)."""
-    format: str = "auto"
+    format: Literal["auto", "chat", "plain"] = "auto"
     """How a turn becomes tokens: "chat" (the tokenizer's chat template, tools= schemas, Hermes/Qwen
     <tool_call> blocks or the tokenizer's response parser), "plain" (the default model's text format:
     a call is a turn "[name arg ...]", its result "\\n=result\\n"), "auto" = chat when the tokenizer
@@ -83,7 +82,7 @@ class EnvConfig:
         at_least("env.max_result_tokens", self.max_result_tokens, 1)
         if not (isinstance(self.tool_timeout_s, (int, float)) and self.tool_timeout_s > 0):
             raise UserError(f"env.tool_timeout_s: got {self.tool_timeout_s!r}, expected a number of seconds > 0")
-        choice("env.format", self.format, list(FORMATS))
+        literals(self, "env")
 
     @property
     def enabled(self) -> bool:
@@ -136,7 +135,7 @@ class Environment:
         if factory is not None:
             try:
                 probe = factory()
-            except Exception as e:  # noqa: BLE001  (the user's class: named, with its file and line)
+            except Exception as e:
                 raise EnvError(f"env.factory: {cfg.factory} could not be built with no argument: "
                                f"{where_in(e, None)}") from e
             if not callable(getattr(probe, "reset", None)):

@@ -29,7 +29,7 @@ from torch import Tensor
 from transformers import DynamicCache
 
 from backstream.checks import UserError
-from backstream.rl.agent.env import Environment, EnvConfig, EnvError, ToolResult
+from backstream.rl.agent.env import EnvConfig, EnvError, Environment, ToolResult
 from backstream.rl.agent.turns import make_format
 from backstream.rl.rollout import EpisodeInfo, Rollout, SamplingConfig, decode, forward_last, row_kv
 from backstream.stream.hf import takes_logits_to_keep

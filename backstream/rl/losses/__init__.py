@@ -13,8 +13,15 @@ The variants are registered here only: `LOSS_TYPES` maps the `type` key of [loss
 
 from __future__ import annotations
 
-from backstream.rl.losses.base import (AGGREGATIONS, KL_ESTIMATORS, LossConfigBase, Normalisers, PolicyObjective,
-                                       SetupObjective, flat)
+from backstream.rl.losses.base import (
+    AGGREGATIONS,
+    KL_ESTIMATORS,
+    LossConfigBase,
+    Normalisers,
+    PolicyObjective,
+    SetupObjective,
+    flat,
+)
 from backstream.rl.losses.naive import naive_loss
 from backstream.rl.losses.ppo import PPOClipConfig, PPOClipISObjective, PPOClipObjective
 from backstream.rl.losses.sequence import GSPOConfig, GSPOObjective, SequenceRatioObjective

@@ -33,12 +33,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import torch
 from torch import Tensor
 
-from backstream.checks import UserError, choice
+from backstream.checks import UserError, literals
 from backstream.rl.offpolicy import IS_LEVELS, IS_MODES, ISLevel, ISMode, mismatch_weights
 from backstream.stream.objective import BlockView, Objective, flat_offsets
 
@@ -110,11 +110,11 @@ class LossConfigBase:
     router_aux_coef: float = 0.0
     """MoE models: weight of the router load-balancing loss over every token of the minibatch
     (transformers' aux loss; the model config's router_aux_loss_coef is the usual value). 0 = off."""
-    is_level: str = "none"
+    is_level: Literal[tuple(IS_LEVELS)] = "none"
     """Training–inference mismatch correction (verl's rollout correction): none, token
     (w_t = π_old,t/μ_t) or sequence (w_i = Π_t π_old,t/μ_t over the completion). The detached weight
     multiplies the policy-gradient term only (not KL/entropy); needs the sampler's log-probs."""
-    is_mode: str = "truncate"
+    is_mode: Literal[tuple(IS_MODES)] = "truncate"
     """truncate: w ← clamp(w, is_cap_low, is_cap_high) (TIS); mask: a token or sequence whose w lies
     outside [is_cap_low, is_cap_high] gets weight 0, the others keep w (MIS)."""
     is_cap_high: float = 2.0
@@ -134,8 +134,7 @@ class LossConfigBase:
             raise UserError(f"loss.router_aux_coef: got {self.router_aux_coef}, expected a finite number >= 0")
         if not self.temperature > 0:
             raise UserError(f"loss.temperature: got {self.temperature}, expected > 0")
-        choice("loss.is_level", self.is_level, list(IS_LEVELS))
-        choice("loss.is_mode", self.is_mode, list(IS_MODES))
+        literals(self, "loss")
         lo, hi = self.is_cap_low, self.is_cap_high
         if not (math.isfinite(lo) and math.isfinite(hi) and 0 <= lo < hi):
             raise UserError(f"loss.is_cap_low / loss.is_cap_high: expected finite 0 <= low < high, got {lo}, {hi}")

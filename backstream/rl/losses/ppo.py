@@ -20,8 +20,15 @@ import torch
 from torch import Tensor
 
 from backstream.checks import UserError
-from backstream.rl.losses.base import (AGGREGATIONS, LossConfigBase, Metrics, PolicyObjective, SetupObjective, flat,
-                                       logp_entropy)
+from backstream.rl.losses.base import (
+    AGGREGATIONS,
+    LossConfigBase,
+    Metrics,
+    PolicyObjective,
+    SetupObjective,
+    flat,
+    logp_entropy,
+)
 from backstream.stream.objective import BlockView
 
 
