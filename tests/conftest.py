@@ -11,6 +11,14 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 @pytest.fixture
 def script(monkeypatch):
     """`script(turns)`: the next episodes' turns, forced (see agent_helpers.scripted_turns)."""
-    from agent_helpers import scripted_turns
+    from helpers import scripted_turns
 
     return scripted_turns(monkeypatch)
+
+
+def pytest_collection_modifyitems(config, items):
+    """tests/distributed/ spawns process groups: marked distributed and slow."""
+    for item in items:
+        if "distributed" in item.path.parts[-2:-1]:
+            item.add_marker(pytest.mark.distributed)
+            item.add_marker(pytest.mark.slow)

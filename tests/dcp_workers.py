@@ -1,4 +1,4 @@
-"""What tests/test_dcp.py runs on each rank of a gloo group (tests/dist.py spawns the processes, so
+"""What tests/distributed/test_dcp.py runs on each rank of a gloo group (tests/dist.py spawns the processes, so
 these live at module level) and in the test process itself: a tiny float32 Llama, FSDP2-sharded on
 two ranks, AdamW steps on rank-different data, checkpoints written and restored."""
 

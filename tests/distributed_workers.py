@@ -1,4 +1,4 @@
-"""What tests/test_distributed.py runs on each rank of a torchrun-like job (tests/dist.py spawns the
+"""What tests/distributed/test_distributed.py runs on each rank of a torchrun-like job (tests/dist.py spawns the
 processes with torchrun's environment and `init=False`, so the trainer starts the process group
 itself) and, for the single-process reference, in the test process with a process group of one.
 
@@ -15,7 +15,7 @@ import warnings
 
 import torch
 import torch.distributed as dist
-from test_trainer import tiny, tiny_moe
+from helpers import tiny, tiny_moe
 
 from backstream import config, trainer
 from backstream.rl import parallel

@@ -1,4 +1,4 @@
-"""Worker functions for tests/test_fsdp_engine.py, run in 2 gloo processes by tests/dist.py (spawned
+"""Worker functions for tests/distributed/test_fsdp_engine.py, run in 2 gloo processes by tests/dist.py (spawned
 processes import them by module name, so they live here and not in the test file).
 
 Each rank builds the same seeded float64 model, shards it with FSDP2 (every decoder layer, then the
@@ -14,7 +14,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from models import VOCAB, lora, make
+from helpers import VOCAB, lora, make
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from backstream import Objective, TokenWeights, logprobs, reference_backward, stream_backward

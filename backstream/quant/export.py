@@ -29,7 +29,7 @@ dense ones on the first forward, bit for bit codes · scale, and fake-quantizes 
 with compressed-tensors' formula, not vLLM's: int8 scale absmax/127.5 (so its w8a8 logits are an
 approximation of the sampler's: 0.2-0.7% of the largest logit on tiny models), fp8 a division by
 absmax/448 (the same e4m3 codes but within an ulp of a tie). w4a16 through transformers is the
-learner's forward exactly. tests/test_export.py checks each.
+learner's forward exactly. tests/quant/test_export.py checks each.
 
 Refused, before anything is written: MoE models (transformers 5 keeps experts as fused 3-D weights,
 which the learner does not quantize; transformers cannot load such a folder with dense experts), a

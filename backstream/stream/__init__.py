@@ -1,6 +1,6 @@
 """The exact streamed backward over a shared-prefix token tree: a library for any Hugging Face causal
 LM (docs/design.md §2–§5, §6b, §6c). It never imports the RL loop (`backstream.rl`) or quantization
-(`backstream.quant`); tests/test_layout.py keeps it that way.
+(`backstream.quant`); tests/run/test_layout.py keeps it that way.
 
     tree, schedule, kvstore   the token tree, which chunks form a block batch, the K/V store + gK/gV
     attention                 shared-prefix attention merged by log-sum-exp, and its backward

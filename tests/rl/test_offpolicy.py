@@ -8,10 +8,15 @@ import warnings
 
 import pytest
 import torch
-from models import make
-from test_losses import current_logprobs, problem
+from helpers import (
+    assert_streamed_equals_reference,
+    current_logprobs,
+    engine_problem,
+    make,
+    problem,
+    streamed_total,
+)
 
-from backstream import reference_backward, stream_backward
 from backstream.rl import offpolicy
 from backstream.rl.losses import (
     GSPOConfig,
@@ -29,36 +34,11 @@ from backstream.rl.offpolicy import (
     sequence_log_ratios,
 )
 from backstream.stream.engine import logprobs as engine_logprobs
-from backstream.stream.objective import BlockView, Objective, flat_offsets
-from backstream.stream.verify import relative_errors
+from backstream.stream.objective import Objective
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 NAN = math.nan
 LN = math.log
-
-
-def streamed_total(obj, logits_leaf, seqs, pos_index, parts, g, temperature=1.0):
-    """Σ of obj's block terms over a random partition of its active targets into `parts` views,
-    after `setup` with the current log-probs (what the engine's prefill hands it)."""
-    active = obj.active(seqs)
-    obj.setup(current_logprobs(logits_leaf.detach() / temperature, seqs, pos_index, active))
-    offsets = flat_offsets([len(s) for s in seqs])
-    targets = [(i, t) for i, a in enumerate(active) for t in torch.nonzero(a).flatten().tolist()]
-    order = torch.randperm(len(targets), generator=g).tolist()
-    cuts = sorted(torch.randint(0, len(targets) + 1, (parts - 1,), generator=g).tolist())
-    total = logits_leaf.new_zeros(())
-    for a, b in zip([0] + cuts, cuts + [len(targets)]):
-        chunk = [targets[k] for k in order[a:b]]
-        if not chunk:
-            continue
-        pos = [int(pos_index[i][t - 1]) for i, t in chunk]
-        uniq = sorted(set(pos))
-        view = BlockView(
-            logits_PV=logits_leaf[uniq], row_pos_N=torch.tensor([uniq.index(p) for p in pos]),
-            target_N=torch.tensor([int(seqs[i][t]) for i, t in chunk]), seq_N=torch.tensor([i for i, _ in chunk]),
-            tok_N=torch.tensor([t for _, t in chunk]), flat_N=torch.tensor([offsets[i] + t for i, t in chunk]))
-        total = total + obj.block_loss(view)
-    return total
 
 
 # --- the weights by hand ------------------------------------------------------------------------
@@ -238,37 +218,6 @@ def test_plain_ppo_needs_no_setup():
 
 
 # --- the streamed engine against the naive backward, float64 -------------------------------------
-
-def engine_problem():
-    gen = torch.Generator().manual_seed(3)
-    P = torch.randint(0, 61, (7,), generator=gen)
-    seqs = [torch.cat([P, torch.randint(0, 61, (n,), generator=gen)]) for n in (6, 4, 7, 5)]
-    seqs.append(torch.randint(0, 61, (9,), generator=gen))
-    mask = [torch.arange(len(s)) >= 7 for s in seqs[:4]] + [torch.arange(9) >= 3]
-    adv = torch.tensor([1.2, -0.6, 0.0, -0.9, 0.5], dtype=torch.float64)
-    return seqs, mask, adv, gen
-
-
-def grads_of(model, fn, seqs, obj, **kw):
-    model.zero_grad(set_to_none=True)
-    fn(model, seqs, objective=obj, **kw)
-    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
-def assert_streamed_equals_reference(model, cfg, seqs, **kw) -> dict:
-    """The streamed backward (blocks of 3) against the naive one, each with its own objective of
-    `cfg` over `kw`: every gradient within 1e-10 relative, the same metrics; returns the metrics."""
-    obj = build_objective(cfg, sequences=seqs, **kw)
-    g_ref = grads_of(model, reference_backward, seqs, obj)
-    obj2 = build_objective(cfg, sequences=seqs, **kw)
-    g = grads_of(model, stream_backward, seqs, obj2, block_size=3)
-    assert g.keys() == g_ref.keys() and g
-    for n, err in relative_errors(g, g_ref).items():
-        assert err <= 1e-10, f"{n}: relative error {err:.3g}"
-    m = obj2.metrics()
-    for k, v in obj.metrics().items():
-        assert abs(v - m[k]) < 1e-9, k
-    return m
 
 
 ENGINE_CONFIGS = [

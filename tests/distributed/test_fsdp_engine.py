@@ -35,7 +35,7 @@ def single_process(use_lora):
 
 def assert_close(got: dict, want: dict, what: str) -> float:
     """Relative error per parameter (judged against a thousandth of the largest gradient where the
-    true one is ~0, as tests/test_engine.py does); returns the largest."""
+    true one is ~0, as tests/stream/test_engine.py does); returns the largest."""
     assert got.keys() == want.keys() and got, what
     worst = 0.0
     for n, err in relative_errors(got, want).items():

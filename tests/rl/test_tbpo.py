@@ -7,9 +7,7 @@ import warnings
 
 import pytest
 import torch
-from models import make
-from test_losses import current_logprobs
-from test_offpolicy import assert_streamed_equals_reference, engine_problem, streamed_total
+from helpers import assert_streamed_equals_reference, current_logprobs, engine_problem, make, streamed_total
 
 from backstream.rl.losses import TBPOConfig, TBPOObjective, build_objective, naive_loss
 from backstream.stream.engine import logprobs as engine_logprobs

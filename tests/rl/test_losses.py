@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+from helpers import current_logprobs, problem
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -13,35 +14,6 @@ from backstream.rl.losses import GSPOConfig, PPOClipConfig, build_objective, nai
 from backstream.stream.objective import BlockView, flat_offsets
 
 V = 7
-
-
-def problem(seed):
-    """Three samples of one prompt (positions 0..3 shared) + one unrelated sequence."""
-    g = torch.Generator().manual_seed(seed)
-    prompt = torch.randint(0, V, (4,), generator=g)
-    seqs, pos_index, n_pos = [], [], 4
-    for n in (3, 5, 2):
-        seqs.append(torch.cat([prompt, torch.randint(0, V, (n,), generator=g)]))
-        pos_index.append(torch.cat([torch.arange(4), torch.arange(n_pos, n_pos + n)]))
-        n_pos += n
-    seqs.append(torch.randint(0, V, (6,), generator=g))
-    pos_index.append(torch.arange(n_pos, n_pos + 6))
-    n_pos += 6
-    mask = [torch.arange(len(s)) >= 4 for s in seqs[:3]] + [torch.arange(6) >= 2]
-    logits = torch.randn(n_pos, V, generator=g, dtype=torch.float64)
-    adv = torch.tensor([0.7, -1.3, 0.0, 0.4], dtype=torch.float64)
-    noise = lambda: [torch.randn(len(s), generator=g, dtype=torch.float64) * 0.3 for s in seqs]  # noqa: E731
-    return seqs, pos_index, mask, logits, adv, noise(), noise(), g
-
-
-def current_logprobs(logits, seqs, pos_index, active):
-    out = []
-    for s, p, a in zip(seqs, pos_index, active):
-        lp = torch.full((len(s),), float("nan"), dtype=torch.float64)
-        t = torch.nonzero(a).flatten()
-        lp[t] = torch.log_softmax(logits[p[t - 1]], -1).gather(-1, s[t, None])[:, 0]
-        out.append(lp)
-    return out
 
 
 def streamed(cfg, logits_leaf, seqs, pos_index, mask, adv, old, ref, parts, g, temperature_logits=None):

@@ -4,7 +4,7 @@ it hands to the streamed backward."""
 
 import pytest
 import torch
-from models import VOCAB, lora, make
+from helpers import VOCAB, lora, make
 from transformers import DynamicCache
 
 from backstream.rl.rollout import Rollout, SamplingConfig, generate

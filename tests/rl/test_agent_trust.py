@@ -17,8 +17,7 @@ import threading
 
 import pytest
 import torch
-from agent_helpers import CHAT_TEMPLATE, info, sample, sampler, text
-from test_trainer import run_cfg, tiny
+from helpers import CHAT_TEMPLATE, info, run_cfg, sample, sampler, text, tiny
 
 from backstream import trainer
 from backstream.metrics import Logger

@@ -11,8 +11,8 @@ import time
 
 import pytest
 import torch
+from helpers import run_cfg, tiny
 from safetensors.torch import load_file
-from test_trainer import run_cfg, tiny
 
 from backstream import checkpoint, trainer
 from backstream.rl.rewards import RewardError, Rewards
@@ -53,6 +53,7 @@ def _kill_after(run, lines, delay):
     p.wait()
 
 
+@pytest.mark.slow
 def test_kill_9_and_resume_is_bitwise_with_every_metrics_line_once(tmp_path):
     straight, cut = tmp_path / "straight", tmp_path / "cut"
     _train(straight)

@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from test_trainer import run_cfg, tiny
+from helpers import run_cfg, tiny
 
 from backstream import checkpoint, cli, config, runfolder, trainer
 from backstream.rl.advantages import ZeroAdvantageWatch
@@ -115,6 +115,7 @@ def test_steps_with_every_advantage_zero_warn(tmp_path, capsys):
 # -- 4. checkpoints by default ---------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_kill_with_the_default_settings_resumes(tmp_path):
     run = tmp_path / "run"
     p = subprocess.Popen(CLI + ["train", *QUICK, "--set", "train.steps=50", "--set", f'train.output_dir="{run}"'],
@@ -175,6 +176,7 @@ def _start(run, steps=200):
     return p
 
 
+@pytest.mark.slow
 def test_one_sigint_finishes_the_step_saves_and_exits_130(tmp_path):
     run = tmp_path / "run"
     p = _start(run)
@@ -193,6 +195,7 @@ def test_one_sigint_finishes_the_step_saves_and_exits_130(tmp_path):
     assert done.returncode == 0 and "is finished (step" in done.stderr.decode()
 
 
+@pytest.mark.slow
 def test_a_second_sigint_stops_at_once_and_leaves_nothing_half_written(tmp_path):
     run = tmp_path / "run"
     p = _start(run)

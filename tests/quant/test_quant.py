@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 import torch
-from models import lora, make
+from helpers import lora, make
 from torch import nn
 
 from backstream.quant.linear import (
@@ -300,7 +300,7 @@ def test_lora_base_layers_are_quantized_and_the_adapters_train():
     model = lora(make("qwen3"))
     names = quantize_model(model, QuantConfig(rollout="w4a16", group_size=32, targets=W4_TARGETS))
     prefix = "base_model.model.model.layers"
-    adapted = {"self_attn.q_proj", "self_attn.v_proj", "self_attn.o_proj"}  # tests/models.lora's targets
+    adapted = {"self_attn.q_proj", "self_attn.v_proj", "self_attn.o_proj"}  # tests/helpers.lora's targets
     assert names == [f"{prefix}.{i}.{n}" + (".base_layer" if n in adapted else "")
                      for i in range(2) for n in LINEARS if n != "mlp.down_proj"]
     assert not any("lora_" in n for n in names)

@@ -6,7 +6,7 @@ import warnings
 
 import pytest
 import torch
-from test_engine import assert_same, group_batch, rand_ids
+from helpers import assert_same, group_batch, rand_ids
 from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, DynamicCache
 
 from backstream import stream_backward

@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 import torch
-from test_trainer import rel, run_cfg, tiny, weights
+from helpers import rel, run_cfg, tiny, weights
 
 from backstream import config, trainer
 from backstream.metrics import read

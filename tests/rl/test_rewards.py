@@ -504,3 +504,28 @@ def test_a_function_without_kwargs_gets_what_it_names():
     total, _ = Rewards([(plain, 1.0)])(["1", "2"], ["p", "q"], {"answer": ["1", "3"], "level": [0, 1]},
                                        completions_ids=[[1], [2]], trainer_state=R.TrainerState(3, 10))
     assert total.tolist() == [1.0, 0.0]
+
+
+def test_eval_metrics_against_rewards_known_in_advance():
+    """pass@k is "any of the k samples passes", avg@k the mean share that pass, reward/mean the mean
+    reward: computed here by hand for three prompts of four samples each (a pass@k taken with `all`
+    would give 1/3, not 2/3)."""
+    from backstream.rl.data import DataConfig
+    from backstream.rl.evaluate import EvalConfig, Evaluator
+    from backstream.rl.parallel import DataParallel
+
+    rewards = [[1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0]]
+
+    class Fixed:
+        def sample(self, model, rows, indices, gens):
+            return indices  # what score() gets
+
+        def release(self):
+            pass
+
+    examples = [{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(50)]
+    ev = Evaluator(EvalConfig(every=1, prompts=3, samples=4, pass_reward=1.0), DataConfig(task="arith"), 0, examples,
+                   lambda ex, k: Fixed())
+    ev.examples = ev.examples[:3]
+    out = ev.run(None, lambda idx: torch.tensor([rewards[i] for i in idx]).flatten(), DataParallel(None), 0)
+    assert out == {"eval/reward/mean": 5 / 12, "eval/pass@4": 2 / 3, "eval/avg@4": (1 / 4 + 0 + 1) / 3}

@@ -7,53 +7,13 @@ import warnings
 
 import pytest
 import torch
-from models import exact_norms
+from helpers import no_run_written, rel, run_cfg, tiny, tiny_moe, weights
 from safetensors.torch import load_file
-from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import Qwen3ForCausalLM
 
 from backstream import checkpoint, config, trainer
-from backstream.default_model import build_tokenizer
 
 warnings.filterwarnings("ignore", category=FutureWarning)
-
-
-def tiny(dtype=torch.float64, seed=0):
-    tok = build_tokenizer()
-    torch.manual_seed(seed)
-    cfg = Qwen3Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
-                      tie_word_embeddings=True, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    model = Qwen3ForCausalLM(cfg).to(dtype).eval()
-    return (exact_norms(model) if dtype == torch.float64 else model), tok
-
-
-def tiny_moe(seed=0):
-    tok = build_tokenizer()
-    torch.manual_seed(seed)
-    cfg = Qwen3MoeConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=32, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
-                         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, decoder_sparse_step=1,
-                         tie_word_embeddings=True, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    cfg._experts_implementation = "eager"  # grouped_mm has no float64 CPU kernel
-    return exact_norms(Qwen3MoeForCausalLM(cfg).to(torch.float64).eval()), tok
-
-
-def run_cfg(tmp_path, name, *extra):
-    return config.load(None, [
-        'model.dtype="float64"', "train.steps=3", "train.prompts_per_step=2", "rollout.group_size=4",
-        "rollout.max_new_tokens=6", "data.num_examples=32", "optim.lr=1e-2", "train.progress=false",
-        "reward.functions=['rewards_for_tests:count_ones']", f'train.output_dir="{tmp_path / name}"',
-        "train.plots=false", *extra])  # the plots' own tests turn them on
-
-
-def weights(model):
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-def rel(a, b):
-    num = sum(float((a[k].double() - b[k].double()).norm() ** 2) for k in a) ** 0.5
-    den = sum(float(b[k].double().norm() ** 2) for k in b) ** 0.5
-    return num / den
 
 
 @pytest.mark.parametrize("extra", [[], ["loss.type=\"gspo\""], ["algorithm.epochs=2", "algorithm.minibatches=2"]])
@@ -89,11 +49,11 @@ def test_router_loss_on_a_dense_model_is_refused(tmp_path):
     cfg = run_cfg(tmp_path, "run", 'model.dtype="float32"', "loss.router_aux_coef=0.01")
     with pytest.raises(ValueError, match="loss.router_aux_coef: Qwen3ForCausalLM is not a mixture-of-experts"):
         trainer.train(cfg, model=model, tokenizer=tok)
-    assert _no_run_written(tmp_path / "run")
+    assert no_run_written(tmp_path / "run")
     cfg = run_cfg(tmp_path, "run", "loss.router_aux_coef=0.01", "engine.reuse_rollout_kv=true")
     with pytest.raises(ValueError, match="router_aux_coef.*reuse_rollout_kv = false"):
         trainer.train(cfg, model=tiny_moe()[0], tokenizer=tok)
-    assert _no_run_written(tmp_path / "run")
+    assert no_run_written(tmp_path / "run")
 
 
 def test_rollout_kv_reuse_gives_the_same_run(tmp_path):
@@ -139,10 +99,6 @@ def test_kill_during_checkpoint_leaves_the_previous_one(tmp_path, monkeypatch):
     assert Qwen3ForCausalLM.from_pretrained(before) is not None
 
 
-def _no_run_written(path):
-    return not os.path.exists(path) or not os.listdir(path)
-
-
 @pytest.mark.parametrize("rows, overrides, match", [
     ([{"question": "1+1="}], [], "no `prompt` column"),
     ([], [], "holds no examples"),
@@ -160,7 +116,7 @@ def test_bad_input_writes_nothing(tmp_path, rows, overrides, match):
     cfg = run_cfg(tmp_path, "run", 'model.dtype="float32"', f'data.path="{data}"', *overrides)
     with pytest.raises(ValueError, match=match):
         trainer.train(cfg, model=model, tokenizer=tok)
-    assert _no_run_written(out)
+    assert no_run_written(out)
 
 
 def test_broken_reward_function_stops_without_a_checkpoint(tmp_path):
@@ -173,6 +129,7 @@ def test_broken_reward_function_stops_without_a_checkpoint(tmp_path):
     assert checkpoint.latest(str(tmp_path / "run")) is None
 
 
+@pytest.mark.slow
 def test_demo_end_to_end(tmp_path, capsys):
     from backstream.cli import main
 
@@ -197,6 +154,7 @@ def test_demo_end_to_end(tmp_path, capsys):
     assert "is not a run folder (it has no metrics.jsonl)" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_reward_rises_on_the_default_model(tmp_path):
     """Integration: the demo's GRPO run (shipped default model, arith task, 16 prompts × 8 samples),
     shortened to 20 steps at lr 5e-4. The mean reward of the last 5 steps is clearly above that of
@@ -344,6 +302,7 @@ def test_kl_to_the_reference_policy(tmp_path, lora):
     assert rows[-1]["loss/kl"] > 0
 
 
+@pytest.mark.slow
 def test_hub_id_loads_through_the_hub_cache(tmp_path):
     """`model.name = "org/name"` goes through the Hub as for any user; here the Hub is a local cache
     with HF_HUB_OFFLINE=1 (no network in tests), in a fresh process so the Hub settings apply."""
@@ -372,7 +331,7 @@ def test_hub_id_loads_through_the_hub_cache(tmp_path):
     cmd[-1] = f'train.output_dir="{tmp_path / "run2"}"'
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode != 0 and "model.name: cannot load 'acme/missing'" in res.stderr
-    assert _no_run_written(tmp_path / "run2")
+    assert no_run_written(tmp_path / "run2")
 
 
 class _RunsCode:

@@ -6,7 +6,7 @@ import json
 import pytest
 import rewards_for_tests
 import torch
-from test_trainer import _no_run_written, run_cfg, tiny
+from helpers import no_run_written, run_cfg, tiny
 
 from backstream import trainer
 from backstream.rl import data
@@ -80,4 +80,4 @@ def test_bad_data_is_named_and_nothing_is_written(tmp_path, text, tokenizer_has_
     model, tok = chat_tiny() if tokenizer_has_template else tiny(torch.float32)
     with pytest.raises(ValueError, match=match):
         _train_on(tmp_path, path, model, tok)
-    assert _no_run_written(tmp_path / "run")
+    assert no_run_written(tmp_path / "run")

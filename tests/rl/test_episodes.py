@@ -11,8 +11,7 @@ import os
 
 import pytest
 import torch
-from agent_helpers import CHAT_TEMPLATE, info, sample, sampler, text
-from test_trainer import rel, run_cfg, tiny, weights
+from helpers import CHAT_TEMPLATE, REPO, info, rel, run_cfg, sample, sampler, text, tiny, weights
 
 from backstream import reference_backward, stream_backward, trainer
 from backstream.rl.agent import episodes as E
@@ -238,6 +237,7 @@ def test_trainer_with_a_text_environment_stream_equals_reference(tmp_path):
     assert any(0 < row["tree/tokens_unique"] < row["tree/tokens_total"] for row in rows)
 
 
+@pytest.mark.slow
 def test_trainer_with_environments_resumes_bitwise_and_reuses_the_rollouts_kv(tmp_path):
     model, tok = tiny()
     trainer.train(_env_cfg(tmp_path, "straight", "train.steps=2", "train.save_every=1"), model=model, tokenizer=tok)
@@ -269,12 +269,12 @@ def test_trainer_with_environments_resumes_bitwise_and_reuses_the_rollouts_kv(tm
     (["env.tools=['envs_for_tests:NOPE']"], "has no attribute 'NOPE'"),
 ])
 def test_bad_env_configs_are_refused_before_anything_is_written(tmp_path, extra, words):
-    from test_trainer import _no_run_written
+    from helpers import no_run_written
 
     model, tok = tiny(torch.float32)
     with pytest.raises(ValueError, match=words):
         trainer.train(_env_cfg(tmp_path, "bad", 'model.dtype="float32"', *extra), model=model, tokenizer=tok)
-    assert _no_run_written(tmp_path / "bad")
+    assert no_run_written(tmp_path / "bad")
 
 
 def test_evaluation_during_training(tmp_path):
@@ -319,7 +319,7 @@ def test_trl_environments_run_unchanged(script):
     from backstream.rl.rewards import env_reward
 
     assert info(r, "tool_calls") == [1] and env_reward(info(r, "env")) == [2.0]
-    s = sampler(tok, os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples", "calc_env.py") + ":CalcEnv")
+    s = sampler(tok, str(REPO / "examples" / "calc_env.py") + ":CalcEnv")
     assert [x["function"]["name"] for x in s.env.schemas] == ["add", "multiply"]
 
 

@@ -7,7 +7,7 @@ import copy
 
 import pytest
 import torch
-from models import VOCAB, make
+from helpers import VOCAB, make
 
 from backstream import TokenWeights, reference_backward, stream_backward
 from backstream.stream.miniature import exact_norms

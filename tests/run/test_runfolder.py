@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from test_trainer import run_cfg, tiny
+from helpers import run_cfg, tiny
 
 from backstream import runfolder, trainer
 
@@ -59,3 +59,18 @@ def test_output_dir_that_is_a_file(tmp_path):
     (tmp_path / "f").write_text("x")
     with pytest.raises(ValueError, match="train.output_dir: .* is a file, not a folder"):
         runfolder.claim(str(tmp_path / "f"), resume=False)
+
+
+def test_a_same_size_look_alike_is_refused_on_resume(tmp_path):
+    """The fingerprint is the content's hash, not its size: a data file rewritten with the same number
+    of bytes (one answer changed) is refused like any other change, and recorded when allowed."""
+    run, data = tmp_path / "run", tmp_path / "data.jsonl"
+    run.mkdir()
+    data.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    runfolder.record_fingerprints(str(run), {str(data): "data.path"})
+    assert runfolder.check_fingerprints(str(run), False) == []
+    data.write_text('{"prompt": "1+1=", "answer": "3"}\n')  # same size, other bytes
+    assert os.path.getsize(data) == len('{"prompt": "1+1=", "answer": "2"}\n')
+    with pytest.raises(ValueError, match="data.path: .*data.jsonl changed since the run started"):
+        runfolder.check_fingerprints(str(run), False)
+    assert runfolder.check_fingerprints(str(run), True)

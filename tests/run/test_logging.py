@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from test_trainer import _no_run_written, run_cfg, tiny
+from helpers import no_run_written, run_cfg, tiny
 
 from backstream import trainer
 
@@ -38,6 +38,7 @@ def test_tensorboard_scalars_match_metrics_jsonl(tmp_path):
             assert e.value == pytest.approx(r[key], rel=1e-6, abs=1e-7)
 
 
+@pytest.mark.slow
 def test_wandb_offline_run_continues_on_resume(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
@@ -103,7 +104,7 @@ def test_missing_backend_stops_before_writing(tmp_path, monkeypatch, backend):
     with pytest.raises(ValueError, match=f"train.{key}: needs `pip install {backend}`"):
         cfg = run_cfg(tmp_path, "run", 'model.dtype="float32"', f"train.{key}=true")
         trainer.train(cfg, model=model, tokenizer=tok)
-    assert _no_run_written(tmp_path / "run")
+    assert no_run_written(tmp_path / "run")
 
 
 class _Terminal:

@@ -3,6 +3,7 @@
 import os
 
 import pytest
+from helpers import REPO
 
 from backstream import config
 
@@ -106,7 +107,7 @@ def test_cli_reports_config_errors_without_a_traceback(capsys):
     assert "optim.lr: got 'fast'" in capsys.readouterr().err
 
 
-EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+EXAMPLES = str(REPO / "examples")
 
 
 @pytest.mark.parametrize("name", sorted(f for f in os.listdir(EXAMPLES) if f.endswith(".toml")))

@@ -6,49 +6,16 @@ import warnings
 
 import pytest
 import torch
+from helpers import FAMILIES, VOCAB, assert_same, grads, group_batch, lora, make, rand_ids
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from models import FAMILIES, VOCAB, lora, make
 
 from backstream import Objective, TokenWeights, reference_backward, stream_backward
 from backstream.stream import adapter, family
 from backstream.stream.hf import returned_cache
-from backstream.stream.verify import relative_errors, token_tree
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 TOL = 1e-10
-
-
-def grads(model, fn, seqs, weights, **kw):
-    model.zero_grad(set_to_none=True)
-    res = fn(model, seqs, weights, **kw)
-    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, res
-
-
-def assert_same(model, seqs, weights, **kw):
-    g_ref, r_ref = grads(model, reference_backward, seqs, weights)
-    g, r = grads(model, stream_backward, seqs, weights, **kw)
-    assert g.keys() == g_ref.keys() and g
-    # a parameter whose true gradient is 0 (q_proj when every query sees one key) holds rounding
-    # noise only: relative_errors judges it against a thousandth of the largest gradient instead
-    for n, err in relative_errors(g, g_ref).items():
-        assert err <= TOL, f"{n}: relative error {err:.3g}"
-    for i, (a, b) in enumerate(zip(r.logprobs, r_ref.logprobs)):
-        active = weights[i] != 0
-        assert torch.isnan(a[~active]).all()
-        assert torch.allclose(a[active], b[active], atol=1e-12, rtol=0), f"log-probs of sequence {i}"
-    return r
-
-
-def rand_ids(n, gen):
-    return torch.randint(0, VOCAB, (n,), generator=gen)
-
-
-def group_batch(gen, prompt=9, lens=(5, 7, 3, 7)):
-    """A GRPO group (shared prompt, unequal responses), a duplicate, a multi-turn continuation, an
-    unrelated sequence, a one-token sequence and an all-zero-weight sequence: `verify`'s token tree
-    over the whole vocabulary (the same draws as `rand_ids`)."""
-    return token_tree(gen, torch.arange(VOCAB), prompt, lens)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

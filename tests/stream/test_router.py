@@ -3,8 +3,7 @@ engine (shared prefixes counted once per sequence that contains them) against th
 
 import pytest
 import torch
-from models import MOE, VOCAB, lora, make
-from test_engine import group_batch
+from helpers import MOE, VOCAB, group_batch, lora, make
 from transformers.models.qwen3_moe import modeling_qwen3_moe
 
 from backstream import TokenWeights, reference_backward, stream_backward

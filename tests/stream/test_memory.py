@@ -4,7 +4,7 @@ and the planner's estimate within ±20% of it (counted, never timed)."""
 
 import pytest
 import torch
-from models import make
+from helpers import make
 from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from backstream import stream_backward

@@ -13,7 +13,7 @@ import warnings
 
 import pytest
 import torch
-from models import (
+from helpers import (
     BOS,
     EOS,
     FAMILY_MATRIX,
@@ -251,7 +251,7 @@ def test_attention_scale_is_the_models_not_head_dim(family, monkeypatch):
 #   olmo2        0.0170 / 0.0102  0.0195 / 0.0220 / 0.0211   (0.0088 / 0.0094 / 0.0084)
 #   gpt2         0.0096 / 0.0063  0.0069 / 0.0072 / 0.0072   (0.0050 / 0.0053 / 0.0051)
 # (adding every block batch into the bfloat16 `.grad` instead, grad_dtype=None: gpt2 at block 1
-# 0.0115 / 0.0067; tests/test_grad_accum.py shows that error growing with the number of batches).
+# 0.0115 / 0.0067; tests/stream/test_grad_accum.py shows that error growing with the number of batches).
 # What remains is bfloat16 compute in another order (blocks, batched rows). Earlier, over five
 # seeds, the streamed ÷ reference ratio of the worst parameter stayed ≤ 2.5 without the float32
 # accumulation. Hence the bounds: 3× the reference for the worst parameter, 2× over all

@@ -240,7 +240,7 @@ def test_lora_run_exports_the_quantized_base_and_its_adapter(tmp_path):
 
 def test_a_run_the_trainer_wrote_exports_its_learner(tmp_path):
     pytest.importorskip("compressed_tensors")
-    from test_trainer import run_cfg
+    from helpers import run_cfg
     from transformers import AutoModelForCausalLM
 
     from backstream import trainer

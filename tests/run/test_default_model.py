@@ -144,6 +144,7 @@ def test_toolcalc_greedy_episodes_call_the_tool_in_the_plain_format():
     assert sum(e[3] for e in with_tool) >= 0.7 * len(with_tool)
 
 
+@pytest.mark.slow
 @torch.no_grad()
 def test_toolcalc_sampled_episodes_leave_room_for_rl():
     """At temperature 1 the model calls the tool in only part of the episodes and is right more often
