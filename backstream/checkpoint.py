@@ -83,7 +83,7 @@ def save(run_dir: str, step: int, model, tokenizer, state: dict, keep: int = 2) 
     shutil.rmtree(tmp, ignore_errors=True)  # a write that a kill interrupted
     try:
         os.makedirs(tmp)
-        with _quiet():
+        with quiet():
             model.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
@@ -97,7 +97,7 @@ def save(run_dir: str, step: int, model, tokenizer, state: dict, keep: int = 2) 
 
 
 @contextlib.contextmanager
-def _quiet():
+def quiet():
     """transformers' own progress bar off while it writes the weights (the run's bar is on screen)."""
     from transformers.utils import logging as hf_logging  # noqa: PLC0415
 
@@ -181,7 +181,7 @@ def _save_sharded(run_dir: str, step: int, model, tokenizer, state: dict, keep: 
 
     def export():
         if rank == 0:
-            with _quiet():
+            with quiet():
                 model.save_pretrained(tmp, state_dict=full)
             if tokenizer is not None:
                 tokenizer.save_pretrained(tmp)

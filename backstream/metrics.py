@@ -147,9 +147,9 @@ class Logger:
         evals = [f"{k.removeprefix('eval/')} {num(k):.3f}" for k in m if k.startswith("eval/") and m.get(k) is not None]
         if m.get("reward/mean") is None and evals:
             return " | ".join([f"eval at step {m['step']}{total}", *evals])
-        phases = ("time/rollout", "time/tool", "time/reward", "time/prefill", "time/backward")
+        phases = ("time/rollout", "time/sync", "time/tool", "time/reward", "time/prefill", "time/backward")
         split = " ".join(f"{k.split('/')[1]} {num(k):.1f}s" for k in phases if m.get(k) is not None
-                         and (k != "time/tool" or num(k) > 0))
+                         and (k not in ("time/tool", "time/sync") or num(k) > 0))
         fields = [f"step {m['step']}{total}", f"reward {num('reward/mean'):.3f}",
                   f"len {num('response_length/mean'):.1f}"]
         if m.get("episode/turns/mean") is not None:  # per episode: turns, tool calls, tool errors

@@ -36,7 +36,7 @@ ERROR_LOG = "error.log"
 # what a run writes before its first step and its first checkpoint: a folder holding only these (and
 # no metrics line, no checkpoint) holds nothing of value
 _EARLY = {LOCK, "config.toml", "metrics.jsonl", "episodes.jsonl", ERROR_LOG, "error-previous.log", "tensorboard",
-          "wandb", "wandb_id.txt", "fingerprints.json", "config_changes.jsonl", "checkpoints"}
+          "wandb", "wandb_id.txt", "fingerprints.json", "config_changes.jsonl", "checkpoints", "vllm", "vllm.log"}
 
 
 def has_value(run_dir: str) -> bool:

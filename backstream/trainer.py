@@ -54,13 +54,13 @@ from backstream.rl.optim import NonFiniteError, Stepper, check_finite_weights  #
 from backstream.rl.parallel import take
 from backstream.rl.rewards import RewardLog, Rewards, TrainerState
 from backstream.rl.rollout import Rollout
-from backstream.rl.sampling import build_sampler, eos_ids
+from backstream.rl.sampling import Samplers, eos_ids
 from backstream.rl.shaping import informative_groups, overlong_shaping
 from backstream.runfolder import Interrupted  # noqa: F401  (the CLI's: where a stopped run says it stopped)
 from backstream.stream import fsdp
 from backstream.stream.router import moe_spec
 
-PHASES = ("rollout", "tool", "reward", "prefill", "backward", "optim")  # the step's time split, as logged
+PHASES = ("rollout", "sync", "tool", "reward", "prefill", "backward", "optim")  # the step's time split, as logged
 MISMATCH_KEYS = ("mismatch/kl", "mismatch/abs_log_ratio/mean", "mismatch/logprob_abs", "mismatch/ratio/max",
                  "mismatch/tokens", "mismatch/error_token_share")
 
@@ -109,6 +109,8 @@ class Trainer:
                                  minibatches=cfg.algorithm.minibatches, reuse_kv=cfg.engine.reuse_rollout_kv)
         self._build_policy(model, tokenizer)
         self.examples = cfg.data.build(tc.seed, prompt_optional=bool(cfg.env.factory))
+        self.samplers = Samplers(cfg, self.tok, eos_ids(self.model, self.tok),
+                                 getattr(self.model.config, "max_position_embeddings", None), self.run_dir)
         self.sampler = self._sampler_for(self.examples, cfg.rollout.group_size, cfg.engine.reuse_rollout_kv)
         self.sampler.check_prompts(self.examples)
         self.rewards = Rewards(cfg.reward, environment=self.sampler.environment)
@@ -155,8 +157,7 @@ class Trainer:
         ctx = getattr(self.model.config, "max_position_embeddings", None)
         prompts, text = datamod.encode_and_render(examples, self.tok, self.cfg.data.max_prompt_tokens,
                                                   self.cfg.rollout.max_new_tokens, ctx)
-        return build_sampler(self.cfg.env, with_group_size(self.cfg.rollout, k), self.tok,
-                             eos_ids(self.model, self.tok), return_kv, prompts, text, ctx)
+        return self.samplers.build(with_group_size(self.cfg.rollout, k), prompts, text, return_kv)
 
     def evaluate(self) -> dict[str, float]:
         """The held-out metrics at the current weights (rl/evaluate.py), in the rollout's numerics."""
@@ -449,8 +450,7 @@ class Trainer:
         """The logs, the samplers' worker processes."""
         self.logger.close()
         self.episode_log.close()
-        self.sampler.close()
-        self.evaluator.close()
+        self.samplers.close()
 
 
 def train(config: cfgmod.RunConfig | str | None = None, overrides: list[str] = (), resume: str | None = None,

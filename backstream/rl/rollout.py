@@ -18,13 +18,14 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 from torch import Tensor
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from backstream.checks import UserError
+from backstream.checks import UserError, literals
 from backstream.stream.hf import cache_arg, takes_logits_to_keep
 
 
@@ -42,6 +43,9 @@ class SamplingConfig:
     """Stop strings: a completion ends right after the token that completes one (needs a tokenizer)."""
     group_size: int = 1
     """G: completions sampled per prompt, sharing one prefill of the prompt."""
+    backend: Literal["local", "vllm"] = "local"
+    """Who samples: "local" (this process's sampler) or "vllm" (a vLLM server, `[vllm]`; the learner's
+    weights are published to it after every optimizer step)."""
 
     def __post_init__(self):
         def bad(name, allowed):
@@ -63,6 +67,7 @@ class SamplingConfig:
             bad("stop", "a list of non-empty strings")
         if not is_int(self.group_size) or self.group_size < 1:
             bad("group_size", "an integer >= 1")
+        literals(self, "rollout")
 
 
 @dataclass
@@ -103,6 +108,8 @@ class Rollout:
     # per sample what only an episode has. None for single-turn samples.
     sampled: list[Tensor] | None = None
     episodes: list[EpisodeInfo] | None = None
+    # per sample, the version of the weights a server sampled it with (rollout.backend = "vllm")
+    weight_version: list[int] | None = None
 
     def __len__(self) -> int:
         return len(self.completion_ids)
@@ -358,13 +365,7 @@ class Sampler:
         return r
 
     def reward_inputs(self, r: Rollout, rows: list[dict]) -> tuple[list, list, dict]:
-        """(completions, prompts, extra keyword arguments) as TRL passes them: chat prompts give the
-        prompt's messages and the completion as an assistant message, text prompts strings."""
-        texts = r.texts(self.tok)
-        chat = [isinstance(row["prompt"], list) for row in rows]
-        prompts = [row["prompt"] if c else self.prompt_text[i] for row, c, i in zip(rows, chat, r.prompt_index)]
-        completions = [[{"role": "assistant", "content": t}] if c else t for t, c in zip(texts, chat)]
-        return completions, prompts, {"completion_ids": [c.tolist() for c in r.completion_ids]}
+        return completion_reward_inputs(r, rows, self.tok, self.prompt_text)
 
     def metrics(self, r: Rollout) -> dict[str, float]:
         return {}
@@ -382,3 +383,14 @@ class Sampler:
     def check_prompts(self, examples: list[dict]) -> int:
         """The longest prompt (its tokens were checked against the context when the data was loaded)."""
         return max((len(p) for p in self.prompts), default=0)
+
+
+def completion_reward_inputs(r: Rollout, rows: list[dict], tokenizer, prompt_text: list[str]):
+    """(completions, prompts, extra keyword arguments) of single-turn samples as TRL passes them: chat
+    prompts give the prompt's messages and the completion as an assistant message, text prompts
+    strings; `prompt_text`: each example's rendered prompt."""
+    texts = r.texts(tokenizer)
+    chat = [isinstance(row["prompt"], list) for row in rows]
+    prompts = [row["prompt"] if c else prompt_text[i] for row, c, i in zip(rows, chat, r.prompt_index)]
+    completions = [[{"role": "assistant", "content": t}] if c else t for t, c in zip(texts, chat)]
+    return completions, prompts, {"completion_ids": [c.tolist() for c in r.completion_ids]}

@@ -46,7 +46,7 @@ class RolloutSampler(Protocol):
 
 def build_sampler(env_cfg, config: SamplingConfig, tokenizer, eos: list[int], return_kv: bool,
                   prompts: list[Tensor], prompt_text: list[str], context: int | None) -> RolloutSampler:
-    """The run's sampler: episodes against `[env]` when it names an environment or tools, else
+    """The in-process sampler: episodes against `[env]` when it names an environment or tools, else
     single-turn completions."""
     if env_cfg.enabled:
         from backstream.rl.agent.episodes import EpisodeSampler  # noqa: PLC0415  (the agent room)
@@ -55,6 +55,39 @@ def build_sampler(env_cfg, config: SamplingConfig, tokenizer, eos: list[int], re
     from backstream.rl.rollout import Sampler  # noqa: PLC0415
 
     return Sampler(config, tokenizer, eos, return_kv, prompts, prompt_text)
+
+
+class Samplers:
+    """The run's samplers (training, evaluation) on its backend, `rollout.backend`, and what they
+    share: nothing for "local"; for "vllm", one server and its weight publisher (rl/vllm/). `close`
+    stops what the backend started."""
+
+    def __init__(self, cfg, tokenizer, eos: list[int], context: int | None, run_dir: str):
+        self.cfg, self.tok, self.eos, self.context, self.run_dir = cfg, tokenizer, eos, context, run_dir
+        self.publisher = None
+        if cfg.rollout.backend == "vllm":
+            from backstream.rl.vllm.sampler import WeightPublisher  # noqa: PLC0415  (only a vLLM run needs it)
+
+            self.publisher = WeightPublisher(cfg.vllm, tokenizer, run_dir, cfg.train.seed)
+        self.built: list[RolloutSampler] = []
+
+    def build(self, config: SamplingConfig, prompts: list[Tensor], prompt_text: list[str],
+              return_kv: bool) -> RolloutSampler:
+        if self.publisher is not None:
+            from backstream.rl.vllm.sampler import VLLMSampler  # noqa: PLC0415
+
+            sampler = VLLMSampler(config, self.tok, self.eos, prompts, prompt_text, self.publisher)
+        else:
+            sampler = build_sampler(self.cfg.env, config, self.tok, self.eos, return_kv, prompts, prompt_text,
+                                    self.context)
+        self.built.append(sampler)
+        return sampler
+
+    def close(self) -> None:
+        for sampler in self.built:
+            sampler.close()
+        if self.publisher is not None:
+            self.publisher.close()
 
 
 def eos_ids(model, tokenizer) -> list[int]:

@@ -1,0 +1,191 @@
+"""`rollout.backend = "vllm"`: G completions per prompt sampled by a vLLM server (rl/sampling.py's
+protocol), token ids in and out, with the learner's current weights published to the server before
+every rollout that follows an optimizer step.
+
+- Prompts go as token ids, one request per group (`n = G`, `return_token_ids`, per-token log-probs),
+  all of a round's groups in flight at once so the server batches them. A group's request carries a
+  seed drawn from its generator (the one the local sampler would use), so a resumed run samples what
+  it would have.
+- The server runs `--logprobs-mode processed_logprobs`: log-probs are log_softmax(logits / T), the
+  learner's convention. vLLM renormalises them after top-p/top-k truncation, which the learner does
+  not: such settings are refused with this backend rather than silently mis-weighted.
+- The server hands no K/V: the engine runs its prefill (engine.reuse_rollout_kv is refused).
+- Publishing the weights (`WeightPublisher`): full weights are written as safetensors and reloaded in
+  place by the server's worker extension (rl/vllm/worker_ext.py: re-ties and repacks a tied head on
+  a CPU server), between /pause and /resume, with the prefix cache reset (cached prompt K/V of the
+  old weights would be reused otherwise); a LoRA policy publishes its adapter instead
+  (/v1/load_lora_adapter, load_inplace). Each rollout records the weight version it sampled with.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import math
+import os
+import shutil
+import time
+
+import torch
+from torch import Tensor
+
+from backstream.checkpoint import quiet
+from backstream.log import log
+from backstream.rl.rollout import Rollout, SamplingConfig, completion_reward_inputs
+from backstream.rl.vllm.server import SERVED_NAME, Server, VLLMConfig, free_port, server_args
+from backstream.stream.hf import base_model
+
+ADAPTER = "policy-lora"  # the served name of a LoRA policy's adapter
+
+
+def _version(model) -> tuple:
+    """Changes whenever an optimizer step (or any in-place write) touched a trainable weight."""
+    return tuple(p._version for p in model.parameters() if p.requires_grad)
+
+
+class WeightPublisher:
+    """The server's side of a run: started (or connected to) at the first rollout with the policy's
+    weights, and handed the learner's new weights before any rollout after they changed."""
+
+    def __init__(self, cfg: VLLMConfig, tokenizer, run_dir: str, seed: int):
+        self.cfg, self.tok, self.run_dir, self.seed = cfg, tokenizer, run_dir, seed
+        self.dir = os.path.join(run_dir, "vllm")
+        self.server: Server | None = None
+        self.seen: tuple | None = None  # the weights' version the server holds
+        self.version = 0  # how many times weights were published (0: the initial ones)
+        self.lora = False
+        self.sync_s = 0.0
+        if not cfg.url:
+            cfg.interpreter()  # no vLLM environment: said now, before the run folder is written
+
+    def model_name(self) -> str:
+        return ADAPTER if self.lora else SERVED_NAME
+
+    def ensure(self, model) -> Server:
+        """The server, holding `model`'s current weights."""
+        if self.server is None:
+            self._start(model)
+        elif _version(model) != self.seen:
+            t = time.perf_counter()
+            self._publish(model)
+            self.sync_s += time.perf_counter() - t
+        return self.server
+
+    def _start(self, model) -> None:
+        self.lora = hasattr(model, "peft_config")
+        base = base_model(model)
+        if self.cfg.url:
+            self.server = Server.connect(self.cfg.url, self.cfg.request_timeout_s)
+            self.seen = None  # the user's server holds unknown weights: publish ours now
+            self._publish(model)
+            return
+        initial = os.path.join(self.dir, "initial")
+        shutil.rmtree(initial, ignore_errors=True)
+        with quiet():
+            base.save_pretrained(initial, safe_serialization=True)  # a LoRA policy: the base model under it
+        self.tok.save_pretrained(initial)
+        dtype = str(next(base.parameters()).dtype).removeprefix("torch.")
+        length = self.cfg.max_model_len or getattr(base.config, "max_position_embeddings", 2048)
+        rank = max(c.r for c in model.peft_config.values()) if self.lora else 0
+        log.info(f"vllm: starting the server (its log: {os.path.join(self.run_dir, 'vllm.log')})")
+        self.server = Server.start(self.cfg, server_args(initial, free_port(), length, dtype, self.seed, rank),
+                                   os.path.join(self.run_dir, "vllm.log"))
+        if self.lora:
+            self._publish(model)
+        else:
+            self.seen = _version(model)
+
+    def _publish(self, model) -> None:
+        out = os.path.join(self.dir, f"weights-{self.version + 1}")
+        shutil.rmtree(out, ignore_errors=True)
+        if self.lora:
+            with quiet():
+                model.save_pretrained(out)  # the adapter alone
+            self.server.post("/v1/load_lora_adapter", {"lora_name": ADAPTER, "lora_path": out, "load_inplace": True})
+            self.server.post("/reset_prefix_cache")
+        else:
+            with quiet():
+                base_model(model).save_pretrained(out, safe_serialization=True)
+            self.server.post("/pause?mode=wait")
+            try:
+                self.server.post("/collective_rpc", {"method": "backstream_reload", "kwargs": {"path": out}})
+                self.server.post("/reset_prefix_cache")  # cached prompt K/V are the old weights'
+            finally:
+                self.server.post("/resume")
+        previous = os.path.join(self.dir, f"weights-{self.version}")
+        if self.version > 0:
+            shutil.rmtree(previous, ignore_errors=True)
+        self.version += 1
+        self.seen = _version(model)
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+
+
+class VLLMSampler:
+    """The single-turn sampler of `rollout.backend = "vllm"` (see the module docstring)."""
+
+    metric_keys = ("vllm/weight_version",)
+    environment = None
+
+    def __init__(self, config: SamplingConfig, tokenizer, eos: list[int], prompts: list[Tensor],
+                 prompt_text: list[str], publisher: WeightPublisher):
+        self.config, self.tok, self.eos = config, tokenizer, list(eos)
+        self.prompts, self.prompt_text, self.publisher = prompts, prompt_text, publisher
+        self.sync_s = 0.0
+
+    def check_prompts(self, examples: list[dict]) -> int:
+        return max((len(p) for p in self.prompts), default=0)
+
+    def sample(self, model, rows: list[dict], indices: list[int], generators: list, progress=None) -> Rollout:
+        before = self.publisher.sync_s
+        server = self.publisher.ensure(model)
+        self.sync_s = self.publisher.sync_s - before
+        c, G = self.config, self.config.group_size
+        seeds = [int(torch.randint(0, 2**31 - 1, (1,), generator=g)) for g in generators]
+
+        def request(j: int) -> dict:
+            body = {"model": self.publisher.model_name(), "prompt": [self.prompts[indices[j]].tolist()], "n": G,
+                    "max_tokens": c.max_new_tokens, "temperature": c.temperature, "logprobs": 0,
+                    "return_token_ids": True, "seed": seeds[j], "stop_token_ids": self.eos,
+                    "skip_special_tokens": False}
+            return server.post("/v1/completions", body)
+
+        out = Rollout(prompt_index=[], prompt_ids=[], completion_ids=[], logprobs=[], finish_reason=[], kv=None,
+                      group_size=G, weight_version=[])
+        with concurrent.futures.ThreadPoolExecutor(max_workers=min(64, max(1, len(indices)))) as pool:
+            answers = list(pool.map(request, range(len(indices))))
+        for j, answer in enumerate(answers):
+            prompt = self.prompts[indices[j]]
+            choices = sorted(answer["choices"], key=lambda ch: ch["index"])
+            for ch in choices:
+                ids = ch["token_ids"]
+                lps = ch["logprobs"]["token_logprobs"]
+                if len(lps) != len(ids):
+                    raise RuntimeError(f"vLLM returned {len(lps)} log-probs for {len(ids)} tokens")
+                out.prompt_index.append(indices[j])
+                out.prompt_ids.append(prompt)
+                out.completion_ids.append(torch.tensor(ids, dtype=torch.long))
+                out.logprobs.append(torch.tensor([math.nan if x is None else x for x in lps], dtype=torch.float32))
+                out.finish_reason.append("eos" if ids and ids[-1] in self.eos else
+                                         "length" if ch["finish_reason"] == "length" else "stop")
+                out.weight_version.append(self.publisher.version)
+            if progress is not None:
+                progress(j + 1, len(indices))
+        return out
+
+    def reward_inputs(self, r: Rollout, rows: list[dict]) -> tuple[list, list, dict]:
+        return completion_reward_inputs(r, rows, self.tok, self.prompt_text)
+
+    def metrics(self, r: Rollout) -> dict[str, float]:
+        return {"vllm/weight_version": float(min(r.weight_version)) if r.weight_version else math.nan}
+
+    def timings(self) -> dict[str, float]:
+        return {"sync": self.sync_s}
+
+    def release(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass  # the server is the run's (`Samplers.close`)

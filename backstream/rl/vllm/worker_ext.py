@@ -1,0 +1,53 @@
+"""Runs inside the vLLM server (`--worker-extension-cls backstream.rl.vllm.worker_ext.WeightSync`, the
+package's folder on the server's PYTHONPATH): the learner's weights, reloaded in place. Imports
+nothing of backstream (the server's environment has vLLM's own transformers, not ours).
+
+On a CPU server vLLM's GEMM keeps its own packed copy of each linear weight; `reload_weights`
+repacks the layers it loads, but a tied LM head is loaded through the embedding and keeps sampling
+with the old packed copy (log-probs 7e-2 off the new weights, ../shared/VLLM.md). So after the
+reload the head is re-tied to the embedding and repacked."""
+
+from __future__ import annotations
+
+BUSY_LOOP_S = 0.02  # vLLM's shared-memory reader spins this long after a read before it sleeps on a socket
+
+
+def _spin_less() -> None:
+    """vLLM's worker busy-loops on its shared-memory queue for 1 s after every read (SpinCondition's
+    busy_loop_s, 1 in vllm 0.32.0). On a small CPU machine that second is taken from the trainer: its
+    matmuls ran 4.5× slower right after a rollout. A short spin keeps the worker responsive under load
+    and leaves the cores to the learner between rollouts."""
+    try:
+        from vllm.distributed.device_communicators import shm_broadcast  # noqa: PLC0415
+    except ImportError:
+        return
+    init = shm_broadcast.SpinCondition.__init__
+    if init.__defaults__ and init.__defaults__[-1] != BUSY_LOOP_S:
+        init.__defaults__ = (*init.__defaults__[:-1], BUSY_LOOP_S)
+
+
+_spin_less()
+
+
+class WeightSync:
+    """Methods of the vLLM worker, called through `/collective_rpc`."""
+
+    def backstream_reload(self, path: str) -> int:
+        """Load every weight of the safetensors files in `path` in place; returns the tensors repacked."""
+        self.model_runner.reload_weights(weights_path=path)
+        model = self.model_runner.get_model()
+        from vllm.platforms import current_platform  # noqa: PLC0415
+
+        if not current_platform.is_cpu():
+            return 0
+        from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm  # noqa: PLC0415
+
+        head = getattr(model, "lm_head", None)
+        embed = getattr(getattr(model, "model", None), "embed_tokens", None)  # vLLM's decoder models
+        config = self.model_runner.model_config.hf_config
+        tied = getattr(config.get_text_config(), "tie_word_embeddings", False)
+        if head is None or embed is None or not tied or not hasattr(head, "weight"):
+            return 0
+        head.weight = embed.weight
+        dispatch_cpu_unquantized_gemm(head, remove_weight=False)
+        return 1

@@ -1,0 +1,176 @@
+"""Rollouts on a real vLLM server (issue 27): the vLLM environment is built on first use
+(`backstream vllm setup`; .ci/run builds it before the tests), so these never skip. One server of the
+built-in default model serves the module; the tests:
+
+- sampling fidelity: the ids a group request returns are the prompt as sent plus the sampled tokens,
+  and the server's log-probs equal the learner's (float32, ≤ 1e-4 absolute);
+- weight sync: after the learner's weights change, the next rollout's log-probs are the new weights'
+  (a check of checksums would not show a stale tied head on a CPU server; log-probs do);
+- `url` mode: a run connects to a server it did not start and publishes its weights to it;
+- a server killed mid-run: the step stops with an error naming vllm.log, the last checkpoint is
+  intact and `--resume` goes on with a new server;
+- the trainer on the vLLM backend: the update equals the local sampler's update on the same samples'
+  shape of run (mismatch/kl ~ 0), and what the backend refuses is refused before the run folder.
+"""
+
+import json
+import os
+import signal
+
+import pytest
+import torch
+from helpers import no_run_written, run_cfg
+
+from backstream import logprobs, trainer
+from backstream.default_model import load_default
+from backstream.rl.rollout import SamplingConfig
+from backstream.rl.vllm.sampler import VLLMSampler, WeightPublisher
+from backstream.rl.vllm.server import ServerError, VLLMConfig
+from backstream.rl.vllm.setup import default_dir, python_of, setup
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+
+
+@pytest.fixture(scope="module")
+def vllm_python():
+    """The vLLM environment: built here if it is missing (a few minutes, once per machine)."""
+    python = python_of(default_dir())
+    return str(python if python.is_file() else setup())
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, vllm_python):
+    """A server of the default model, started the way a run starts it; stopped after the module."""
+    model, tok = load_default()
+    run_dir = str(tmp_path_factory.mktemp("vllm-run"))
+    pub = WeightPublisher(VLLMConfig(python=vllm_python), tok, run_dir, seed=0)
+    pub.ensure(model)
+    yield model, tok, pub, run_dir
+    pub.close()
+
+
+def _sampler(tok, pub, prompts, G=4, max_new=12):
+    return VLLMSampler(SamplingConfig(group_size=G, max_new_tokens=max_new), tok, [tok.eos_token_id], prompts,
+                       ["" for _ in prompts], pub)
+
+
+def _max_logprob_gap(model, r) -> float:
+    seqs, mask = r.sequences(), r.completion_mask()
+    learner = logprobs(model, seqs, mask)
+    sampler = r.aligned_logprobs()
+    return max(float((a[m].double() - b[m].double()).abs().max()) for a, b, m in zip(learner, sampler, mask))
+
+
+def test_sampling_fidelity_ids_and_logprobs(served):
+    model, tok, pub, _ = served
+    prompts = [torch.tensor(tok(p, add_special_tokens=True)["input_ids"]) for p in ("12+34=", "56+7=", "9+9=")]
+    s = _sampler(tok, pub, prompts)
+    gens = [torch.Generator().manual_seed(i) for i in range(3)]
+    r = s.sample(model, [{}] * 3, [0, 1, 2], gens)
+    assert len(r) == 12 and r.prompt_index == [0] * 4 + [1] * 4 + [2] * 4
+    for i in range(12):
+        assert torch.equal(r.prompt_ids[i], prompts[i // 4]) and 1 <= len(r.completion_ids[i]) <= 12
+        assert r.finish_reason[i] in ("eos", "length")
+        assert (r.finish_reason[i] == "eos") == (int(r.completion_ids[i][-1]) == tok.eos_token_id)
+    assert _max_logprob_gap(model, r) <= 1e-4
+    # the same generators draw the same seeds: a resumed run samples what it would have
+    again = s.sample(model, [{}] * 3, [0, 1, 2], [torch.Generator().manual_seed(i) for i in range(3)])
+    assert all(torch.equal(a, b) for a, b in zip(r.completion_ids, again.completion_ids))
+
+
+def test_weights_published_after_a_change_are_the_ones_sampled(served):
+    model, tok, pub, run_dir = served
+    prompts = [torch.tensor(tok("12+34=", add_special_tokens=True)["input_ids"])]
+    s = _sampler(tok, pub, prompts, G=8)
+    version = pub.version
+    with torch.no_grad():
+        for p in model.parameters():  # an "optimizer step": in place, as AdamW writes
+            p.add_(0.05 * torch.randn_like(p))
+    r = s.sample(model, [{}], [0], [torch.Generator().manual_seed(5)])
+    assert pub.version == version + 1 and r.weight_version == [pub.version] * 8
+    assert _max_logprob_gap(model, r) <= 1e-4  # the new weights' (the tied head included)
+    fresh, _ = load_default()
+    assert _max_logprob_gap(fresh, r) > 1e-2  # and not the old ones'
+    r2 = s.sample(model, [{}], [0], [torch.Generator().manual_seed(6)])
+    assert pub.version == version + 1 and r2.weight_version == [pub.version] * 8  # unchanged: no publish
+    assert os.listdir(os.path.join(run_dir, "vllm")) == ["initial", f"weights-{pub.version}"] or \
+        sorted(os.listdir(os.path.join(run_dir, "vllm"))) == sorted(["initial", f"weights-{pub.version}"])
+
+
+def test_url_mode_connects_and_publishes(served, tmp_path, vllm_python):
+    model, tok, pub, _ = served
+    other = WeightPublisher(VLLMConfig(url=pub.server.url), tok, str(tmp_path), seed=0)
+    other.ensure(model)
+    assert other.server.proc is None and other.version == 1  # nothing started; our weights published
+    prompts = [torch.tensor(tok("3+4=", add_special_tokens=True)["input_ids"])]
+    r = _sampler(tok, other, prompts).sample(model, [{}], [0], [torch.Generator().manual_seed(0)])
+    assert _max_logprob_gap(model, r) <= 1e-4
+    other.close()  # connected, not started: the server stays up
+    assert pub.server.healthy()
+    with pytest.raises(ValueError, match="vllm.url: no vLLM server answers at http://127.0.0.1:9/health"):
+        WeightPublisher(VLLMConfig(url="http://127.0.0.1:9"), tok, str(tmp_path), seed=0).ensure(model)
+
+
+def _vllm_run(tmp_path, name, *extra):
+    return run_cfg(tmp_path, name, 'model.name="default"', 'model.dtype="float32"', 'rollout.backend="vllm"',
+                   'data.task="arith"', "data.num_examples=64", "rollout.max_new_tokens=6", *extra)
+
+
+def test_the_trainer_on_vllm_and_a_server_killed_mid_run(tmp_path, vllm_python):
+    """Three steps with a checkpoint each: mismatch/kl ~ 0 (the server samples with the learner's
+    weights every step); the server killed after step 2: step 3 stops with an error naming vllm.log,
+    the checkpoint of step 2 is intact, and --resume finishes the run with a new server."""
+    cfg = _vllm_run(tmp_path, "run", "train.steps=2", "train.save_every=1", f'vllm.python="{vllm_python}"')
+    run = trainer.train(cfg)
+    rows = [json.loads(x) for x in open(os.path.join(run, "metrics.jsonl"))]
+    assert [r["step"] for r in rows] == [1, 2] and _agree(rows)
+    assert [r["vllm/weight_version"] for r in rows] == _versions(rows)
+    assert os.path.exists(os.path.join(run, "vllm.log"))
+    # a server that dies mid-run
+    t = trainer.Trainer(config_of(run, "train.steps=4"), run_dir=run, resume=True)
+    t.train_step()
+    os.killpg(t.samplers.publisher.server.proc.pid, signal.SIGKILL)
+    t.samplers.publisher.server.proc.wait()
+    with pytest.raises(ServerError, match=r"vLLM .*(died|no answer).*vllm.log.*--resume"):
+        t.train_step()
+    t.close()
+    t.run_folder.release()
+    run2 = trainer.train(resume=run, overrides=["train.steps=4"])
+    rows = [json.loads(x) for x in open(os.path.join(run2, "metrics.jsonl"))]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and _agree(rows)
+    # a new server, started with the checkpoint's weights
+    assert [r["vllm/weight_version"] for r in rows][2:] == _versions(rows[2:])
+
+
+def _versions(rows) -> list[float]:
+    """The weight versions a run's steps sample with: 0 at the start, one more after each step that
+    changed the weights (a step whose every advantage is 0 updates nothing, and nothing is published)."""
+    out = [0.0]
+    for r in rows[:-1]:
+        out.append(out[-1] + (r["batch/zero_adv_frac"] < 1))
+    return out
+
+
+def _agree(rows) -> bool:
+    """Sampler and learner agree on every step whose learner computed log-probs (a step where every
+    advantage is 0 computes none: its mismatch is null)."""
+    kls = [r["mismatch/kl"] for r in rows if r["batch/zero_adv_frac"] < 1]
+    return bool(kls) and all(k is not None and k < 1e-4 for k in kls)
+
+
+def config_of(run, *overrides):
+    from backstream import config
+
+    return config.load(os.path.join(run, "config.toml"), list(overrides))
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["engine.reuse_rollout_kv=true"], "the server hands no K/V"),
+    (["rollout.top_p=0.9"], "renormalises its log-probs after truncation"),
+    (['env.factory="envs_for_tests:Calc"'], "episodes through the server are not built yet"),
+    (['vllm.python="/no/such/python"'], "does not exist; run `backstream vllm setup`"),
+])
+def test_what_the_backend_cannot_do_is_refused_before_the_run(tmp_path, extra, words):
+    with pytest.raises(ValueError, match=words):
+        trainer.train(_vllm_run(tmp_path, "bad", *extra))
+    assert no_run_written(tmp_path / "bad")
