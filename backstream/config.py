@@ -210,8 +210,6 @@ class RunConfig:
                     "does not, so importance weights would be off; sample with top_p = 1 and top_k = 0")
         elif r.stop:
             what = "rollout.stop: stop strings are not sent to the server yet; end completions with EOS"
-        elif self.env.enabled:
-            what = "[env]: episodes through the server are not built yet; use rollout.backend = \"local\""
         elif self.quant.enabled:
             what = "quant.rollout: low-bit weights are not published to the server yet"
         elif world_size is not None and world_size > 1:

@@ -73,7 +73,11 @@ class Samplers:
 
     def build(self, config: SamplingConfig, prompts: list[Tensor], prompt_text: list[str],
               return_kv: bool) -> RolloutSampler:
-        if self.publisher is not None:
+        if self.publisher is not None and self.cfg.env.enabled:
+            from backstream.rl.vllm.sampler import VLLMEpisodeSampler  # noqa: PLC0415
+
+            sampler = VLLMEpisodeSampler(config, self.cfg.env, self.tok, self.eos, self.context, self.publisher)
+        elif self.publisher is not None:
             from backstream.rl.vllm.sampler import VLLMSampler  # noqa: PLC0415
 
             sampler = VLLMSampler(config, self.tok, self.eos, prompts, prompt_text, self.publisher)

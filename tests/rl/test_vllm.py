@@ -111,6 +111,40 @@ def test_url_mode_connects_and_publishes(served, tmp_path, vllm_python):
         WeightPublisher(VLLMConfig(url="http://127.0.0.1:9"), tok, str(tmp_path), seed=0).ensure(model)
 
 
+def test_episodes_through_the_server(served):
+    """toolcalc episodes of the default model played through the server: each turn's request is the
+    episode's ids so far, so the sequence the engine trains is bitwise what the server was fed plus
+    its last token; the server's log-probs on every sampled token are the learner's; tool results are
+    the environment's; the rewards score the policy's last answer."""
+    from backstream.rl.agent.env import EnvConfig
+    from backstream.rl.rewards import exact_match
+    from backstream.rl.tasks import TASKS, make_dataset
+    from backstream.rl.vllm.sampler import VLLMEpisodeSampler
+
+    model, tok, pub, _ = served
+    fresh, _ = load_default()
+    model.load_state_dict(fresh.state_dict())  # the shipped weights, which call the tool
+    d = TASKS["toolcalc"].defaults
+    s = VLLMEpisodeSampler(SamplingConfig(group_size=8, max_new_tokens=d["rollout.max_new_tokens"]),
+                           EnvConfig(factory=d["env.factory"], max_turns=d["env.max_turns"]), tok,
+                           [tok.eos_token_id], 512, pub)
+    rows = make_dataset("toolcalc", 4, seed=3)
+    r = s.sample(model, rows, [0, 1, 2, 3], [torch.Generator().manual_seed(i) for i in range(4)])
+    assert len(r) == 32 and r.weight_version == [pub.version] * 32
+    for i, seq in enumerate(r.sequences()):
+        assert seq.tolist() == s.fed[i] + seq[-1:].tolist()
+    assert sum(e.tool_calls for e in r.episodes) > 0  # the shipped model calls the tool
+    assert _max_logprob_gap(model, r) <= 1e-4
+    completions, _, _ = s.reward_inputs(r, [rows[i] for i in r.prompt_index])
+    for messages in completions:
+        for a, b in zip(messages, messages[1:]):
+            if b["role"] == "tool" and not b["content"].startswith("error"):
+                args = a["tool_calls"][0]["function"]["arguments"]
+                assert b["content"] == str(int(args["a"]) + int(args["b"]))
+    assert 0 < sum(exact_match(completions, [rows[i]["answer"] for i in r.prompt_index])) < 32
+    s.close()
+
+
 def _vllm_run(tmp_path, name, *extra):
     return run_cfg(tmp_path, name, 'model.name="default"', 'model.dtype="float32"', 'rollout.backend="vllm"',
                    'data.task="arith"', "data.num_examples=64", "rollout.max_new_tokens=6", *extra)
@@ -167,7 +201,6 @@ def config_of(run, *overrides):
 @pytest.mark.parametrize("extra, words", [
     (["engine.reuse_rollout_kv=true"], "the server hands no K/V"),
     (["rollout.top_p=0.9"], "renormalises its log-probs after truncation"),
-    (['env.factory="envs_for_tests:Calc"'], "episodes through the server are not built yet"),
     (['vllm.python="/no/such/python"'], "does not exist; run `backstream vllm setup`"),
 ])
 def test_what_the_backend_cannot_do_is_refused_before_the_run(tmp_path, extra, words):

@@ -53,6 +53,7 @@ class _Episode:
     turn: list[int] = field(default_factory=list)  # the last turn's sampled tokens
     turn_reason: str = "eos"  # how the last turn ended: "eos", "stop" or "length"
     inserted: list[int] = field(default_factory=list)  # the tokens to feed before the next turn
+    tool_s: float = 0.0  # seconds in its tools
     turns: int = 0
     tool_calls: int = 0
     tool_errors: int = 0
@@ -116,6 +117,7 @@ class EpisodeSampler:
             episodes += group
             if progress is not None:
                 progress(j + 1, len(rows))
+        self.tool_s = sum(ep.tool_s for ep in episodes)
         return self._rollout(episodes, indices)
 
     def release(self) -> None:
@@ -193,7 +195,7 @@ class EpisodeSampler:
             results = []
             for call in calls:
                 res = self.env.call(ep.env, call)
-                self.tool_s += res.seconds
+                ep.tool_s += res.seconds
                 ep.tool_calls += 1
                 ep.tool_errors += res.failed
                 if res.timed_out:  # the environment is gone: the episode ends on the call
@@ -263,7 +265,7 @@ class EpisodeSampler:
 
     def _rollout(self, episodes: list[_Episode], indices: list[int]) -> Rollout:
         G = self.config.group_size
-        dtype = episodes[0].cache.layers[0].keys.dtype if episodes else torch.float32
+        dtype = episodes[0].cache.layers[0].keys.dtype if episodes and episodes[0].cache is not None else torch.float32
         lp_dtype = torch.promote_types(dtype, torch.float32)
         self.fed = [ep.fed for ep in episodes]
         kv = None
@@ -280,7 +282,11 @@ class EpisodeSampler:
             completion_ids=[torch.tensor(ep.ids, dtype=torch.long) for ep in episodes],
             logprobs=[torch.tensor(ep.logprobs, dtype=lp_dtype) for ep in episodes],
             finish_reason=[ep.reason for ep in episodes], kv=kv, group_size=G,
-            sampled=[torch.tensor(ep.sampled, dtype=torch.bool) for ep in episodes], episodes=infos)
+            sampled=[torch.tensor(ep.sampled, dtype=torch.bool) for ep in episodes], episodes=infos,
+            weight_version=self._weight_versions(episodes))
+
+    def _weight_versions(self, episodes: list[_Episode]) -> list[int] | None:
+        return None  # sampled in process: always the current weights
 
     def reward_inputs(self, r: Rollout, rows: list[dict]) -> tuple[list, list, dict]:
         """As TRL passes them with an environment: each episode's messages after the prompt (the last

@@ -29,7 +29,9 @@ import torch
 from torch import Tensor
 
 from backstream.checkpoint import quiet
+from backstream.checks import UserError
 from backstream.log import log
+from backstream.rl.agent.episodes import EpisodeSampler
 from backstream.rl.rollout import Rollout, SamplingConfig, completion_reward_inputs
 from backstream.rl.vllm.server import SERVED_NAME, Server, VLLMConfig, free_port, server_args
 from backstream.stream.hf import base_model
@@ -189,3 +191,81 @@ class VLLMSampler:
 
     def close(self) -> None:
         pass  # the server is the run's (`Samplers.close`)
+
+
+class VLLMEpisodeSampler(EpisodeSampler):
+    """Episodes (`[env]`) played through the server: the environment, the turn format, the limits and
+    what the rewards see are the local episode sampler's (rl/agent/episodes.py); only the turns are
+    sampled by the server. Each turn is a request whose prompt is exactly the episode's ids so far
+    (sampled and inserted tokens, never re-rendered text: the server echoes them and they are
+    checked), and every live episode runs in a thread of its own, so all their turns are in flight at
+    once and the server batches them; its prefix cache keeps each episode's history."""
+
+    metric_keys = (*EpisodeSampler.metric_keys, "vllm/weight_version")
+
+    def __init__(self, config: SamplingConfig, env_cfg, tokenizer, eos: list[int], context: int | None,
+                 publisher: WeightPublisher):
+        super().__init__(config, env_cfg, tokenizer, eos, False, context)
+        self.publisher, self.sync_s = publisher, 0.0
+
+    def sample(self, model, rows: list[dict], indices: list[int], generators: list, progress=None) -> Rollout:
+        self.release()
+        before = self.publisher.sync_s
+        server = self.publisher.ensure(model)
+        self.sync_s = self.publisher.sync_s - before
+        G, turns = self.config.group_size, self.env_cfg.max_turns
+        episodes, seeds = [], []
+        for row, index, gen in zip(rows, indices, generators):
+            for _ in range(G):  # a seed per turn of each episode, from its group's generator
+                episodes.append(self._start(row, index))
+                seeds.append(torch.randint(0, 2**31 - 1, (turns,), generator=gen).tolist())
+        for ep in episodes:
+            if len(ep.prompt) >= self.max_tokens:
+                raise UserError(f"env.max_episode_tokens: a prompt of {len(ep.prompt)} tokens leaves no room for a "
+                                f"turn (limit {self.max_tokens}); raise it or shorten the prompt")
+        done = [0]
+
+        def play(k: int) -> None:
+            ep = episodes[k]
+            self._turn(server, ep, seeds[k][0])
+            while self._after_turn(ep):
+                ep.add(ep.inserted, None)
+                self._turn(server, ep, seeds[k][min(ep.turns, turns - 1)])
+            done[0] += 1
+
+        with concurrent.futures.ThreadPoolExecutor(max_workers=min(128, max(1, len(episodes)))) as pool:
+            for f in concurrent.futures.as_completed([pool.submit(play, k) for k in range(len(episodes))]):
+                f.result()  # an error in an episode stops the step
+                if progress is not None and done[0] % G == 0:
+                    progress(done[0] // G, len(rows))
+        self.tool_s = sum(ep.tool_s for ep in episodes)
+        self.fed = [ep.fed for ep in episodes]
+        return self._rollout(episodes, indices)
+
+    def _turn(self, server: Server, ep, seed: int) -> None:
+        """One turn sampled by the server from the episode's ids so far."""
+        ids = list(ep.prompt) + list(ep.ids)
+        c = self.config
+        answer = server.post("/v1/completions", {
+            "model": self.publisher.model_name(), "prompt": [ids], "n": 1, "max_tokens": self._budget(len(ids)),
+            "temperature": c.temperature, "logprobs": 0, "return_token_ids": True, "seed": seed,
+            "stop_token_ids": list(self.eos), "skip_special_tokens": False})
+        (choice,) = answer["choices"]
+        if choice.get("prompt_token_ids") not in (None, ids):
+            raise RuntimeError("vLLM answered for other prompt ids than the episode's; the sequence would not be "
+                               "what the policy saw")
+        tokens = choice["token_ids"]
+        ep.fed = ids + tokens[:-1]
+        reason = "eos" if tokens and tokens[-1] in self.eos else "length" if choice["finish_reason"] == "length" \
+            else "stop"
+        self._took_turn(ep, tokens, torch.tensor(choice["logprobs"]["token_logprobs"], dtype=torch.float32), reason)
+
+    def _weight_versions(self, episodes) -> list[int]:
+        return [self.publisher.version] * len(episodes)
+
+    def metrics(self, r: Rollout) -> dict[str, float]:
+        return {**super().metrics(r),
+                "vllm/weight_version": float(min(r.weight_version)) if r.weight_version else math.nan}
+
+    def timings(self) -> dict[str, float]:
+        return {"tool": self.tool_s, "sync": self.sync_s}
