@@ -97,6 +97,32 @@ def test_weights_published_after_a_change_are_the_ones_sampled(served):
         sorted(os.listdir(os.path.join(run_dir, "vllm"))) == sorted(["initial", f"weights-{pub.version}"])
 
 
+def test_a_lora_policy_publishes_its_adapter(tmp_path, vllm_python):
+    """A LoRA policy: the server holds the base model and the adapter (/v1/load_lora_adapter,
+    load_inplace); after the adapter changes, the server's log-probs are the PEFT model's."""
+    from peft import LoraConfig, get_peft_model
+
+    base, tok = load_default()
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]))
+    model.eval()
+    pub = WeightPublisher(VLLMConfig(python=vllm_python), tok, str(tmp_path), seed=0)
+    try:
+        pub.ensure(model)
+        assert pub.lora and pub.model_name() == "policy-lora" and pub.version == 1
+        prompts = [torch.tensor(tok("12+34=", add_special_tokens=True)["input_ids"])]
+        s = _sampler(tok, pub, prompts, G=8)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "lora_B" in n:  # B starts at 0: make the adapter do something
+                    p.add_(0.2 * torch.randn_like(p))
+        r = s.sample(model, [{}], [0], [torch.Generator().manual_seed(1)])
+        assert pub.version == 2 and _max_logprob_gap(model, r) <= 1e-4
+        with model.disable_adapter():
+            assert _max_logprob_gap(model, r) > 1e-3  # not the base model's
+    finally:
+        pub.close()
+
+
 def test_url_mode_connects_and_publishes(served, tmp_path, vllm_python):
     model, tok, pub, _ = served
     other = WeightPublisher(VLLMConfig(url=pub.server.url), tok, str(tmp_path), seed=0)

@@ -44,6 +44,12 @@ def _version(model) -> tuple:
     return tuple(p._version for p in model.parameters() if p.requires_grad)
 
 
+def _plain_state_dict(base) -> dict:
+    """The base model's weights under their own names: PEFT's wrappers removed (`x.base_layer.weight`
+    is `x.weight`; the adapters' own tensors left out)."""
+    return {k.replace(".base_layer.", "."): v for k, v in base.state_dict().items() if ".lora_" not in k}
+
+
 class WeightPublisher:
     """The server's side of a run: started (or connected to) at the first rollout with the policy's
     weights, and handed the learner's new weights before any rollout after they changed."""
@@ -82,8 +88,8 @@ class WeightPublisher:
             return
         initial = os.path.join(self.dir, "initial")
         shutil.rmtree(initial, ignore_errors=True)
-        with quiet():
-            base.save_pretrained(initial, safe_serialization=True)  # a LoRA policy: the base model under it
+        with quiet():  # a LoRA policy: the base model under it, with its own parameter names
+            base.save_pretrained(initial, safe_serialization=True, state_dict=_plain_state_dict(base))
         self.tok.save_pretrained(initial)
         dtype = str(next(base.parameters()).dtype).removeprefix("torch.")
         length = self.cfg.max_model_len or getattr(base.config, "max_position_embeddings", 2048)
