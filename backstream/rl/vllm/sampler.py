@@ -207,7 +207,7 @@ class VLLMEpisodeSampler(EpisodeSampler):
     checked), and every live episode runs in a thread of its own, so all their turns are in flight at
     once and the server batches them; its prefix cache keeps each episode's history."""
 
-    metric_keys = (*EpisodeSampler.metric_keys, "vllm/weight_version")
+    metric_keys = (*EpisodeSampler.metric_keys, "vllm/weight_version", "episode/tool_seconds")
 
     def __init__(self, config: SamplingConfig, env_cfg, tokenizer, eos: list[int], context: int | None,
                  publisher: WeightPublisher):
@@ -270,8 +270,10 @@ class VLLMEpisodeSampler(EpisodeSampler):
         return [self.publisher.version] * len(episodes)
 
     def metrics(self, r: Rollout) -> dict[str, float]:
-        return {**super().metrics(r),
+        return {**super().metrics(r), "episode/tool_seconds": self.tool_s,
                 "vllm/weight_version": float(min(r.weight_version)) if r.weight_version else math.nan}
 
     def timings(self) -> dict[str, float]:
-        return {"tool": self.tool_s, "sync": self.sync_s}
+        # episodes run concurrently: their tool seconds overlap the other episodes' turns, so they are
+        # no slice of the step's wall time (episode/tool_seconds has their sum)
+        return {"sync": self.sync_s}
