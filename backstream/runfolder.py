@@ -289,6 +289,23 @@ class Run:
             record_changes(self.dir, step, changes)
             self.write_config()
 
+    def resume_point(self) -> str:
+        """The latest intact checkpoint (rank 0 looks, every rank gets it), or an error that says why
+        there is none and what to do."""
+        from backstream import checkpoint  # noqa: PLC0415  (torch: only where a run is resumed)
+
+        path = self.dp.broadcast(self.dp.on_main(lambda: checkpoint.latest_intact(self.dir)))
+        if path is None:
+            tc = self.cfg.train
+            cadence = (f"train.save_every_minutes = {tc.save_every_minutes}, train.save_every = {tc.save_every}: a "
+                       "checkpoint after step 1 and then at that cadence" if tc.periodic_checkpoints else
+                       "train.save_every = train.save_every_minutes = 0: checkpoints only at the end or on Ctrl-C")
+            raise UserError(f"--resume: {self.dir} holds no complete checkpoint ({cadence}); the run stopped before "
+                            "its first one, so there is nothing to resume: start it again with `backstream train "
+                            "CONFIG` (the folder is taken over, as it holds nothing of value), and keep "
+                            "train.save_every_minutes > 0 so that a kill can be resumed")
+        return path
+
     def write_config(self) -> None:
         from backstream.config import to_toml  # noqa: PLC0415  (config imports the whole RL loop)
 

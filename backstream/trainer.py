@@ -45,11 +45,11 @@ from backstream.quant.linear import quant_linears, quantize_model, quantized
 from backstream.rl import data as datamod
 from backstream.rl import parallel
 from backstream.rl.advantages import ADVANTAGES, ZeroAdvantageWatch
-from backstream.rl.backward import verify_engine
+from backstream.rl.backward import logprobs_before_update, verify_engine
 from backstream.rl.evaluate import Evaluator, with_group_size
 from backstream.rl.losses import Normalisers, build_objective
 from backstream.rl.model import reference_policy
-from backstream.rl.offpolicy import error_token_share, mismatch_metrics
+from backstream.rl.offpolicy import MISMATCH_KEYS, error_token_share, mismatch_metrics
 from backstream.rl.optim import NonFiniteError, Stepper, check_finite_weights  # noqa: F401  (NonFiniteError: the API's)
 from backstream.rl.parallel import take
 from backstream.rl.rewards import RewardLog, Rewards, TrainerState
@@ -61,8 +61,6 @@ from backstream.stream import fsdp
 from backstream.stream.router import moe_spec
 
 PHASES = ("rollout", "sync", "tool", "reward", "prefill", "backward", "optim")  # the step's time split, as logged
-MISMATCH_KEYS = ("mismatch/kl", "mismatch/abs_log_ratio/mean", "mismatch/logprob_abs", "mismatch/ratio/max",
-                 "mismatch/tokens", "mismatch/error_token_share")
 
 
 @dataclass
@@ -127,14 +125,19 @@ class Trainer:
                                where=lambda: (self.step, checkpoint.latest(self.run_dir)))
         self.times = dict.fromkeys(PHASES, 0.0)
         self.zero_adv = ZeroAdvantageWatch()
-        self.run_folder = runfolder.Run(cfg, self.run_dir, self.dp, resume=resume, overwrite=overwrite)
+        self._open_run(resume, overwrite, changes, allow_changed_files)
+
+    def _open_run(self, resume: bool, overwrite: bool, changes: list, allow_changed_files: bool) -> None:
+        """The run folder (rank 0's), the checkpoint to resume from, the loggers."""
+        tc = self.cfg.train
+        self.run_folder = runfolder.Run(self.cfg, self.run_dir, self.dp, resume=resume, overwrite=overwrite)
         with self.run_folder.guard():
             self.run_folder.open(changes, allow_changed_files)
             if resume:
                 self._resume()
             self.logger = self.dp.on_main(lambda: Logger(
                 self.run_dir, progress=tc.progress, tensorboard=tc.log_tensorboard, wandb=tc.log_wandb,
-                config=cfg.to_dict(), total_steps=tc.steps, append=resume, wandb_project=tc.wandb_project,
+                config=self.cfg.to_dict(), total_steps=tc.steps, append=resume, wandb_project=tc.wandb_project,
                 start_step=self.step, keys=self.metric_keys())) or NoLogger()
             self.episode_log = self.dp.on_main(lambda: EpisodeLog(self.run_dir, tc.log_episodes, resume,
                                                                   self.step)) or NoLogger()
@@ -187,16 +190,7 @@ class Trainer:
     def _resume(self) -> None:
         """Weights, optimizer, schedule, RNG, data position and step of the latest intact checkpoint
         (written by any number of ranks: DCP reshards)."""
-        path = self.dp.broadcast(self.dp.on_main(lambda: checkpoint.latest_intact(self.run_dir)))
-        if path is None:
-            tc = self.cfg.train
-            cadence = (f"train.save_every_minutes = {tc.save_every_minutes}, train.save_every = {tc.save_every}: a "
-                       "checkpoint after step 1 and then at that cadence" if tc.periodic_checkpoints else
-                       "train.save_every = train.save_every_minutes = 0: checkpoints only at the end or on Ctrl-C")
-            raise UserError(f"--resume: {self.run_dir} holds no complete checkpoint ({cadence}); the run stopped "
-                             "before its first one, so there is nothing to resume: start it again with `backstream "
-                             "train CONFIG` (the folder is taken over, as it holds nothing of value), and keep "
-                             "train.save_every_minutes > 0 so that a kill can be resumed")
+        path = self.run_folder.resume_point()
         st = checkpoint.restore(path, self.model, self.opt, self.sched)
         checkpoint.restore_rng(st["rng"], self.gen)
         self.stream.position = st["data_position"]
@@ -313,7 +307,9 @@ class Trainer:
         plan = self.dp.plan_update(len(batch) // batch.group_size, ac.minibatches, batch.group_size, batch.kv)
         mine = {"seqs": take(seqs, plan.mine), "mask": take(mask, plan.mine), "sampler": take(sampler_lp, plan.mine),
                 "kv": take(batch.kv, plan.mine)}
-        mine["old"], mine["ref"] = self.policy_logprobs(mine["seqs"], mine["mask"], mine["sampler"])
+        with self._timed("prefill"):
+            mine["old"], mine["ref"] = logprobs_before_update(self.engine, self.model, self.ref, self.cfg,
+                                                              mine["seqs"], mine["mask"], mine["sampler"])
         norms = [Normalisers.of(take(mask, rows), adv[rows]) for rows in plan.batch_rows]
         logged: dict[str, list[float]] = {}
         learner_lp: list[Tensor | None] = [None] * len(plan.mine)  # at the weights that sampled, first epoch
@@ -355,22 +351,6 @@ class Trainer:
         step["grad_norm"] = grad_norm
         return step, res
 
-    def policy_logprobs(self, seqs: list[Tensor], mask: list[Tensor], sampler_lp: list[Tensor]):
-        """(π_old, π_ref) log-probs where the objective needs them up front, else None. π_old: the
-        sampler's when the engine reuses the rollout's K/V (same weights); from the engine's own
-        prefill (None here) when there is a single update; else one no-grad pass now."""
-        ac = self.cfg.algorithm
-        old = ref = None
-        if self.cfg.engine.reuse_rollout_kv:
-            old = sampler_lp
-        elif ac.epochs * ac.minibatches > 1:
-            with self._timed("prefill"), fsdp.gathered(self.model):
-                old = self.engine.logprobs(self.model, seqs, mask)
-        if ac.kl_reference:
-            with self._timed("prefill"):
-                ref = self._ref_logprobs(seqs, mask)
-        return old, ref
-
     def metric_keys(self) -> list[str]:
         """Every key of a step's metrics line, in order (`Logger` writes each on every line, null where
         a step leaves it undefined)."""
@@ -410,12 +390,6 @@ class Trainer:
                   "optim/lr": self.sched.get_last_lr()[0],
                   "memory/peak_mib": max(self.dp.gather(peak_mib(self.device)))})  # the fullest rank's
         return m
-
-    def _ref_logprobs(self, seqs, mask):
-        if self.ref is not None:
-            return self.engine.logprobs(self.ref, seqs, mask)
-        with self.model.disable_adapter(), fsdp.gathered(self.model):  # LoRA: the base model is the reference
-            return self.engine.logprobs(self.model, seqs, mask)
 
     def run(self) -> str:
         """Train until train.steps; returns the run folder. On SIGINT/SIGTERM, saves and raises

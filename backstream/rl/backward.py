@@ -128,3 +128,25 @@ def verify_engine(model) -> None:
                          f"architecture ({report.model_type}): {detail}. `backstream verify` prints the details; set "
                          "engine.backward = \"reference\" to train with the naive backward, or engine.verify = false "
                          "to skip this check")
+
+
+def logprobs_before_update(engine, model, ref, cfg, seqs: list[Tensor], mask: list[Tensor],
+                           sampler_lp: list[Tensor]) -> tuple[list | None, list | None]:
+    """(π_old, π_ref) log-probs of the run `cfg` where its objective needs them before the update,
+    else None. π_old: the sampler's when the engine reuses the rollout's K/V (same weights); the
+    engine's own prefill gives it (None here) when there is a single update; else one no-grad pass
+    now. π_ref: the frozen `ref` policy's, or with LoRA (`ref` None) the base model under the adapters."""
+    ac = cfg.algorithm
+    old = ref_lp = None
+    if cfg.engine.reuse_rollout_kv:
+        old = sampler_lp
+    elif ac.epochs * ac.minibatches > 1:
+        with fsdp.gathered(model):
+            old = engine.logprobs(model, seqs, mask)
+    if ac.kl_reference:
+        if ref is not None:
+            ref_lp = engine.logprobs(ref, seqs, mask)
+        else:
+            with model.disable_adapter(), fsdp.gathered(model):  # LoRA: the base model is the reference
+                ref_lp = engine.logprobs(model, seqs, mask)
+    return old, ref_lp

@@ -145,6 +145,10 @@ def mismatch_weights(old_flat: Tensor, rollout_flat: Tensor, offsets: list[int],
                  "is/truncated_frac": 0.0 if how.masks else share}
 
 
+MISMATCH_KEYS = ("mismatch/kl", "mismatch/abs_log_ratio/mean", "mismatch/logprob_abs", "mismatch/ratio/max",
+                 "mismatch/tokens", "mismatch/error_token_share")  # what a step's line reports of it
+
+
 def mismatch_metrics(learner: list[Tensor | None], sampler: list[Tensor], mask: list[Tensor]) -> dict[str, float]:
     """Sampler/learner agreement over the completion tokens (`mask`) where both log-probs are
     finite (the learner leaves NaN where it computed nothing; a None entry is skipped). See the

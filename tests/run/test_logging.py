@@ -188,3 +188,31 @@ def test_the_bar_shows_the_phase_inside_a_step(tmp_path, monkeypatch):
     lines = [x for part in out.split("\r") for x in part.split("\n")]
     assert max(len(x) for x in lines) <= 100 + 2  # fits the terminal (100 columns where none is attached)
     assert "Writing model shards" not in out  # the checkpoint's save_pretrained draws no bar of its own
+
+
+def test_plots_show_every_series_and_integer_steps(tmp_path, monkeypatch):
+    """eval.png: reward/mean and avg@k that coincide stay apart (a line style and marker each), and the
+    step axis has integer ticks (issue 25: avg@k hid reward/mean, steps read 0.5, 1.5)."""
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from backstream import metrics
+
+    rows = [{"step": s, "eval/reward/mean": 0.5, "eval/pass@4": 0.75, "eval/avg@4": 0.5} for s in (0, 1, 2)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    made = []
+    real = plt.subplots
+
+    def spy(*a, **kw):
+        fig, ax = real(*a, **kw)
+        made.append(ax)
+        return fig, ax
+
+    monkeypatch.setattr(plt, "subplots", spy)
+    paths = metrics.plot(str(tmp_path))
+    (ax,) = [a for a, p in zip(made, paths) if p.endswith("eval.png")]
+    styles = [(line.get_linestyle(), line.get_marker()) for line in ax.get_lines()]
+    assert len(styles) == 3 and len(set(styles)) == 3
+    locator = ax.xaxis.get_major_locator()
+    assert all(float(t).is_integer() for t in locator.tick_values(0, 2))
