@@ -1,16 +1,18 @@
 """The in-process rollout engine: G sampled completions per prompt, with the sampler's log-probs and,
 on request, the K/V the streamed backward can reuse (docs/design.md §1, §4).
 
-Each prompt is prefilled once at batch 1; its cache is then repeated over the G rows of the group
-and one batched decode loop samples the G completions. Rows that finished are still fed (their
-outputs are ignored) so the batch keeps its shape; the loop ends when every row has finished.
+Each prompt is prefilled once; its cache is then repeated over the G rows of its group and one batched
+decode loop samples the completions. Rows that finished are still fed (their outputs are ignored) so
+the batch keeps its shape; the loop ends when every row has finished.
 
 The log-prob of a sampled token is taken under softmax(logits / T) *before* top-k/top-p truncation:
 that is what a learner dividing its logits by the same T computes, so sampler and learner agree
 (temperature 0 samples greedily and reports log-probs at T = 1).
 
-Simplified on purpose: one prompt group per batch (prompts of equal length could share a batch),
-and finished rows are not dropped from the batch.
+The groups of a call whose prompts have one length are decoded as one batch (no padding, so every
+row's positions and K/V are those of its own sequence); each group samples with its own generator.
+Simplified on purpose: prompts of other lengths make other batches, and finished rows are not dropped
+from the batch.
 """
 
 from __future__ import annotations
@@ -199,8 +201,13 @@ def _filter(scaled_BV: Tensor, top_k: int, top_p: float) -> Tensor:
     return scaled_BV
 
 
-def _sample(logits_BV: Tensor, config: SamplingConfig, generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
-    """Returns the sampled tokens [B] and their log-probs [B] (before truncation)."""
+def _sample(logits_BV: Tensor, config: SamplingConfig, generator) -> tuple[Tensor, Tensor]:
+    """Returns the sampled tokens [B] and their log-probs [B] (before truncation). `generator`: one,
+    or a list of n, each drawing for its block of B / n consecutive rows (a batch of groups)."""
+    if isinstance(generator, list):
+        rows = logits_BV.shape[0] // len(generator)
+        parts = [_sample(logits_BV[k * rows:(k + 1) * rows], config, g) for k, g in enumerate(generator)]
+        return torch.cat([t for t, _ in parts]), torch.cat([lp for _, lp in parts])
     # bf16 logits: softmax in float32 at least
     logits_BV = logits_BV.to(torch.promote_types(logits_BV.dtype, torch.float32))
     scaled_BV = logits_BV / (config.temperature or 1.0)
@@ -272,18 +279,21 @@ def row_kv(cache: DynamicCache, row: int, length: int) -> list[tuple[Tensor, Ten
     return [(layer.keys[row, :, :length], layer.values[row, :, :length]) for layer in cache.layers]
 
 
-def _sample_group(model, prompt: Tensor, config: SamplingConfig, eos: set[int], tokenizer, generator,
-                  return_kv: bool, keep_last: bool):
-    G, P, device = config.group_size, len(prompt), next(model.parameters()).device
+def _sample_groups(model, prompts: list[Tensor], config: SamplingConfig, eos: set[int], tokenizer, generators: list,
+                   return_kv: bool, keep_last: bool):
+    """G samples for each of `prompts` (all of one length), decoded as one batch of len(prompts) × G
+    rows: no padding, so every row's positions and K/V are those of its own sequence. The prompts are
+    prefilled once each; group j samples its rows with `generators[j]`."""
+    G, P, device = config.group_size, len(prompts[0]), next(model.parameters()).device
     # Without a config every layer is a DynamicLayer that keeps its whole history: sliding-window
     # layers built from the config would drop K/V that return_kv hands out (the attention mask
     # still applies the window, so the samples are the same).
     cache = DynamicCache()
-    logits_BV = forward_last(model, prompt.to(device)[None], 0, cache, keep_last).expand(G, -1)
-    cache.batch_repeat_interleave(G)  # the prompt's K/V, computed once, copied to the G rows
-    tokens, logprobs, reason = decode(model, cache, logits_BV, P, config, eos, tokenizer, generator, keep_last)
+    logits_BV = forward_last(model, torch.stack(prompts).to(device), 0, cache, keep_last).repeat_interleave(G, 0)
+    cache.batch_repeat_interleave(G)  # each prompt's K/V, computed once, copied to its G rows
+    tokens, logprobs, reason = decode(model, cache, logits_BV, P, config, eos, tokenizer, list(generators), keep_last)
     # views of the decode cache: row i's fed tokens are the prompt and all but its last sampled token
-    kv = [row_kv(cache, i, P + len(tokens[i]) - 1) for i in range(G)] if return_kv else None
+    kv = [row_kv(cache, i, P + len(tokens[i]) - 1) for i in range(len(tokens))] if return_kv else None
     completions = [torch.tensor(ids, dtype=torch.long) for ids in tokens]
     return completions, logprobs, reason, kv
 
@@ -305,8 +315,10 @@ def generate(
     eos_token_id: the token(s) that end a completion (kept as its last token); None for none.
     tokenizer: anything with `decode(ids) -> str`; needed only for `config.stop`.
     generator: seeds the sampling, so that a seeded run is reproducible; or one generator per prompt
-      (the same object may repeat: the groups then draw from it one after the other).
-    progress: optional `progress(groups done, groups in all)`, called after each prompt's group.
+      (the same object may repeat). The groups of prompts of one length decode as one batch, each
+      drawing with its own generator at every step (a generator shared by several groups is drawn
+      from in turn at each step).
+    progress: optional `progress(groups done, groups in all)`, called after each batch of groups.
     return_kv: also return each sample's K/V (as the model's cache holds them, post-RoPE) for the
       streamed backward at the same weights (`stream_backward(..., kv=rollout.kv)`).
     The model runs as it is: call `model.eval()` first if it has dropout.
@@ -326,21 +338,33 @@ def generate(
     eos = set() if eos_token_id is None else {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
     keep_last = takes_logits_to_keep(model)
 
+    G = config.group_size
+    prompts = [p.detach().to("cpu", torch.long) for p in prompts]
+    # the groups of prompts of one length decode as one batch (no padding); each keeps its generator
+    by_length: dict[int, list[int]] = {}
+    for j, p in enumerate(prompts):
+        by_length.setdefault(len(p), []).append(j)
+    per_group: dict[int, tuple] = {}
+    for bucket in by_length.values():
+        completions, logprobs, reasons, kv = _sample_groups(model, [prompts[j] for j in bucket], config, eos,
+                                                            tokenizer, [gens[j] for j in bucket], return_kv,
+                                                            keep_last)
+        for k, j in enumerate(bucket):
+            rows = slice(k * G, (k + 1) * G)
+            per_group[j] = (completions[rows], logprobs[rows], reasons[rows], kv[rows] if return_kv else None)
+        if progress is not None:
+            progress(len(per_group), len(prompts))
     out = Rollout(prompt_index=[], prompt_ids=[], completion_ids=[], logprobs=[], finish_reason=[],
-                  kv=[] if return_kv else None, group_size=config.group_size)
-    for j, (prompt, gen) in enumerate(zip(prompts, gens)):
-        prompt = prompt.detach().to("cpu", torch.long)
-        completions, logprobs, reasons, kv = _sample_group(model, prompt, config, eos, tokenizer, gen,
-                                                           return_kv, keep_last)
-        out.prompt_index += [j] * config.group_size
-        out.prompt_ids += [prompt] * config.group_size
+                  kv=[] if return_kv else None, group_size=G)
+    for j, prompt in enumerate(prompts):
+        completions, logprobs, reasons, kv = per_group[j]
+        out.prompt_index += [j] * G
+        out.prompt_ids += [prompt] * G
         out.completion_ids += completions
         out.logprobs += logprobs
         out.finish_reason += reasons
         if return_kv:
             out.kv += kv
-        if progress is not None:
-            progress(j + 1, len(prompts))
     return out
 
 
