@@ -208,8 +208,6 @@ class RunConfig:
         elif r.top_p < 1 or r.top_k > 0:
             what = ("rollout.top_p / rollout.top_k: vLLM renormalises its log-probs after truncation, the learner "
                     "does not, so importance weights would be off; sample with top_p = 1 and top_k = 0")
-        elif r.stop:
-            what = "rollout.stop: stop strings are not sent to the server yet; end completions with EOS"
         elif self.quant.enabled:
             what = "quant.rollout: low-bit weights are not published to the server yet"
         elif world_size is not None and world_size > 1:

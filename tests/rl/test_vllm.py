@@ -78,6 +78,20 @@ def test_sampling_fidelity_ids_and_logprobs(served):
     assert all(torch.equal(a, b) for a, b in zip(r.completion_ids, again.completion_ids))
 
 
+def test_stop_strings_end_a_completion_with_the_token_that_completes_them(served):
+    model, tok, pub, _ = served
+    prompts = [torch.tensor(tok("12+34=", add_special_tokens=True)["input_ids"])]
+    s = VLLMSampler(SamplingConfig(group_size=8, max_new_tokens=12, stop=["4", "5"]), tok, [tok.eos_token_id],
+                    prompts, [""], pub)
+    r = s.sample(model, [{}], [0], [torch.Generator().manual_seed(2)])
+    assert "stop" in r.finish_reason
+    for ids, reason in zip(r.completion_ids, r.finish_reason):
+        text, before = tok.decode(ids), tok.decode(ids[:-1])
+        hit = any(x in text for x in ("4", "5"))
+        assert (reason == "stop") == hit and not any(x in before for x in ("4", "5"))
+    assert _max_logprob_gap(model, r) <= 1e-4
+
+
 def test_weights_published_after_a_change_are_the_ones_sampled(served):
     model, tok, pub, run_dir = served
     prompts = [torch.tensor(tok("12+34=", add_special_tokens=True)["input_ids"])]

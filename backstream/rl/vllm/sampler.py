@@ -39,6 +39,12 @@ from backstream.stream.hf import base_model
 ADAPTER = "policy-lora"  # the served name of a LoRA policy's adapter
 
 
+def stop_strings(config: SamplingConfig) -> dict:
+    """rollout.stop for the server: a completion ends with the token that completes a stop string, and
+    keeps it (the local sampler's convention: vLLM's returned ids then end with that token)."""
+    return {"stop": list(config.stop), "include_stop_str_in_output": True} if config.stop else {}
+
+
 def _version(model) -> tuple:
     """Changes whenever an optimizer step (or any in-place write) touched a trainable weight."""
     return tuple(p._version for p in model.parameters() if p.requires_grad)
@@ -157,7 +163,7 @@ class VLLMSampler:
             body = {"model": self.publisher.model_name(), "prompt": [self.prompts[indices[j]].tolist()], "n": G,
                     "max_tokens": c.max_new_tokens, "temperature": c.temperature, "logprobs": 0,
                     "return_token_ids": True, "seed": seeds[j], "stop_token_ids": self.eos,
-                    "skip_special_tokens": False}
+                    "skip_special_tokens": False, **stop_strings(c)}
             return server.post("/v1/completions", body)
 
         out = Rollout(prompt_index=[], prompt_ids=[], completion_ids=[], logprobs=[], finish_reason=[], kv=None,
@@ -255,7 +261,7 @@ class VLLMEpisodeSampler(EpisodeSampler):
         answer = server.post("/v1/completions", {
             "model": self.publisher.model_name(), "prompt": [ids], "n": 1, "max_tokens": self._budget(len(ids)),
             "temperature": c.temperature, "logprobs": 0, "return_token_ids": True, "seed": seed,
-            "stop_token_ids": list(self.eos), "skip_special_tokens": False})
+            "stop_token_ids": list(self.eos), "skip_special_tokens": False, **stop_strings(c)})
         (choice,) = answer["choices"]
         if choice.get("prompt_token_ids") not in (None, ids):
             raise RuntimeError("vLLM answered for other prompt ids than the episode's; the sequence would not be "
