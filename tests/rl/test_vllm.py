@@ -191,13 +191,16 @@ def _vllm_run(tmp_path, name, *extra):
 
 
 def test_the_trainer_on_vllm_and_a_server_killed_mid_run(tmp_path, vllm_python):
-    """Three steps with a checkpoint each: mismatch/kl ~ 0 (the server samples with the learner's
-    weights every step); the server killed after step 2: step 3 stops with an error naming vllm.log,
-    the checkpoint of step 2 is intact, and --resume finishes the run with a new server."""
-    cfg = _vllm_run(tmp_path, "run", "train.steps=2", "train.save_every=1", f'vllm.python="{vllm_python}"')
+    """Two steps with a checkpoint each, DAPO's dynamic sampling and [eval] on: mismatch/kl ~ 0 (the
+    server samples with the learner's weights every step); the server killed after step 3: step 4
+    stops with an error naming vllm.log, the checkpoint is intact, and --resume finishes the run with
+    a new server."""
+    cfg = _vllm_run(tmp_path, "run", "train.steps=2", "train.save_every=1", f'vllm.python="{vllm_python}"',
+                    "algorithm.dynamic_sampling=true", "eval.every=2", "eval.prompts=4", "eval.samples=2")
     run = trainer.train(cfg)
     rows = [json.loads(x) for x in open(os.path.join(run, "metrics.jsonl"))]
     assert [r["step"] for r in rows] == [1, 2] and _agree(rows)
+    assert rows[1]["eval/pass@2"] is not None  # [eval] samples through the same server
     assert [r["vllm/weight_version"] for r in rows] == _versions(rows)
     assert os.path.exists(os.path.join(run, "vllm.log"))
     # a server that dies mid-run
