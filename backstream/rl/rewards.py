@@ -94,8 +94,6 @@ def text_of(x) -> str:
         return x
     if isinstance(x, list) and x and isinstance(x[-1], dict):
         return str(x[-1].get("content", ""))
-    if isinstance(x, list) and not x:
-        return ""
     raise TypeError(f"expected text or a list of chat messages, got {type(x).__name__}")
 
 

@@ -114,7 +114,7 @@ class Environment:
     errors turned into results, and the text hook `respond`."""
 
     def __init__(self, cfg: EnvConfig, factory=None, functions: list | None = None):
-        self.cfg, self.factory, self.functions = cfg, factory, list(functions or [])
+        self.cfg, self.functions = cfg, list(functions or [])
         probe = factory() if factory is not None else None
         self.name = type(probe).__name__ if probe is not None else "tools"
         self.tool_names = [f.__name__ for f in self.functions] + [n for n, _ in _methods(probe)]

@@ -43,7 +43,6 @@ CUT = "[... {} more characters cut]"  # ends a tool result cut at env.max_result
 class _Episode:
     env: object
     prompt: list[int]
-    prompt_messages: list[dict]
     prompt_for_rewards: object  # text or messages, as the reward functions get the prompt
     messages: list[dict] = field(default_factory=list)  # after the prompt: assistant, tool and user messages
     ids: list[int] = field(default_factory=list)  # the completion: every token after the prompt
@@ -107,7 +106,7 @@ class EpisodeSampler:
         self.release()
         G, keep_last = self.config.group_size, takes_logits_to_keep(model)
         episodes: list[_Episode] = []
-        self.tool_s, self.fed = 0.0, []
+        self.fed = []
         for j, (row, index, gen) in enumerate(zip(rows, indices, generators)):
             group = [self._start(row, index) for _ in range(G)]
             self._first_turns(model, group, gen, keep_last)
@@ -140,7 +139,7 @@ class EpisodeSampler:
         prompt, messages = self.format.prompt(row.get("prompt"), extra)
         chat = isinstance(row.get("prompt"), list) or (self.format.name == "chat" and "prompt" not in row)
         for_rewards = messages if chat else messages[-1]["content"]
-        return _Episode(env=env, prompt=prompt, prompt_messages=messages, prompt_for_rewards=for_rewards)
+        return _Episode(env=env, prompt=prompt, prompt_for_rewards=for_rewards)
 
     def _first_turns(self, model, group: list[_Episode], gen, keep_last: bool) -> None:
         """The first turn of a task's episodes: one prefill per distinct prompt (one for the G episodes

@@ -115,7 +115,7 @@ def _serve(conn, factory_spec: str, tool_specs: list[str]) -> None:
             conn.send(("error", where_in(e, None), type(e).__name__, str(e)))
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """Linux: this process gets SIGKILL when its parent dies (a tool stuck in C code cannot outlive
     the trainer); elsewhere the closed pipe ends it at its next request."""
     try:
@@ -129,7 +129,7 @@ def _die_with_parent() -> None:
 def zygote_main(fd: int) -> None:
     """The zygote's loop (`python -c ...` with the control socket's fd): set sys.path, import specs,
     fork workers; answers ("ok", value) or ("error", where, type name, text)."""
-    _die_with_parent()
+    die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # workers are reaped as they exit
     sock = socket.socket(fileno=fd)
@@ -153,7 +153,7 @@ def zygote_main(fd: int) -> None:
                 if pid == 0:  # the worker
                     sock.close()
                     conn.close()
-                    _die_with_parent()
+                    die_with_parent()
                     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
                     try:
                         _serve(Connection(fds[0]), msg[1], msg[2])
@@ -279,7 +279,6 @@ class WorkerPool:
     def __init__(self, factory_spec: str, tool_specs: list[str]):
         self.factory_spec, self.tool_specs = factory_spec, list(tool_specs)
         self.idle: list[Worker] = []
-        self.started = 0
 
     def acquire(self) -> Worker:
         while self.idle:
@@ -289,7 +288,6 @@ class WorkerPool:
         zygote = Zygote.get()
         zygote.preload([self.factory_spec], "env.factory")
         zygote.preload(self.tool_specs, "env.tools")
-        self.started += 1
         return Worker(self.factory_spec, self.tool_specs)
 
     def release(self, w: Worker, timeout: float) -> None:

@@ -45,6 +45,16 @@ def stop_strings(config: SamplingConfig) -> dict:
     return {"stop": list(config.stop), "include_stop_str_in_output": True} if config.stop else {}
 
 
+def _choice(ch: dict, eos: list[int]) -> tuple[list[int], Tensor, str]:
+    """A completion choice of the server: its token ids, their log-probs and how it ended ("eos",
+    "length", or "stop" for a stop string)."""
+    ids, lps = ch["token_ids"], ch["logprobs"]["token_logprobs"]
+    if len(lps) != len(ids):
+        raise RuntimeError(f"vLLM returned {len(lps)} log-probs for {len(ids)} tokens")
+    reason = "eos" if ids and ids[-1] in eos else "length" if ch["finish_reason"] == "length" else "stop"
+    return ids, torch.tensor([math.nan if x is None else x for x in lps], dtype=torch.float32), reason
+
+
 def _version(model) -> tuple:
     """Changes whenever an optimizer step (or any in-place write) touched a trainable weight."""
     return tuple(p._version for p in model.parameters() if p.requires_grad)
@@ -67,7 +77,7 @@ class WeightPublisher:
         self.seen: tuple | None = None  # the weights' version the server holds
         self.version = 0  # how many times weights were published (0: the initial ones)
         self.lora = False
-        self.sync_s = 0.0
+        self.sync_s = 0.0  # seconds the last `ensure` spent publishing weights
         if not cfg.url:
             cfg.interpreter()  # no vLLM environment: said now, before the run folder is written
 
@@ -75,13 +85,14 @@ class WeightPublisher:
         return ADAPTER if self.lora else SERVED_NAME
 
     def ensure(self, model) -> Server:
-        """The server, holding `model`'s current weights."""
+        """The server, holding `model`'s current weights (`sync_s`: what publishing them took now)."""
+        self.sync_s = 0.0
         if self.server is None:
             self._start(model)
         elif _version(model) != self.seen:
             t = time.perf_counter()
             self._publish(model)
-            self.sync_s += time.perf_counter() - t
+            self.sync_s = time.perf_counter() - t
         return self.server
 
     def _start(self, model) -> None:
@@ -153,9 +164,8 @@ class VLLMSampler:
         return max((len(p) for p in self.prompts), default=0)
 
     def sample(self, model, rows: list[dict], indices: list[int], generators: list, progress=None) -> Rollout:
-        before = self.publisher.sync_s
         server = self.publisher.ensure(model)
-        self.sync_s = self.publisher.sync_s - before
+        self.sync_s = self.publisher.sync_s
         c, G = self.config, self.config.group_size
         seeds = [int(torch.randint(0, 2**31 - 1, (1,), generator=g)) for g in generators]
 
@@ -174,16 +184,12 @@ class VLLMSampler:
             prompt = self.prompts[indices[j]]
             choices = sorted(answer["choices"], key=lambda ch: ch["index"])
             for ch in choices:
-                ids = ch["token_ids"]
-                lps = ch["logprobs"]["token_logprobs"]
-                if len(lps) != len(ids):
-                    raise RuntimeError(f"vLLM returned {len(lps)} log-probs for {len(ids)} tokens")
+                ids, logprobs, reason = _choice(ch, self.eos)
                 out.prompt_index.append(indices[j])
                 out.prompt_ids.append(prompt)
                 out.completion_ids.append(torch.tensor(ids, dtype=torch.long))
-                out.logprobs.append(torch.tensor([math.nan if x is None else x for x in lps], dtype=torch.float32))
-                out.finish_reason.append("eos" if ids and ids[-1] in self.eos else
-                                         "length" if ch["finish_reason"] == "length" else "stop")
+                out.logprobs.append(logprobs)
+                out.finish_reason.append(reason)
                 out.weight_version.append(self.publisher.version)
             if progress is not None:
                 progress(j + 1, len(indices))
@@ -222,9 +228,8 @@ class VLLMEpisodeSampler(EpisodeSampler):
 
     def sample(self, model, rows: list[dict], indices: list[int], generators: list, progress=None) -> Rollout:
         self.release()
-        before = self.publisher.sync_s
         server = self.publisher.ensure(model)
-        self.sync_s = self.publisher.sync_s - before
+        self.sync_s = self.publisher.sync_s
         G, turns = self.config.group_size, self.env_cfg.max_turns
         episodes, seeds = [], []
         for row, index, gen in zip(rows, indices, generators):
@@ -266,11 +271,9 @@ class VLLMEpisodeSampler(EpisodeSampler):
         if choice.get("prompt_token_ids") not in (None, ids):
             raise RuntimeError("vLLM answered for other prompt ids than the episode's; the sequence would not be "
                                "what the policy saw")
-        tokens = choice["token_ids"]
+        tokens, logprobs, reason = _choice(choice, list(self.eos))
         ep.fed = ids + tokens[:-1]
-        reason = "eos" if tokens and tokens[-1] in self.eos else "length" if choice["finish_reason"] == "length" \
-            else "stop"
-        self._took_turn(ep, tokens, torch.tensor(choice["logprobs"]["token_logprobs"], dtype=torch.float32), reason)
+        self._took_turn(ep, tokens, logprobs, reason)
 
     def _weight_versions(self, episodes) -> list[int]:
         return [self.publisher.version] * len(episodes)

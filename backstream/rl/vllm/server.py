@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from backstream.checks import UserError, at_least
+from backstream.rl.agent.worker import die_with_parent
 from backstream.rl.vllm.setup import default_dir, python_of
 
 SERVED_NAME = "policy"  # the name requests use for the served base model
@@ -105,12 +106,7 @@ def _own_group_dying_with_us() -> None:
     handle, and `stop` ends the whole group), and SIGKILL when the trainer dies (Linux), so that a
     killed trainer leaves no server behind."""
     os.setsid()
-    try:
-        import ctypes  # noqa: PLC0415
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+    die_with_parent()
 
 
 class Server:
