@@ -178,7 +178,7 @@ class Trainer:
 
     def save(self) -> str:
         """A checkpoint of the current step (collective under torchrun: every rank calls it)."""
-        check_finite_weights(self.model, self.dp, self.step, checkpoint.latest(self.run_dir))
+        check_finite_weights(self.model, self.dp, self.step, self.run_folder.last)
         with self.dp.guard(f"the checkpoint of step {self.step}"):
             path = checkpoint.save(self.run_dir, self.step, self.model, self.tok, self.state(),
                                    self.cfg.train.keep_checkpoints)

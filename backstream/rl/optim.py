@@ -109,11 +109,11 @@ class Stepper:
         return gn
 
 
-def check_finite_weights(model, dp, step: int, last: str | None) -> None:
+def check_finite_weights(model, dp, step: int, last) -> None:
     """NonFiniteError when a parameter holds NaN/inf (over every rank's shards): no checkpoint is
-    written from them."""
+    written from them. `last()`: the last checkpoint, for the message (looked up only then)."""
     local = [n for n, p in model.named_parameters() if not bool(torch.isfinite(fsdp.local(p.detach())).all())]
     bad = sorted({n for part in dp.gather(local) for n in part})
     if bad:
         raise NonFiniteError(f"train: parameters {bad[:3]}{' …' if len(bad) > 3 else ''} hold NaN/inf at step {step}; "
-                             f"no checkpoint is written from them. Last good checkpoint: {last or 'none'}")
+                             f"no checkpoint is written from them. Last good checkpoint: {last() or 'none'}")
