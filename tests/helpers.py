@@ -26,7 +26,7 @@ from transformers import (
 
 from backstream import config, reference_backward, stream_backward
 from backstream.default_model import build_tokenizer
-from backstream.rl import rollout as R
+from backstream.rl import decode as D
 from backstream.rl.agent import episodes as E
 from backstream.rl.agent.env import EnvConfig
 from backstream.rl.losses import (
@@ -204,32 +204,38 @@ CHAT_TEMPLATE = (
 
 def scripted_turns(monkeypatch):
     """`script(turns)`: the next episodes' turns, forced (one list of texts per episode, in the order
-    the sampler plays them: a task's first turns as one batch, then each episode to its end)."""
+    the sampler starts them). A round of turns is one decode call: the first turns of the episodes
+    not started yet, or else the next turn of every started episode with turns left."""
     real = E.decode
     state = {"queues": [], "next": 0}
 
-    def scripted(model, cache, logits_BV, start, config, eos, tok, gen, keep_last, max_new=None):
-        B = logits_BV.shape[0]
-        qs = state["queues"]
-        if B > 1 or not any(q for q in qs[: state["next"]]):
-            rows = list(range(state["next"], state["next"] + B))  # a task's first turns
+    def scripted(model, rows, config, eos, tok, gens, keep_last, budgets, keep_kv=False, finished=None):
+        B, qs = len(rows.lengths), state["queues"]
+        if not any(q for q in qs[: state["next"]]):
+            episodes = list(range(state["next"], state["next"] + B))  # first turns
             state["next"] += B
         else:
-            rows = [next(i for i, q in enumerate(qs[: state["next"]]) if q)]
-        forced = [tok(qs[r].pop(0), add_special_tokens=False)["input_ids"] for r in rows]
-        t = [0]
+            episodes = [i for i, q in enumerate(qs[: state["next"]]) if q]
+            assert len(episodes) == B, "the script's turns do not match the episodes the sampler plays"
+        forced = [tok(qs[e].pop(0), add_special_tokens=False)["input_ids"] for e in episodes]
+        live, t = list(range(B)), [0]
 
-        def sample(logits, config, generator):
-            toks = torch.tensor([f[min(t[0], len(f) - 1)] for f in forced], device=logits.device)
+        def done(i):
+            live.remove(i)
+            if finished is not None:
+                finished(i)
+
+        def sample(logits, temperature, top_k, top_p, u):
+            toks = torch.tensor([forced[i][min(t[0], len(forced[i]) - 1)] for i in live], device=logits.device)
             t[0] += 1
             lp = torch.log_softmax(logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32), -1)
             return toks, lp.gather(-1, toks[:, None])[:, 0]
 
-        monkeypatch.setattr(R, "_sample", sample)
+        monkeypatch.setattr(D, "sample_tokens", sample)
         try:
-            return real(model, cache, logits_BV, start, config, eos, tok, gen, keep_last, max_new)
+            return real(model, rows, config, eos, tok, gens, keep_last, budgets, keep_kv, done)
         finally:
-            monkeypatch.undo()  # only _sample; the decode patch below is re-applied
+            monkeypatch.undo()  # only sample_tokens; the decode patch below is re-applied
             monkeypatch.setattr(E, "decode", scripted)
 
     monkeypatch.setattr(E, "decode", scripted)

@@ -1,18 +1,10 @@
 """The in-process rollout engine: G sampled completions per prompt, with the sampler's log-probs and,
 on request, the K/V the streamed backward can reuse (docs/design.md §1, §4).
 
-Each prompt is prefilled once; its cache is then repeated over the G rows of its group and one batched
-decode loop samples the completions. Rows that finished are still fed (their outputs are ignored) so
-the batch keeps its shape; the loop ends when every row has finished.
-
-The log-prob of a sampled token is taken under softmax(logits / T) *before* top-k/top-p truncation:
-that is what a learner dividing its logits by the same T computes, so sampler and learner agree
-(temperature 0 samples greedily and reports log-probs at T = 1).
-
-The groups of a call whose prompts have one length are decoded as one batch (no padding, so every
-row's positions and K/V are those of its own sequence); each group samples with its own generator.
-Simplified on purpose: prompts of other lengths make other batches, and finished rows are not dropped
-from the batch.
+Each prompt is prefilled once (prompts of one length as one batch); its cache is repeated over the G
+rows of its group, and every row of the call then decodes as one batch (rl/decode.py: rows of other
+lengths left-padded, finished rows dropped). The log-probs are taken under softmax(logits / T) before
+top-k/top-p truncation, the learner's convention.
 """
 
 from __future__ import annotations
@@ -24,11 +16,10 @@ from typing import Literal
 
 import torch
 from torch import Tensor
-from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 
 from backstream.checks import UserError, literals
-from backstream.stream.hf import cache_arg, takes_logits_to_keep
+from backstream.rl.decode import Rows, decode, prefill
+from backstream.stream.hf import takes_logits_to_keep
 
 
 @dataclass(kw_only=True)
@@ -187,117 +178,6 @@ class Rollout:
         return Rollout(**fields, group_size=group_size)
 
 
-def _filter(scaled_BV: Tensor, top_k: int, top_p: float) -> Tensor:
-    """Top-k then top-p: the dropped tokens' logits become -inf."""
-    if 0 < top_k < scaled_BV.shape[-1]:
-        kth_B1 = scaled_BV.topk(top_k, dim=-1).values[:, -1:]
-        scaled_BV = scaled_BV.masked_fill(scaled_BV < kth_B1, -math.inf)
-    if top_p < 1:
-        sorted_BV, order_BV = scaled_BV.sort(dim=-1, descending=True)
-        probs_BV = sorted_BV.softmax(-1)
-        # drop a token once the tokens ranked above it already hold top_p; the first always stays
-        drop_BV = probs_BV.cumsum(-1) - probs_BV >= top_p
-        scaled_BV = scaled_BV.scatter(-1, order_BV, sorted_BV.masked_fill(drop_BV, -math.inf))
-    return scaled_BV
-
-
-def _sample(logits_BV: Tensor, config: SamplingConfig, generator) -> tuple[Tensor, Tensor]:
-    """Returns the sampled tokens [B] and their log-probs [B] (before truncation). `generator`: one,
-    or a list of n, each drawing for its block of B / n consecutive rows (a batch of groups)."""
-    if isinstance(generator, list):
-        rows = logits_BV.shape[0] // len(generator)
-        parts = [_sample(logits_BV[k * rows:(k + 1) * rows], config, g) for k, g in enumerate(generator)]
-        return torch.cat([t for t, _ in parts]), torch.cat([lp for _, lp in parts])
-    # bf16 logits: softmax in float32 at least
-    logits_BV = logits_BV.to(torch.promote_types(logits_BV.dtype, torch.float32))
-    scaled_BV = logits_BV / (config.temperature or 1.0)
-    if config.temperature == 0:
-        tok_B = logits_BV.argmax(-1)
-    else:
-        probs_BV = _filter(scaled_BV, config.top_k, config.top_p).softmax(-1)
-        if generator is not None and generator.device != probs_BV.device:
-            probs_BV = probs_BV.to(generator.device)  # a CPU generator driving a GPU model
-        tok_B = torch.multinomial(probs_BV, 1, generator=generator).squeeze(-1).to(logits_BV.device)
-    logp_B = scaled_BV.log_softmax(-1).gather(-1, tok_B[:, None]).squeeze(-1)
-    return tok_B, logp_B
-
-
-def forward_last(model, ids_BL: Tensor, start: int, cache: DynamicCache, keep_last: bool) -> Tensor:
-    """Logits [B, V] of the last position of `ids_BL`, which sit at absolute positions start.."""
-    pos_1L = torch.arange(start, start + ids_BL.shape[1], device=ids_BL.device)[None]  # shared by all rows
-    extra = {"logits_to_keep": 1} if keep_last else {}  # no [L, V] logits for a long prompt
-    extra[cache_arg(model) or "past_key_values"] = cache
-    out = model(input_ids=ids_BL, position_ids=pos_1L, use_cache=True, **extra)
-    return out.logits[:, -1]
-
-
-def _stop_hit(tokenizer, ids: list[int], stop: list[str], window: int) -> bool:
-    # Only the newest token can complete a stop string (an earlier completion would have stopped
-    # the row already), so decoding the tail that could hold the longest one suffices.
-    text = tokenizer.decode(ids[-window:])
-    return any(s in text for s in stop)
-
-
-def decode(model, cache: DynamicCache, logits_BV: Tensor, start: int, config: SamplingConfig, eos: set[int],
-           tokenizer, generator, keep_last: bool, max_new: int | None = None):
-    """Sample up to `max_new` (default config.max_new_tokens) tokens per row of a batch whose next-token
-    logits are `logits_BV` and whose cache holds `start` positions. Rows that finished are still fed
-    (their outputs ignored) so that the batch keeps its shape; the loop ends when every row has
-    finished. Returns per row the sampled ids, their log-probs [n] and the finish reason ("eos",
-    "stop" or "length"); the cache then holds every fed token (a row's last sampled token is not fed)."""
-    B, max_new = logits_BV.shape[0], max_new or config.max_new_tokens
-    window = 4 * max((len(s) for s in config.stop), default=0) + 1  # a character may take up to 4 byte tokens
-    tokens: list[list[int]] = [[] for _ in range(B)]
-    logps: list[list[Tensor]] = [[] for _ in range(B)]
-    reason: list[str | None] = [None] * B
-    tok_B: Tensor | None = None  # the tokens sampled at the previous step
-    for t in range(max_new):
-        if t > 0:
-            logits_BV = forward_last(model, tok_B[:, None], start + t - 1, cache, keep_last)
-        tok_B, logp_B = _sample(logits_BV, config, generator)
-        for i, tok in enumerate(tok_B.tolist()):  # a CPU-GPU sync per step: the stop checks need the ids
-            if reason[i] is not None:
-                continue  # finished rows are fed along with the others; their outputs are ignored
-            tokens[i].append(tok)
-            logps[i].append(logp_B[i])
-            if tok in eos:
-                reason[i] = "eos"
-            elif config.stop and _stop_hit(tokenizer, tokens[i], config.stop, window):
-                reason[i] = "stop"
-            elif len(tokens[i]) == max_new:
-                reason[i] = "length"
-        if all(r is not None for r in reason):
-            break
-    return tokens, [torch.stack(lp).cpu() for lp in logps], reason
-
-
-def row_kv(cache: DynamicCache, row: int, length: int) -> list[tuple[Tensor, Tensor]]:
-    """Row `row`'s first `length` positions of every layer of a decode cache, as views [Hkv, L, D]."""
-    for layer in cache.layers:
-        if type(layer) is not DynamicLayer:
-            raise UserError(f"return_kv: cache layer {type(layer).__name__} does not keep the full K/V history")
-    return [(layer.keys[row, :, :length], layer.values[row, :, :length]) for layer in cache.layers]
-
-
-def _sample_groups(model, prompts: list[Tensor], config: SamplingConfig, eos: set[int], tokenizer, generators: list,
-                   return_kv: bool, keep_last: bool):
-    """G samples for each of `prompts` (all of one length), decoded as one batch of len(prompts) × G
-    rows: no padding, so every row's positions and K/V are those of its own sequence. The prompts are
-    prefilled once each; group j samples its rows with `generators[j]`."""
-    G, P, device = config.group_size, len(prompts[0]), next(model.parameters()).device
-    # Without a config every layer is a DynamicLayer that keeps its whole history: sliding-window
-    # layers built from the config would drop K/V that return_kv hands out (the attention mask
-    # still applies the window, so the samples are the same).
-    cache = DynamicCache()
-    logits_BV = forward_last(model, torch.stack(prompts).to(device), 0, cache, keep_last).repeat_interleave(G, 0)
-    cache.batch_repeat_interleave(G)  # each prompt's K/V, computed once, copied to its G rows
-    tokens, logprobs, reason = decode(model, cache, logits_BV, P, config, eos, tokenizer, list(generators), keep_last)
-    # views of the decode cache: row i's fed tokens are the prompt and all but its last sampled token
-    kv = [row_kv(cache, i, P + len(tokens[i]) - 1) for i in range(len(tokens))] if return_kv else None
-    completions = [torch.tensor(ids, dtype=torch.long) for ids in tokens]
-    return completions, logprobs, reason, kv
-
-
 @torch.no_grad()
 def generate(
     model,
@@ -315,10 +195,9 @@ def generate(
     eos_token_id: the token(s) that end a completion (kept as its last token); None for none.
     tokenizer: anything with `decode(ids) -> str`; needed only for `config.stop`.
     generator: seeds the sampling, so that a seeded run is reproducible; or one generator per prompt
-      (the same object may repeat). The groups of prompts of one length decode as one batch, each
-      drawing with its own generator at every step (a generator shared by several groups is drawn
-      from in turn at each step).
-    progress: optional `progress(groups done, groups in all)`, called after each batch of groups.
+      (the same object may repeat). Every row of the call decodes in one batch; a row's samples
+      depend only on its generator and its place among that generator's rows (rl/decode.py `Draws`).
+    progress: optional `progress(groups done, groups in all)`, called as each group finishes.
     return_kv: also return each sample's K/V (as the model's cache holds them, post-RoPE) for the
       streamed backward at the same weights (`stream_backward(..., kv=rollout.kv)`).
     The model runs as it is: call `model.eval()` first if it has dropout.
@@ -338,34 +217,31 @@ def generate(
     eos = set() if eos_token_id is None else {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
     keep_last = takes_logits_to_keep(model)
 
-    G = config.group_size
+    G, n = config.group_size, len(prompts) * config.group_size
     prompts = [p.detach().to("cpu", torch.long) for p in prompts]
-    # the groups of prompts of one length decode as one batch (no padding); each keeps its generator
+    device = next(model.parameters()).device
     by_length: dict[int, list[int]] = {}
     for j, p in enumerate(prompts):
         by_length.setdefault(len(p), []).append(j)
-    per_group: dict[int, tuple] = {}
-    for bucket in by_length.values():
-        completions, logprobs, reasons, kv = _sample_groups(model, [prompts[j] for j in bucket], config, eos,
-                                                            tokenizer, [gens[j] for j in bucket], return_kv,
-                                                            keep_last)
-        for k, j in enumerate(bucket):
-            rows = slice(k * G, (k + 1) * G)
-            per_group[j] = (completions[rows], logprobs[rows], reasons[rows], kv[rows] if return_kv else None)
-        if progress is not None:
-            progress(len(per_group), len(prompts))
-    out = Rollout(prompt_index=[], prompt_ids=[], completion_ids=[], logprobs=[], finish_reason=[],
-                  kv=[] if return_kv else None, group_size=G)
-    for j, prompt in enumerate(prompts):
-        completions, logprobs, reasons, kv = per_group[j]
-        out.prompt_index += [j] * G
-        out.prompt_ids += [prompt] * G
-        out.completion_ids += completions
-        out.logprobs += logprobs
-        out.finish_reason += reasons
-        if return_kv:
-            out.kv += kv
-    return out
+    parts = []
+    for bucket in by_length.values():  # one prefill per prompt, its K/V then copied to its G rows
+        cache, logits = prefill(model, [prompts[j].tolist() for j in bucket], device, keep_last)
+        cache.batch_repeat_interleave(G)
+        parts.append(([j * G + k for j in bucket for k in range(G)], cache, logits.repeat_interleave(G, 0)))
+    rows = Rows.stack(parts, n)
+    del parts
+    left = [G] * len(prompts)  # rows of each group still sampling
+
+    def finished(i: int) -> None:
+        left[i // G] -= 1
+        if progress is not None and left[i // G] == 0:
+            progress(sum(x == 0 for x in left), len(prompts))
+
+    out = decode(model, rows, config, eos, tokenizer, [gens[i // G] for i in range(n)], keep_last,
+                 [config.max_new_tokens] * n, keep_kv=return_kv, finished=finished)
+    return Rollout(prompt_index=[i // G for i in range(n)], prompt_ids=[prompts[i // G] for i in range(n)],
+                   completion_ids=[torch.tensor(ids, dtype=torch.long) for ids in out.tokens],
+                   logprobs=out.logprobs, finish_reason=out.reasons, kv=out.kv, group_size=G)
 
 
 class Sampler:

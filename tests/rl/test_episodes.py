@@ -130,6 +130,29 @@ def test_the_sequence_is_bitwise_what_the_sampler_fed(script, fmt):
         assert info(r, "tool_calls") == [1, 0]
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no GPU here"))])
+def test_a_round_of_turns_of_other_lengths_is_the_learners_forward(script, device):
+    """The later turns of a step's episodes decode as one batch whatever their lengths (left-padded;
+    an episode that answered leaves the batch): each sampled token's log-prob and each episode's K/V
+    are those of one full forward over its sequence, in float64."""
+    model, tok = tiny(torch.float64)
+    model = model.to(device)
+    script([["[add 12 34]<eos>", "46<eos>"], ["[add 1 2]<eos>", "[add 3 4]<eos>", "7<eos>"], ["46<eos>"],
+            ["[add 100 200]<eos>", "300<eos>"]])
+    s = sampler(tok, G=2, max_new=40)
+    r = sample(s, model, [{"prompt": "12+34=", "answer": "46"}, {"prompt": "1+2+4=", "answer": "7"}])
+    assert info(r, "turns") == [2, 3, 1, 2]
+    for seq, m, lp, kv in zip(r.sequences(), r.completion_mask(), r.aligned_logprobs(), r.kv):
+        with torch.no_grad():
+            out = model(seq[None].to(device), use_cache=True)
+        ref = out.logits[0, :-1].cpu().log_softmax(-1).gather(-1, seq[1:, None])[:, 0]
+        torch.testing.assert_close(lp[m], ref[m[1:]], atol=1e-12, rtol=0)
+        for (k, v), layer in zip(kv, out.past_key_values.layers):
+            torch.testing.assert_close(k, layer.keys[0, :, :-1], atol=1e-12, rtol=0)
+            torch.testing.assert_close(v, layer.values[0, :, :-1], atol=1e-12, rtol=0)
+
+
 # -- episodes on the token tree: exact ------------------------------------------------------------------
 
 

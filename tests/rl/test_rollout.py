@@ -7,6 +7,7 @@ import torch
 from helpers import VOCAB, lora, make
 from transformers import DynamicCache
 
+from backstream.rl.decode import NonFiniteLogits
 from backstream.rl.rollout import Rollout, SamplingConfig, generate
 from backstream.stream.hf import cache_arg, returned_cache
 
@@ -141,10 +142,53 @@ def test_one_prefill_per_group():
 
     model.forward = spy
     r = run(model, SamplingConfig(max_new_tokens=5, group_size=4))
-    assert shapes[0] == (1, 5) and shapes.count((1, 5)) == 1
-    assert shapes[5] == (1, 7) and shapes.count((1, 7)) == 1
-    assert [s for s in shapes if s[0] != 1] == [(4, 1)] * 8  # 4 decode steps per group after the prefill
+    # one prefill per prompt, then the 8 rows of both groups (prompts of 5 and 7 tokens) as one batch
+    assert shapes == [(1, 5), (1, 7)] + [(8, 1)] * 4
     assert len(r) == 8
+
+
+CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU here"))
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_one_batch_equals_each_group_alone(device):
+    # rows of other lengths (left-padded) and rows that finished (dropped) change no row's samples:
+    # a call with three prompts of 3, 5 and 7 tokens = each prompt sampled alone with its generator
+    model = make("qwen3", dtype=torch.float64).to(device)
+    prompts = [PROMPTS[1], torch.tensor([4, 2, 9]), PROMPTS[0]]
+    cfg = SamplingConfig(max_new_tokens=9, group_size=4, temperature=0.9)
+    eos = list(range(0, VOCAB, 5))
+    shapes = []
+    forward = model.forward
+
+    def spy(*args, **kw):
+        shapes.append(tuple(kw["input_ids"].shape))
+        return forward(*args, **kw)
+
+    model.forward = spy
+    together = generate(model, prompts, cfg, eos_token_id=eos, return_kv=True,
+                        generator=[torch.Generator().manual_seed(10 + j) for j in range(3)])
+    decode_rows = [s[0] for s in shapes if s[1] == 1]
+    assert decode_rows == sorted(decode_rows, reverse=True) and decode_rows[0] <= 12 and decode_rows[-1] < 12
+    model.forward = forward
+    assert {"eos", "length"} <= set(together.finish_reason)
+    for j, p in enumerate(prompts):
+        alone = generate(model, [p], cfg, eos_token_id=eos, return_kv=True,
+                         generator=torch.Generator().manual_seed(10 + j))
+        for k in range(4):
+            i = j * 4 + k
+            assert torch.equal(together.completion_ids[i], alone.completion_ids[k])
+            assert together.finish_reason[i] == alone.finish_reason[k]
+            torch.testing.assert_close(together.logprobs[i], alone.logprobs[k], atol=1e-12, rtol=0)
+            for (k1, v1), (k2, v2) in zip(together.kv[i], alone.kv[k]):
+                torch.testing.assert_close(k1, k2, atol=1e-12, rtol=0)
+                torch.testing.assert_close(v1, v2, atol=1e-12, rtol=0)
+        for seq, m, lp in zip(together.sequences()[j * 4:j * 4 + 4], together.completion_mask()[j * 4:j * 4 + 4],
+                              together.logprobs[j * 4:j * 4 + 4]):  # the learner's forward, on the device
+            with torch.no_grad():
+                logits_LV = model(seq[None].to(device)).logits[0, :-1].cpu()
+            ref = (logits_LV / 0.9).log_softmax(-1).gather(-1, seq[1:, None])[:, 0]
+            torch.testing.assert_close(lp, ref[m[1:]], atol=1e-12, rtol=0)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "mistral-window"])
@@ -182,6 +226,14 @@ def test_rollout_kv_feeds_stream_backward():
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
     for learner, sampler in zip(logprobs[0], r.aligned_logprobs()):  # sampler/learner agreement
         torch.testing.assert_close(learner, sampler, atol=1e-5, rtol=0, equal_nan=True)
+
+
+def test_nonfinite_logits_stop_the_sampler():
+    model = model32()
+    with torch.no_grad():
+        model.lm_head.weight[3] = float("nan")  # tied: token 3's embedding too
+    with pytest.raises(NonFiniteLogits, match="logits hold NaN/inf.*optim.lr"):
+        run(model, SamplingConfig(max_new_tokens=4, group_size=2))
 
 
 def test_bf16_model():

@@ -8,11 +8,13 @@ message). Only the sampled tokens carry a loss (`Rollout.sampled`); tool results
 user messages are context of weight 0, and the trie of the streamed backward merges a group's shared
 prompt and any turns its episodes share, so an episode costs its unique tokens.
 
-The cache is kept across turns: the prompt of a task is prefilled once for its G episodes (the first
-turns are sampled as one batch, as single-turn groups are), each episode then keeps its own cache, and
-a turn feeds only its new tokens (the previous turn's last token, the inserted tokens) before it
-samples. Every sampled token keeps the sampler's log-prob; inserted tokens have none (NaN). With
-`return_kv` each episode's K/V (every position but its last token's) go to the engine, no prefill.
+The step's episodes are played in rounds, every live episode's turn of a round decoded as one batch
+(rl/decode.py: rows of different lengths left-padded, finished rows dropped). The first round
+prefills each distinct prompt once for the episodes that start from it; each episode then keeps its
+own K/V, and a later turn prefills only its new tokens (the previous turn's last token, the inserted
+tokens) after them before it joins the round's batch. Every sampled token keeps the sampler's
+log-prob; inserted tokens have none (NaN). With `return_kv` each episode's K/V (every position but
+its last token's) go to the engine, no prefill.
 
 Fidelity: an episode's sequence is bitwise the tokens the sampler fed, in order, plus the last token
 it sampled (`EpisodeSampler.fed` keeps them for the test that checks it).
@@ -20,18 +22,17 @@ it sampled (`EpisodeSampler.fed` keeps them for the test that checks it).
 
 from __future__ import annotations
 
-import copy
 import math
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
-from transformers import DynamicCache
 
 from backstream.checks import UserError
 from backstream.rl.agent.env import EnvConfig, EnvError, Environment, ToolResult
 from backstream.rl.agent.turns import make_format
-from backstream.rl.rollout import EpisodeInfo, Rollout, SamplingConfig, decode, forward_last, row_kv
+from backstream.rl.decode import KV, Rows, decode, prefill
+from backstream.rl.rollout import EpisodeInfo, Rollout, SamplingConfig
 from backstream.stream.hf import takes_logits_to_keep
 
 METRIC_KEYS = ("episode/turns/mean", "episode/tool_calls/mean", "episode/tool_errors/mean", "episode/truncated",
@@ -58,7 +59,7 @@ class _Episode:
     tool_errors: int = 0
     results_cut: int = 0
     reason: str | None = None
-    cache: DynamicCache | None = None
+    kv: KV | None = None  # per layer (K, V) [Hkv, L, D] of every fed position
     fed: list[int] = field(default_factory=list)  # every token fed to the model, in order (fidelity test)
 
     def add(self, ids: list[int], logprobs: list[float] | None) -> None:
@@ -105,17 +106,23 @@ class EpisodeSampler:
     def sample(self, model, rows: list[dict], indices: list[int], generators: list, progress=None) -> Rollout:
         self.release()
         G, keep_last = self.config.group_size, takes_logits_to_keep(model)
-        episodes: list[_Episode] = []
-        self.fed = []
-        for j, (row, index, gen) in enumerate(zip(rows, indices, generators)):
-            group = [self._start(row, index) for _ in range(G)]
-            self._first_turns(model, group, gen, keep_last)
-            for ep in group:
-                while self._after_turn(ep):
-                    self._next_turn(model, ep, gen, keep_last)
-            episodes += group
-            if progress is not None:
-                progress(j + 1, len(rows))
+        episodes = [self._start(row, index) for row, index in zip(rows, indices) for _ in range(G)]
+        gens = [gen for gen in generators for _ in range(G)]  # an episode draws from its group's generator
+        left = [G] * len(rows)  # live episodes per group
+
+        def ended(live: list[int]) -> list[int]:
+            still = [k for k in live if self._after_turn(episodes[k])]
+            for k in set(live) - set(still):
+                left[k // G] -= 1
+            if progress is not None and set(live) != set(still):
+                progress(sum(x == 0 for x in left), len(rows))
+            return still
+
+        self._first_turns(model, episodes, gens, keep_last)
+        live = ended(list(range(len(episodes))))
+        while live:  # a round: every live episode's next turn, as one batch
+            self._next_turns(model, [episodes[k] for k in live], [gens[k] for k in live], keep_last)
+            live = ended(live)
         self.tool_s = sum(ep.tool_s for ep in episodes)
         return self._rollout(episodes, indices)
 
@@ -141,28 +148,34 @@ class EpisodeSampler:
         for_rewards = messages if chat else messages[-1]["content"]
         return _Episode(env=env, prompt=prompt, prompt_for_rewards=for_rewards)
 
-    def _first_turns(self, model, group: list[_Episode], gen, keep_last: bool) -> None:
-        """The first turn of a task's episodes: one prefill per distinct prompt (one for the G episodes
-        unless reset's texts differ), its rows sampled as one batch, a cache of its own per episode."""
+    def _first_turns(self, model, episodes: list[_Episode], gens: list, keep_last: bool) -> None:
+        """The first turn of every episode, as one batch: one prefill per distinct prompt (one for a
+        task's G episodes unless reset's texts differ; prompts of one length together)."""
         device = next(model.parameters()).device
-        by_prompt: dict[tuple, list[_Episode]] = {}
-        for ep in group:
-            by_prompt.setdefault(tuple(ep.prompt), []).append(ep)
-        for prompt, eps in by_prompt.items():
-            P = len(prompt)
-            if P >= self.max_tokens:
-                raise UserError(f"env.max_episode_tokens: a prompt of {P} tokens leaves no room for a turn "
+        by_prompt: dict[tuple, list[int]] = {}
+        for k, ep in enumerate(episodes):
+            by_prompt.setdefault(tuple(ep.prompt), []).append(k)
+        by_length: dict[int, list[tuple]] = {}
+        for prompt in by_prompt:
+            if len(prompt) >= self.max_tokens:
+                raise UserError(f"env.max_episode_tokens: a prompt of {len(prompt)} tokens leaves no room for a turn "
                                  f"(limit {self.max_tokens}); raise it or shorten the prompt")
-            cfg = copy.copy(self.config)
-            cache = DynamicCache()
-            logits = forward_last(model, torch.tensor(prompt, device=device)[None], 0, cache, keep_last)
-            cache.batch_repeat_interleave(len(eps))
-            tokens, logps, reasons = decode(model, cache, logits.expand(len(eps), -1), P, cfg, set(self.eos),
-                                            self.tok, gen, keep_last, self._budget(P))
-            for i, ep in enumerate(eps):
-                ep.cache = _own_cache(row_kv(cache, i, P + len(tokens[i]) - 1))
-                ep.fed = list(prompt) + tokens[i][:-1]
-                self._took_turn(ep, tokens[i], logps[i], reasons[i])
+            by_length.setdefault(len(prompt), []).append(prompt)
+        parts = []
+        for prompts in by_length.values():
+            cache, logits = prefill(model, [list(p) for p in prompts], device, keep_last)
+            rows = [k for p in prompts for k in by_prompt[p]]
+            which = torch.tensor([n for n, p in enumerate(prompts) for _ in by_prompt[p]], device=logits.device)
+            cache.batch_select_indices(which)  # each prompt's K/V, computed once, copied to its episodes
+            parts.append((rows, cache, logits[which]))
+        batch = Rows.stack(parts, len(episodes))
+        del parts
+        out = decode(model, batch, self.config, set(self.eos), self.tok, gens, keep_last,
+                     [self._budget(len(ep.prompt)) for ep in episodes], keep_kv=True)
+        for k, ep in enumerate(episodes):
+            ep.kv = out.kv[k]
+            ep.fed = list(ep.prompt) + out.tokens[k][:-1]
+            self._took_turn(ep, out.tokens[k], out.logprobs[k], out.reasons[k])
 
     def _budget(self, length: int) -> int:
         return max(1, min(self.config.max_new_tokens, self.max_tokens - length))
@@ -250,28 +263,35 @@ class EpisodeSampler:
         kept = self.tok.decode(ids[:cap]) if len(ids) > cap else text
         return kept + CUT.format(max(res.length, len(text)) - len(kept)), True
 
-    def _next_turn(self, model, ep: _Episode, gen, keep_last: bool) -> None:
-        """Feed the turn's last token and what `_after_turn` inserted, then sample the next turn."""
+    def _next_turns(self, model, eps: list[_Episode], gens: list, keep_last: bool) -> None:
+        """Each episode feeds its turn's last token and what `_after_turn` inserted (a prefill after its
+        own K/V), then their next turns are sampled as one batch."""
         device = next(model.parameters()).device
-        new = ep.pending + ep.inserted
-        logits = forward_last(model, torch.tensor(new, device=device)[None], ep.length() - 1, ep.cache, keep_last)
-        ep.fed += new
-        ep.add(ep.inserted, None)
-        tokens, logps, reasons = decode(model, ep.cache, logits, ep.length(), self.config, set(self.eos), self.tok,
-                                        gen, keep_last, self._budget(ep.length()))
-        ep.fed += tokens[0][:-1]
-        self._took_turn(ep, tokens[0], logps[0], reasons[0])
+        parts = []
+        for r, ep in enumerate(eps):
+            new = ep.pending + ep.inserted
+            cache, logits = prefill(model, [new], device, keep_last, history=ep.kv)
+            ep.kv = None  # the cache holds them now
+            ep.fed += new
+            ep.add(ep.inserted, None)
+            parts.append(([r], cache, logits))
+        batch = Rows.stack(parts, len(eps))
+        del parts
+        out = decode(model, batch, self.config, set(self.eos), self.tok, gens, keep_last,
+                     [self._budget(ep.length()) for ep in eps], keep_kv=True)
+        for r, ep in enumerate(eps):
+            ep.kv = out.kv[r]
+            ep.fed += out.tokens[r][:-1]
+            self._took_turn(ep, out.tokens[r], out.logprobs[r], out.reasons[r])
 
     def _rollout(self, episodes: list[_Episode], indices: list[int]) -> Rollout:
         G = self.config.group_size
-        dtype = episodes[0].cache.layers[0].keys.dtype if episodes and episodes[0].cache is not None else torch.float32
+        dtype = episodes[0].kv[0][0].dtype if episodes and episodes[0].kv else torch.float32
         lp_dtype = torch.promote_types(dtype, torch.float32)
         self.fed = [ep.fed for ep in episodes]
-        kv = None
-        if self.return_kv:
-            kv = [[(layer.keys[0], layer.values[0]) for layer in ep.cache.layers] for ep in episodes]
+        kv = [ep.kv for ep in episodes] if self.return_kv else None
         for ep in episodes:
-            ep.cache = None  # the K/V above are views of it; the rest goes
+            ep.kv = None
         infos = [EpisodeInfo(turns=ep.turns, tool_calls=ep.tool_calls, tool_errors=ep.tool_errors,
                              results_cut=ep.results_cut, timed_out=ep.reason == "timeout",
                              prompt=ep.prompt_for_rewards, messages=ep.messages, env=ep.env) for ep in episodes]
@@ -305,10 +325,3 @@ class EpisodeSampler:
                 "episode/timeouts": sum(x.timed_out for x in e) / n,
                 "episode/results_cut/mean": sum(x.results_cut for x in e) / n}
 
-
-def _own_cache(kv: list[tuple[Tensor, Tensor]]) -> DynamicCache:
-    """A batch-1 cache holding these K/V ([Hkv, L, D] per layer): an episode's own, to extend."""
-    cache = DynamicCache()
-    for layer, (k, v) in enumerate(kv):
-        cache.update(k[None], v[None], layer)
-    return cache

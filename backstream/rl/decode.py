@@ -1,0 +1,262 @@
+"""The in-process decoder: rows of any lengths sampled as one batch (docs/design.md §1).
+
+A batch row is a sequence with its cache: a prompt's copy for one of its G samples, or an episode's
+history before its next turn. Rows of different lengths share one cache, each left-padded with
+zeros to the longest; a 2-D mask hides the pads and every row runs at its own positions (the
+HF `generate` convention). A row that finishes (EOS, a stop string, its token budget) leaves the batch
+at once, its K/V copied out first when asked for; columns that only finished rows needed are cut.
+A batch whose rows have one length needs no mask and computes exactly what one row alone would.
+
+Sampling draws one uniform number per row per step from the row's generator and inverts the CDF of
+its probabilities (float64): a generator draws for every row it started with, finished or not, so a
+row's samples never depend on when the others finished, nor on which other rows share the batch.
+The log-prob of a sampled token is taken under softmax(logits / T) *before* top-k/top-p truncation:
+that is what a learner dividing its logits by the same T computes, so sampler and learner agree
+(temperature 0 samples greedily and reports log-probs at T = 1). One host sync per step reads the
+new tokens: the EOS and stop-string checks need them, and a finished row must leave the batch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from backstream.checks import UserError
+from backstream.stream.hf import cache_arg
+
+KV = list[tuple[Tensor, Tensor]]  # per layer, (K, V) [Hkv, L, D] of one row
+# cuDNN's attention builds a graph per new key length, i.e. at every decode step: 2.3 ms of CPU per
+# call on an H200 (61% of a Qwen3-0.6B-shaped rollout's time); the others take any length as it comes
+SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+class NonFiniteLogits(UserError):
+    """The policy's next-token logits hold NaN/inf: nothing can be sampled from them."""
+
+
+def _filter(scaled_BV: Tensor, top_k: int, top_p: float) -> Tensor:
+    """Top-k then top-p: the dropped tokens' logits become -inf."""
+    if 0 < top_k < scaled_BV.shape[-1]:
+        kth_B1 = scaled_BV.topk(top_k, dim=-1).values[:, -1:]
+        scaled_BV = scaled_BV.masked_fill(scaled_BV < kth_B1, -math.inf)
+    if top_p < 1:
+        sorted_BV, order_BV = scaled_BV.sort(dim=-1, descending=True)
+        probs_BV = sorted_BV.softmax(-1)
+        # drop a token once the tokens ranked above it already hold top_p; the first always stays
+        drop_BV = probs_BV.cumsum(-1) - probs_BV >= top_p
+        scaled_BV = scaled_BV.scatter(-1, order_BV, sorted_BV.masked_fill(drop_BV, -math.inf))
+    return scaled_BV
+
+
+class Draws:
+    """Each row's uniform number for a step: row i draws from `generators[i]` (None: torch's global
+    generator). A generator draws one number per row it was given at every step, finished or not, in
+    row order, so a row's draws depend only on its generator and its place among that generator's
+    rows."""
+
+    def __init__(self, generators: list):
+        self.gens: dict[int, tuple] = {}  # id(generator) -> (generator, its rows)
+        for i, g in enumerate(generators):
+            self.gens.setdefault(id(g), (g, []))[1].append(i)
+        self.slot = {i: (id(g), k) for g, rows in self.gens.values() for k, i in enumerate(rows)}
+
+    def step(self, live: list[int], device) -> Tensor:
+        """The uniforms [len(live)] (float64) of the rows `live`, drawing for every generator that
+        still has a live row."""
+        wanted = {self.slot[i][0] for i in live}
+        drawn = {}
+        for key, (g, rows) in self.gens.items():
+            if key in wanted:
+                where = g.device if g is not None else "cpu"
+                drawn[key] = torch.rand(len(rows), generator=g, dtype=torch.float64, device=where).tolist()
+        return torch.tensor([drawn[self.slot[i][0]][self.slot[i][1]] for i in live], dtype=torch.float64,
+                            device=device)
+
+
+def sample_tokens(logits_BV: Tensor, temperature: float, top_k: int, top_p: float,
+                  u_B: Tensor | None) -> tuple[Tensor, Tensor]:
+    """The sampled tokens [B] and their log-probs [B] (before truncation); `u_B`: one uniform number
+    per row (unused at temperature 0, which takes the argmax)."""
+    logits_BV = logits_BV.to(torch.promote_types(logits_BV.dtype, torch.float32))  # bf16: softmax in float32
+    scaled_BV = logits_BV / (temperature or 1.0)
+    if temperature == 0:
+        tok_B = logits_BV.argmax(-1)
+    else:
+        cdf_BV = _filter(scaled_BV, top_k, top_p).softmax(-1).double().cumsum(-1)
+        # the first token whose cumulative mass exceeds u: a token of zero mass is never chosen
+        tok_B = torch.searchsorted(cdf_BV, (u_B * cdf_BV[:, -1])[:, None], right=True).squeeze(-1)
+        tok_B = tok_B.clamp_(max=logits_BV.shape[-1] - 1)
+    logp_B = scaled_BV.log_softmax(-1).gather(-1, tok_B[:, None]).squeeze(-1)
+    return tok_B, logp_B
+
+
+def forward_last(model, ids_BL: Tensor, start: int | Tensor, cache: DynamicCache, keep_last: bool,
+                 mask_BT: Tensor | None = None) -> Tensor:
+    """Logits [B, V] of the last position of `ids_BL`, which sit at positions start.. (an int shared by
+    every row, or one per row [B]); `mask_BT`: the 2-D mask of the cache's positions and these (None:
+    every position is real)."""
+    L = ids_BL.shape[1]
+    arange_L = torch.arange(L, device=ids_BL.device)
+    pos = arange_L[None] + start if isinstance(start, int) else start[:, None] + arange_L
+    extra = {"logits_to_keep": 1} if keep_last else {}  # no [L, V] logits for a long prompt
+    extra[cache_arg(model) or "past_key_values"] = cache
+    if mask_BT is not None:
+        extra["attention_mask"] = mask_BT
+    with sdpa_kernel(SDPA_BACKENDS):
+        out = model(input_ids=ids_BL, position_ids=pos, use_cache=True, **extra)
+    return out.logits[:, -1]
+
+
+def prefill(model, ids: list[list[int]], device, keep_last: bool, history: KV | None = None):
+    """The cache and next-token logits [n, V] of `ids` (sequences of one length, as one batch), after
+    `history` (one row's K/V; its sequences then continue it)."""
+    cache = DynamicCache()  # without a config every layer keeps its whole history (see row_kv)
+    start = 0
+    if history is not None:
+        for layer, (k, v) in enumerate(history):
+            cache.update(k[None], v[None], layer)
+        start = history[0][0].shape[-2]
+    logits = forward_last(model, torch.tensor(ids, dtype=torch.long, device=device), start, cache, keep_last)
+    return cache, logits
+
+
+def row_kv(cache: DynamicCache, row: int, begin: int, end: int) -> KV:
+    """Positions begin..end of row `row` of every layer of a cache, as views [Hkv, L, D]."""
+    for layer in cache.layers:
+        if type(layer) is not DynamicLayer:
+            raise UserError(f"return_kv: cache layer {type(layer).__name__} does not keep the full K/V history")
+    return [(layer.keys[row, :, begin:end], layer.values[row, :, begin:end]) for layer in cache.layers]
+
+
+@dataclass
+class Rows:
+    """A decode batch: its cache (rows left-padded to the longest), each row's real length and pads,
+    and each row's next-token logits [B, V]."""
+
+    cache: DynamicCache
+    lengths: list[int]
+    pads: list[int]
+    logits: Tensor
+
+    @staticmethod
+    def stack(parts: list[tuple[list[int], DynamicCache, Tensor]], n: int) -> Rows:
+        """`n` rows gathered from prefilled parts: (the rows it fills, its cache (all of one length, one
+        batch row per filled row), its logits)."""
+        longest = max(c.get_seq_length() for _, c, _ in parts)
+        lengths, pads = [0] * n, [0] * n
+        first = parts[0][1]
+        logits = parts[0][2].new_empty((n, parts[0][2].shape[-1]))
+        cache = DynamicCache()
+        for layer in range(len(first.layers)):
+            padded = []
+            for name in ("keys", "values"):  # their head sizes may differ (MLA)
+                like = getattr(first.layers[layer], name)
+                out = like.new_zeros((n, like.shape[1], longest, like.shape[3]))
+                for rows, c, _ in parts:
+                    L = c.get_seq_length()
+                    out[torch.tensor(rows, device=out.device), :, longest - L:] = getattr(c.layers[layer], name)
+                padded.append(out)
+            cache.update(*padded, layer)
+        for rows, c, part_logits in parts:
+            L = c.get_seq_length()
+            logits[torch.tensor(rows, device=logits.device)] = part_logits
+            for r in rows:
+                lengths[r], pads[r] = L, longest - L
+        return Rows(cache, lengths, pads, logits)
+
+
+def _stop_hit(tokenizer, ids: list[int], stop: list[str], window: int) -> bool:
+    # Only the newest token can complete a stop string (an earlier completion would have stopped
+    # the row already), so decoding the tail that could hold the longest one suffices.
+    text = tokenizer.decode(ids[-window:])
+    return any(s in text for s in stop)
+
+
+@dataclass
+class Decoded:
+    """Per row: the sampled ids, their log-probs [n], how it ended ("eos", "stop" or "length"), and
+    with `keep_kv` its K/V over every fed position (its length, then all but its last sampled token)."""
+
+    tokens: list[list[int]]
+    logprobs: list[Tensor]
+    reasons: list[str]
+    kv: list[KV] | None
+
+
+def decode(model, rows: Rows, config, eos: set[int], tokenizer, generators: list, keep_last: bool,
+           budgets: list[int], keep_kv: bool = False, finished=None) -> Decoded:
+    """Sample every row of `rows` until it ends: an EOS token, a stop string of `config.stop`, or
+    `budgets[i]` tokens. Row i draws with `generators[i]`. `finished(i)` is called as row i ends."""
+    B = len(rows.lengths)
+    window = 4 * max((len(s) for s in config.stop), default=0) + 1  # a character may take up to 4 byte tokens
+    draws = Draws(generators)
+    cache, logits_BV, pads = rows.cache, rows.logits, list(rows.pads)
+    device = logits_BV.device
+    live = list(range(B))  # batch position -> row
+    pos_B = torch.tensor(rows.lengths, device=device)  # the next position of each live row
+    mask_BT = None
+    if any(pads):
+        mask_BT = torch.ones((B, cache.get_seq_length()), dtype=torch.long, device=device)
+        for b, p in enumerate(pads):
+            mask_BT[b, :p] = 0
+    tokens: list[list[int]] = [[] for _ in range(B)]
+    logps: list[list[float]] = [[] for _ in range(B)]
+    reasons: list[str] = [""] * B
+    kv: list[KV] | None = [[] for _ in range(B)] if keep_kv else None
+    tok_B: Tensor | None = None
+    for t in range(max(budgets)):
+        if t > 0:
+            if mask_BT is not None:
+                mask_BT = torch.cat([mask_BT, mask_BT.new_ones((len(live), 1))], 1)
+            logits_BV = forward_last(model, tok_B[:, None], pos_B, cache, keep_last, mask_BT)
+            pos_B = pos_B + 1
+        u_B = draws.step(live, device) if config.temperature else None
+        tok_B, logp_B = sample_tokens(logits_BV, config.temperature, config.top_k, config.top_p, u_B)
+        new, new_lp = tok_B.tolist(), logp_B.tolist()  # the CPU-GPU sync of the step: the checks need the ids
+        if any(math.isnan(x) for x in new_lp):  # NaN/inf logits: the draw would be garbage
+            raise NonFiniteLogits(f"model: its next-token logits hold NaN/inf (sampled token {t + 1} of "
+                                  f"{sum(math.isnan(x) for x in new_lp)} row(s)): its weights overflowed or hold "
+                                  "NaN/inf; in a run, lower optim.lr or clip the gradient (optim.max_grad_norm)")
+        done = []
+        for b, i in enumerate(live):
+            tokens[i].append(new[b])
+            logps[i].append(new_lp[b])
+            if new[b] in eos:
+                reasons[i] = "eos"
+            elif config.stop and _stop_hit(tokenizer, tokens[i], config.stop, window):
+                reasons[i] = "stop"
+            elif len(tokens[i]) == budgets[i]:
+                reasons[i] = "length"
+            if reasons[i]:
+                done.append(b)
+        if not done:
+            continue
+        for b in done:
+            i = live[b]
+            if keep_kv:  # the row's fed positions: its length, then t sampled tokens
+                kv[i] = [(k.clone(), v.clone()) for k, v in row_kv(cache, b, pads[b], pads[b] + rows.lengths[i] + t)]
+            if finished is not None:
+                finished(i)
+        keep = [b for b in range(len(live)) if b not in set(done)]
+        if not keep:
+            break
+        idx = torch.tensor(keep, device=device)
+        cache.batch_select_indices(idx)
+        live, pads, tok_B, pos_B = [live[b] for b in keep], [pads[b] for b in keep], tok_B[idx], pos_B[idx]
+        if mask_BT is not None:
+            mask_BT = mask_BT[idx]
+            cut = min(pads)  # columns that only finished rows needed
+            if cut:
+                for layer in cache.layers:
+                    layer.keys, layer.values = layer.keys[:, :, cut:], layer.values[:, :, cut:]
+                mask_BT, pads = mask_BT[:, cut:], [p - cut for p in pads]
+            if not any(pads):
+                mask_BT = None  # every row real again: the unmasked path
+    lp_dtype = torch.promote_types(logits_BV.dtype, torch.float32)
+    return Decoded(tokens, [torch.tensor(lp, dtype=lp_dtype) for lp in logps], reasons, kv)
