@@ -205,13 +205,18 @@ class RunConfig:
         r, what = self.rollout, None
         if self.engine.reuse_rollout_kv:
             what = "engine.reuse_rollout_kv: the server hands no K/V (the engine runs its prefill); set it to false"
-        elif r.top_p < 1 or r.top_k > 0:
-            what = ("rollout.top_p / rollout.top_k: vLLM renormalises its log-probs after truncation, the learner "
-                    "does not, so importance weights would be off; sample with top_p = 1 and top_k = 0")
+        elif (r.top_p < 1 or r.top_k > 0) and r.temperature != 1:
+            what = (f"rollout.top_p / rollout.top_k at rollout.temperature = {r.temperature}: vLLM's log-probs at a "
+                    "temperature are taken after the truncation (renormalised over the kept tokens), the learner's "
+                    "before it, so importance weights would be off; at temperature 1 the server reports the "
+                    "learner's (raw) log-probs: sample at rollout.temperature = 1, or with top_p = 1 and top_k = 0")
         elif self.quant.enabled:
             what = "quant.rollout: low-bit weights are not published to the server yet"
-        elif world_size is not None and world_size > 1:
-            what = "torchrun: one server per run is not shared across ranks yet; run one process"
+        elif (world_size or 1) > 1 and not self.vllm.url and self.distributed.timeout_s < self.vllm.start_timeout_s:
+            # the other ranks wait in a collective while rank 0 starts the server
+            what = (f"distributed.timeout_s = {self.distributed.timeout_s} is shorter than vllm.start_timeout_s = "
+                    f"{self.vllm.start_timeout_s}: under torchrun the other ranks wait for rank 0's server to start; "
+                    "raise distributed.timeout_s or lower vllm.start_timeout_s")
         if what is not None:
             raise UserError(f"rollout.backend = \"vllm\": {what}")
 

@@ -108,7 +108,7 @@ class Trainer:
         self._build_policy(model, tokenizer)
         self.examples = cfg.data.build(tc.seed, prompt_optional=bool(cfg.env.factory))
         self.samplers = Samplers(cfg, self.tok, eos_ids(self.model, self.tok),
-                                 getattr(self.model.config, "max_position_embeddings", None), self.run_dir)
+                                 getattr(self.model.config, "max_position_embeddings", None), self.run_dir, self.dp)
         self.sampler = self._sampler_for(self.examples, cfg.rollout.group_size, cfg.engine.reuse_rollout_kv)
         self.sampler.check_prompts(self.examples)
         self.rewards = Rewards(cfg.reward, environment=self.sampler.environment)
@@ -228,7 +228,8 @@ class Trainer:
         with quantized(self.model, self.cfg.quant.enabled), fsdp.gathered(self.model):
             r = self.sampler.sample(self.model, [self.examples[idx[j]] for j in groups], [idx[j] for j in groups],
                                     [self.dp.generator(start + j) for j in groups],
-                                    progress=lambda done, n: self.logger.phase(self.step + 1, f"rollout {done}/{n}"))
+                                    progress=lambda done, n, what=None: self.logger.phase(
+                                        self.step + 1, what or f"rollout {done}/{n}"))
         for phase, seconds in self.sampler.timings().items():  # inside the rollout: on their own line
             self.times[phase] += seconds
             self.times["rollout"] -= seconds

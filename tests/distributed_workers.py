@@ -224,3 +224,44 @@ def single_process_reference(tmp: str, names: list[str], store: str) -> dict:
     finally:
         torch.set_num_threads(threads)
         dist.destroy_process_group()
+
+
+def vllm_job(out: str, overrides: list[str]) -> dict:
+    """A run on the vLLM backend on this rank (tests/rl/test_vllm.py): the server's URL and log as this
+    rank saw them, whether this rank started it (rank 0; the others are its clients) and whether its
+    process is gone after the run, the publisher's last version; then a request that only rank 1 sends
+    to the stopped server: the error every rank raises."""
+    from backstream.rl.vllm.server import Server, ServerError
+
+    t = trainer.Trainer(config.load(None, [f'train.output_dir="{out}"', *overrides]))
+    pub, seen = t.samplers.publisher, {}
+    close = pub.close
+
+    def recorded():  # the server as the run leaves it
+        seen.update(url=pub.server.url, proc=pub.server.proc, log=pub.server.log_path)
+        close()
+
+    pub.close = recorded
+    shares = []  # the number of groups of each `sample` call of this rank (training, then [eval])
+    for s in (t.sampler, t.evaluator.sampler):
+        s.sample = _counted(s.sample, shares)
+    t.run()
+    proc = seen["proc"]
+    res = {"url": seen["url"], "log": seen["log"], "started": proc is not None,
+           "stopped": proc is None or proc.poll() is not None, "version": pub.version, "shares": shares}
+    dist.barrier()  # rank 0 has stopped the server
+    try:
+        with pub.requests():
+            if parallel.rank() == 1:
+                Server(seen["url"], None, seen["log"], 10).post("/v1/completions", {})
+    except ServerError as e:
+        res["error"] = str(e)
+    return res
+
+
+def _counted(sample, shares: list):
+    def counted(model, rows, *a, **kw):
+        shares.append(len(rows))
+        return sample(model, rows, *a, **kw)
+
+    return counted

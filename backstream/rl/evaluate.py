@@ -91,10 +91,11 @@ class Evaluator(NoEvaluation):
         gens = [torch.Generator().manual_seed(((self.seed ^ EVAL_SEED) * 1_000_003 + step * 100_003 + i) % 2**63)
                 for i in mine]
         totals = []
+        # every rank samples, an empty share too: a backend's rollout may be a collective (vLLM's weight sync)
+        r = self.sampler.sample(model, [self.examples[i] for i in mine], mine, gens)
         if mine:
-            r = self.sampler.sample(model, [self.examples[i] for i in mine], mine, gens)
             totals = score(r).view(len(mine), self.cfg.samples).tolist()
-            self.sampler.release()
+        self.sampler.release()
         per_prompt = [row for part in dp.gather(totals) for row in part]
         k = self.cfg.samples
         passed = [[x >= self.cfg.pass_reward for x in row] for row in per_prompt]

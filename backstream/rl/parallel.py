@@ -69,7 +69,8 @@ class DistributedConfig:
     reduced in float32 (FSDP2's MixedPrecisionPolicy); "none" computes in model.dtype."""
     timeout_s: int = 1800
     """Under torchrun: seconds a collective may wait for the other ranks before this rank stops with an
-    error (a rank that died or hangs); also the wait for every rank to join at start."""
+    error (a rank that died or hangs); also the wait for every rank to join at start, and for rank 0
+    to start the vLLM server (rollout.backend = "vllm": at least vllm.start_timeout_s)."""
 
     def __post_init__(self):
         literals(self, "distributed")
@@ -245,6 +246,22 @@ def on_main(fn):
     return result
 
 
+def fail_together(error: BaseException | None) -> None:
+    """The end of a phase each rank ran on its own (its requests to a shared server, say): when some
+    rank failed in it, every rank raises, its own error where it has one, else the first failed
+    rank's, so that each says what went wrong rather than that another rank failed."""
+    if not active():
+        if error is not None:
+            raise error
+        return
+    errors = gather(_portable(error))
+    if error is not None:
+        raise error
+    first = next((e for e in errors if e is not None), None)
+    if first is not None:
+        raise first
+
+
 def _portable(e: BaseException | None) -> BaseException | None:
     """`e` as it can cross ranks: itself where it pickles, else a RuntimeError that names it."""
     if e is None:
@@ -364,7 +381,7 @@ class DataParallel:
 
     world, rank, main = 1, 0, True
 
-    def __init__(self, generator: torch.Generator):
+    def __init__(self, generator: torch.Generator | None):
         self.gen = generator  # the sampler's one generator (checkpointed by the trainer)
 
     # set-up, the run folder, failures
@@ -386,6 +403,12 @@ class DataParallel:
     def any(self, flag: bool) -> bool:
         """True on every rank if it is True on some rank (a signal may reach one rank only)."""
         return flag
+
+    def fail_together(self, error: BaseException | None) -> None:
+        """After a phase every rank ran on its own: an error of some rank raised on every rank (its own
+        first); nothing when none failed."""
+        if error is not None:
+            raise error
 
     def check_shared(self, run_dir: str, marker: str) -> None:
         """Every rank must see the run folder rank 0 claimed."""
@@ -474,6 +497,9 @@ class Torchrun(DataParallel):
 
     def any(self, flag: bool) -> bool:
         return any_rank(flag)
+
+    def fail_together(self, error: BaseException | None) -> None:
+        fail_together(error)
 
     def check_shared(self, run_dir: str, marker: str) -> None:
         check_shared(run_dir, marker)

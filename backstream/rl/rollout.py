@@ -223,12 +223,15 @@ def generate(
     by_length: dict[int, list[int]] = {}
     for j, p in enumerate(prompts):
         by_length.setdefault(len(p), []).append(j)
+    if not prompts:  # a rank's share of a round too small to reach it
+        return Rollout(prompt_index=[], prompt_ids=[], completion_ids=[], logprobs=[], finish_reason=[],
+                       kv=[] if return_kv else None, group_size=G)
     parts = []
     for bucket in by_length.values():  # one prefill per prompt, its K/V then copied to its G rows
         cache, logits = prefill(model, [prompts[j].tolist() for j in bucket], device, keep_last)
         cache.batch_repeat_interleave(G)
         parts.append(([j * G + k for j in bucket for k in range(G)], cache, logits.repeat_interleave(G, 0)))
-    rows = Rows.stack(parts, n)
+    rows = Rows.stack(parts, n, config.max_new_tokens)
     del parts
     left = [G] * len(prompts)  # rows of each group still sampling
 

@@ -26,7 +26,9 @@ class RolloutSampler(Protocol):
 
     def sample(self, model, rows: list[dict], indices: list[int], generators: list, progress=None) -> Rollout:
         """G samples for each example `indices[j]` (the data's row `rows[j]`), group j drawn with
-        `generators[j]`; `progress(done, n)` after each group."""
+        `generators[j]`; `progress(done, n)` after each group, `progress(done, n, what)` to say what a
+        long wait is (a server starting). Under torchrun every rank calls it at
+        every round, with an empty share too (a server's weight sync is a collective)."""
 
     def reward_inputs(self, r: Rollout, rows: list[dict]) -> tuple[list, list, dict]:
         """(completions, prompts, extra keyword arguments) as TRL passes them to reward functions."""
@@ -59,16 +61,19 @@ def build_sampler(env_cfg, config: SamplingConfig, tokenizer, eos: list[int], re
 
 class Samplers:
     """The run's samplers (training, evaluation) on its backend, `rollout.backend`, and what they
-    share: nothing for "local"; for "vllm", one server and its weight publisher (rl/vllm/). `close`
-    stops what the backend started."""
+    share: nothing for "local"; for "vllm", one server and its weight publisher (rl/vllm/), shared by
+    every rank of a torchrun job (`dp`: the run's rl/parallel.py object). `close` stops what the
+    backend started."""
 
-    def __init__(self, cfg, tokenizer, eos: list[int], context: int | None, run_dir: str):
+    def __init__(self, cfg, tokenizer, eos: list[int], context: int | None, run_dir: str, dp=None):
         self.cfg, self.tok, self.eos, self.context, self.run_dir = cfg, tokenizer, eos, context, run_dir
         self.publisher = None
         if cfg.rollout.backend == "vllm":
             from backstream.rl.vllm.sampler import WeightPublisher  # noqa: PLC0415  (only a vLLM run needs it)
+            from backstream.rl.vllm.server import logprobs_mode  # noqa: PLC0415
 
-            self.publisher = WeightPublisher(cfg.vllm, tokenizer, run_dir, cfg.train.seed)
+            mode = logprobs_mode(cfg.rollout.top_p, cfg.rollout.top_k)
+            self.publisher = WeightPublisher(cfg.vllm, tokenizer, run_dir, cfg.train.seed, dp, mode)
         self.built: list[RolloutSampler] = []
 
     def build(self, config: SamplingConfig, prompts: list[Tensor], prompt_text: list[str],

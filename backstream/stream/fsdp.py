@@ -219,6 +219,30 @@ def shard(model: nn.Module, device: torch.device, bf16: bool = False) -> nn.Modu
     return model
 
 
+def versions(model: nn.Module) -> tuple[int, ...]:
+    """The version counters of the trainable weights this rank holds: they change whenever an
+    optimizer step (or any in-place write) touches one. Sharded, those of the shards: the gathered
+    copies that `gathered` puts in the modules are refilled by all-gathers that leave their counters
+    at 0, so they never show a step."""
+    us = units(model)
+    if not us:
+        return tuple(p._version for p in model.parameters() if p.requires_grad)
+    return tuple(p.sharded_param._version for u in us for g in u._get_fsdp_state()._fsdp_param_groups
+                 for p in g.fsdp_params if p.sharded_param.requires_grad)
+
+
+def full_state_dict(model: nn.Module, trainable_only: bool = False) -> dict[str, Tensor]:
+    """The model's state dict with whole tensors (`trainable_only`: the parameters that require grad,
+    a LoRA adapter). Sharded, a collective (every rank calls it; the shards are all-gathered one
+    tensor at a time) whose result lands on rank 0's CPU, {} on the other ranks; inside `gathered` it
+    leaves the units resharded (FSDP's state-dict hook), so no forward may follow it there. In one
+    process, the model's own tensors (no copy)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict  # noqa: PLC0415
+
+    return get_model_state_dict(model, options=StateDictOptions(
+        full_state_dict=True, cpu_offload=bool(units(model)), ignore_frozen_params=trainable_only))
+
+
 def local(t: Tensor) -> Tensor:
     """This rank's shard of a DTensor (the tensor itself otherwise)."""
     return t.to_local() if hasattr(t, "to_local") else t

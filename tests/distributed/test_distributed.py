@@ -238,6 +238,9 @@ def test_the_data_parallel_object_without_processes():
     assert one.join_round(roll, total, per_fn) == (roll, total, per_fn)
     assert one.generator(9) is gen and one.train_groups(3, None) == [0, 1, 2] and one.gather(5) == [5]
     assert one.gather_rows([0, 1], ["a", "b"], 2) == ["a", "b"] and one.on_main(lambda: 4) == 4
+    one.fail_together(None)
+    with pytest.raises(KeyError, match="server"):
+        one.fail_together(KeyError("server"))
 
 
 def _returns_3():

@@ -228,6 +228,12 @@ def test_rollout_kv_feeds_stream_backward():
         torch.testing.assert_close(learner, sampler, atol=1e-5, rtol=0, equal_nan=True)
 
 
+def test_no_prompt_no_sample():
+    # a rank's share of a round can be empty (torchrun: DAPO refills, an eval smaller than the world)
+    r = generate(model32(), [], SamplingConfig(group_size=3), eos_token_id=None, return_kv=True)
+    assert len(r) == 0 and r.kv == [] and r.group_size == 3
+
+
 def test_nonfinite_logits_stop_the_sampler():
     model = model32()
     with torch.no_grad():

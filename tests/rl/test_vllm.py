@@ -10,7 +10,8 @@ built-in default model serves the module; the tests:
 - a server killed mid-run: the step stops with an error naming vllm.log, the last checkpoint is
   intact and `--resume` goes on with a new server;
 - the trainer on the vLLM backend: the update equals the local sampler's update on the same samples'
-  shape of run (mismatch/kl ~ 0), and what the backend refuses is refused before the run folder.
+  shape of run (mismatch/kl ~ 0), and what the backend refuses is refused before the run folder;
+- torchrun: 2 ranks are clients of one server that rank 0 starts, publishing from FSDP shards.
 """
 
 import json
@@ -24,8 +25,8 @@ from helpers import no_run_written, run_cfg
 from backstream import logprobs, trainer
 from backstream.default_model import load_default
 from backstream.rl.rollout import SamplingConfig
-from backstream.rl.vllm.sampler import VLLMSampler, WeightPublisher
-from backstream.rl.vllm.server import ServerError, VLLMConfig
+from backstream.rl.vllm.sampler import VLLMSampler, WeightPublisher, starting
+from backstream.rl.vllm.server import ServerError, VLLMConfig, logprobs_mode
 from backstream.rl.vllm.setup import default_dir, python_of, setup
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
@@ -44,9 +45,18 @@ def served(tmp_path_factory, vllm_python):
     model, tok = load_default()
     run_dir = str(tmp_path_factory.mktemp("vllm-run"))
     pub = WeightPublisher(VLLMConfig(python=vllm_python), tok, run_dir, seed=0)
-    pub.ensure(model)
+    notes = []
+    pub.ensure(model, starting(lambda done, n, what: notes.append(what), 1))
+    pub.start_notes = notes  # what a progress line showed during the start-up (test_start_up_is_shown)
     yield model, tok, pub, run_dir
     pub.close()
+
+
+def test_start_up_is_shown(served):
+    notes = served[2].start_notes
+    assert notes and all(n.startswith("starting the vLLM server, ") for n in notes)
+    seconds = [float(n.split(", ")[1].removesuffix(" s")) for n in notes]
+    assert seconds == sorted(seconds) and seconds[-1] > 1
 
 
 def _sampler(tok, pub, prompts, G=4, max_new=12):
@@ -109,6 +119,32 @@ def test_weights_published_after_a_change_are_the_ones_sampled(served):
     assert pub.version == version + 1 and r2.weight_version == [pub.version] * 8  # unchanged: no publish
     assert os.listdir(os.path.join(run_dir, "vllm")) == ["initial", f"weights-{pub.version}"] or \
         sorted(os.listdir(os.path.join(run_dir, "vllm"))) == sorted(["initial", f"weights-{pub.version}"])
+
+
+def test_top_p_top_k_at_temperature_1_report_the_learners_logprobs(served, tmp_path, vllm_python):
+    """vLLM's processed log-probs are renormalised over the tokens top-p/top-k keep, the learner's are
+    not: with truncation the server runs raw_logprobs, which at T = 1 are the learner's."""
+    model, tok, processed, _ = served
+    # text the model is unsure how to go on from, so the truncation drops real mass
+    prompts = [torch.tensor(tok("q+7=z 31 +=+ 9q", add_special_tokens=True)["input_ids"])]
+    cfg = SamplingConfig(group_size=8, max_new_tokens=12, top_p=0.6, top_k=3)
+
+    def sample(pub):
+        s = VLLMSampler(cfg, tok, [tok.eos_token_id], prompts, [""], pub)
+        return s.sample(model, [{}], [0], [torch.Generator().manual_seed(3)])
+
+    assert _max_logprob_gap(model, sample(processed)) > 1e-3  # the module's server: renormalised
+    pub = WeightPublisher(VLLMConfig(python=vllm_python), tok, str(tmp_path), seed=0, mode=logprobs_mode(0.6, 3))
+    try:
+        r = sample(pub)
+    finally:
+        pub.close()
+    assert _max_logprob_gap(model, r) <= 1e-4
+    with torch.no_grad():  # the truncation shaped the sampling: every token among the learner's top 3
+        for seq, m in zip(r.sequences(), r.completion_mask()):
+            logits_LV = model(seq[None]).logits[0, :-1][m[1:]]
+            rank = (logits_LV > logits_LV.gather(-1, seq[m][:, None])).sum(-1)
+            assert (rank < 3).all()
 
 
 def test_a_lora_policy_publishes_its_adapter(tmp_path, vllm_python):
@@ -219,6 +255,49 @@ def test_the_trainer_on_vllm_and_a_server_killed_mid_run(tmp_path, vllm_python):
     assert [r["vllm/weight_version"] for r in rows][2:] == _versions(rows[2:])
 
 
+@pytest.mark.distributed
+def test_two_ranks_share_one_server(served, tmp_path, vllm_python):
+    """torchrun, 2 gloo ranks, one server that rank 0 starts: each rank samples its own groups (DAPO
+    refills, an [eval] of one prompt, so rank 1's share is empty), the weights are gathered from their
+    FSDP shards and published before every rollout after a step: mismatch/kl ~ 0 at every step, the
+    versions advance alike on both ranks, rank 0 stops the server at the end, and a request that fails
+    on rank 1 stops rank 0 with the same error naming vllm.log. The same global batch on one rank
+    (torchrun with one process: the same per-group seeds), sampled by the module's server, draws the
+    same first step."""
+    import dist
+    import distributed_workers as workers
+
+    _, _, pub, _ = served
+    cfg = [f'vllm.python="{vllm_python}"', 'rollout.backend="vllm"', "train.steps=3", "train.prompts_per_step=4",
+           "rollout.group_size=4", "algorithm.dynamic_sampling=true", "eval.every=2", "eval.prompts=1",
+           "eval.samples=2", "train.progress=false", "train.plots=false", "distributed.timeout_s=300",
+           "vllm.start_timeout_s=300"]
+    two = dist.run(workers.vllm_job, 2, str(tmp_path / "two"), cfg, init=False)
+    rows = [json.loads(x) for x in open(tmp_path / "two" / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["mismatch/kl"] is not None and r["mismatch/kl"] < 1e-4 for r in rows), rows
+    assert [r["vllm/weight_version"] for r in rows] == [0, 1, 2]  # the eval after step 2 published the 2nd
+    assert rows[1]["eval/pass@2"] is not None and rows[2]["eval/pass@2"] is not None
+    log = str(tmp_path / "two" / "vllm.log")
+    assert [(r["started"], r["stopped"], r["version"], r["log"]) for r in two] == [(True, True, 3, log),
+                                                                                   (False, True, 3, log)]
+    assert two[0]["url"] == two[1]["url"]
+    # every rank took part in every round (DAPO refills of fewer groups than ranks, the eval): the
+    # publisher's collectives matched
+    assert len(two[0]["shares"]) == len(two[1]["shares"]) and 0 in two[0]["shares"] + two[1]["shares"]
+    assert sum(two[0]["shares"]) + sum(two[1]["shares"]) > 3 * 4 + 2  # refills were drawn
+    assert "no answer" in two[0]["error"] and two[0]["error"] == two[1]["error"] and log in two[0]["error"]
+    try:  # one rank, on the module's server (vllm.url): the run publishes its own weights to it
+        one = dist.run(workers.vllm_job, 1, str(tmp_path / "one"), [*cfg, f'vllm.url="{pub.server.url}"'],
+                       init=False)
+    finally:
+        pub.seen = None  # the module's weights are published again at the server's next use
+    first = json.loads(open(tmp_path / "one" / "metrics.jsonl").readline())
+    assert one[0]["version"] == 4 and first["mismatch/kl"] < 1e-4  # its start published once more
+    for key in ("reward/mean", "response_length/mean", "batch/groups"):
+        assert first[key] == rows[0][key], key
+
+
 def _versions(rows) -> list[float]:
     """The weight versions a run's steps sample with: 0 at the start, one more after each step that
     changed the weights (a step whose every advantage is 0 updates nothing, and nothing is published)."""
@@ -243,7 +322,7 @@ def config_of(run, *overrides):
 
 @pytest.mark.parametrize("extra, words", [
     (["engine.reuse_rollout_kv=true"], "the server hands no K/V"),
-    (["rollout.top_p=0.9"], "renormalises its log-probs after truncation"),
+    (["rollout.top_p=0.9", "rollout.temperature=0.7", "loss.temperature=0.7"], "taken after the truncation"),
     (['vllm.python="/no/such/python"'], "does not exist; run `backstream vllm setup`"),
 ])
 def test_what_the_backend_cannot_do_is_refused_before_the_run(tmp_path, extra, words):

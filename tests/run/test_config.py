@@ -50,6 +50,19 @@ def test_cross_section_checks_name_the_keys(overrides, match):
         cfg.validate()
 
 
+def test_vllm_under_torchrun_waits_for_rank_0s_server():
+    """torchrun with the vLLM backend: one server shared by every rank; the others wait for rank 0 to
+    start it in a collective, so distributed.timeout_s must cover vllm.start_timeout_s."""
+    vllm = ['rollout.backend="vllm"', "distributed.timeout_s=300", "vllm.start_timeout_s=300"]
+    for world in (None, 1, 2, 8):
+        config.load(None, vllm).validate(world_size=world)
+    cfg = config.load(None, [*vllm, "distributed.timeout_s=60"])
+    cfg.validate(world_size=1)  # one rank waits for no one
+    with pytest.raises(ValueError, match=r"distributed.timeout_s = 60 is shorter than vllm.start_timeout_s = 300"):
+        cfg.validate(world_size=2)
+    config.load(None, [*vllm, "distributed.timeout_s=60", 'vllm.url="http://127.0.0.1:8000"']).validate(world_size=2)
+
+
 def test_defaults_and_examples_pass_the_cross_section_checks():
     config.load().validate()
     for name in sorted(f for f in os.listdir(EXAMPLES) if f.endswith(".toml")):

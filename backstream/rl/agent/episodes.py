@@ -118,7 +118,8 @@ class EpisodeSampler:
                 progress(sum(x == 0 for x in left), len(rows))
             return still
 
-        self._first_turns(model, episodes, gens, keep_last)
+        if episodes:  # (a rank's share of a round can be empty)
+            self._first_turns(model, episodes, gens, keep_last)
         live = ended(list(range(len(episodes))))
         while live:  # a round: every live episode's next turn, as one batch
             self._next_turns(model, [episodes[k] for k in live], [gens[k] for k in live], keep_last)
@@ -168,7 +169,7 @@ class EpisodeSampler:
             which = torch.tensor([n for n, p in enumerate(prompts) for _ in by_prompt[p]], device=logits.device)
             cache.batch_select_indices(which)  # each prompt's K/V, computed once, copied to its episodes
             parts.append((rows, cache, logits[which]))
-        batch = Rows.stack(parts, len(episodes))
+        batch = Rows.stack(parts, len(episodes), self.config.max_new_tokens)
         del parts
         out = decode(model, batch, self.config, set(self.eos), self.tok, gens, keep_last,
                      [self._budget(len(ep.prompt)) for ep in episodes], keep_kv=True)
@@ -275,7 +276,7 @@ class EpisodeSampler:
             ep.fed += new
             ep.add(ep.inserted, None)
             parts.append(([r], cache, logits))
-        batch = Rows.stack(parts, len(eps))
+        batch = Rows.stack(parts, len(eps), self.config.max_new_tokens)
         del parts
         out = decode(model, batch, self.config, set(self.eos), self.tok, gens, keep_last,
                      [self._budget(ep.length()) for ep in eps], keep_kv=True)

@@ -7,7 +7,9 @@ Facts of vLLM on a CPU machine this relies on (../shared/VLLM.md, checked on vll
 - the engine's internal sockets must be told to stay on loopback (VLLM_HOST_IP, VLLM_LOOPBACK_IP);
 - the weight-reload routes (`/collective_rpc`, `/pause`, `/resume`, `/reset_prefix_cache`) need
   VLLM_SERVER_DEV_MODE=1; a LoRA adapter replaced in place needs VLLM_ALLOW_RUNTIME_LORA_UPDATING=1;
-- `--logprobs-mode processed_logprobs` gives log_softmax(logits / T), the learner's convention.
+- `--logprobs-mode processed_logprobs` gives log_softmax(logits / T), the learner's convention, but
+  renormalised over the kept tokens under top-p/top-k; `raw_logprobs` gives log_softmax(logits)
+  before any truncation, the learner's convention at T = 1 (`logprobs_mode`).
 """
 
 from __future__ import annotations
@@ -90,11 +92,21 @@ def ext_path() -> str:
     return str(Path(__file__).resolve().parents[3])
 
 
-def server_args(model_dir: str, port: int, max_model_len: int, dtype: str, seed: int, lora_rank: int = 0) -> list[str]:
-    """The options the run's server needs (a server of your own, `vllm.url`, needs the same)."""
+def logprobs_mode(top_p: float, top_k: int) -> str:
+    """The server's log-prob convention that is the learner's, log_softmax(logits / T) before any
+    truncation: "processed_logprobs" (after temperature) without top-p/top-k; with them, vLLM's
+    processed log-probs are renormalised over the kept tokens, so "raw_logprobs" (log_softmax of the
+    logits as they come, before temperature and truncation), which the config allows at T = 1 only."""
+    return "raw_logprobs" if top_p < 1 or top_k > 0 else "processed_logprobs"
+
+
+def server_args(model_dir: str, port: int, max_model_len: int, dtype: str, seed: int, lora_rank: int = 0,
+                mode: str = "processed_logprobs") -> list[str]:
+    """The options the run's server needs (a server of your own, `vllm.url`, needs the same); `mode`:
+    `logprobs_mode(...)` of the run's sampling."""
     args = ["--model", model_dir, "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port),
             "--max-model-len", str(max_model_len), "--dtype", dtype, "--seed", str(seed), "--enforce-eager",
-            "--logprobs-mode", "processed_logprobs", "--enable-prefix-caching",
+            "--logprobs-mode", mode, "--enable-prefix-caching",
             "--worker-extension-cls", "backstream.rl.vllm.worker_ext.WeightSync"]
     if lora_rank:
         args += ["--enable-lora", "--max-lora-rank", str(max(8, lora_rank)), "--max-loras", "1"]
@@ -107,6 +119,15 @@ def _own_group_dying_with_us() -> None:
     killed trainer leaves no server behind."""
     os.setsid()
     die_with_parent()
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether any process of the group is still running."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 class Server:
@@ -191,15 +212,22 @@ class Server:
             return text
 
     def stop(self) -> None:
-        """Stop the server this run started (its whole process group: API server, engine, worker)."""
-        if self.proc is None or self.proc.poll() is not None:
+        """Stop the server this run started: its whole process group (API server, engine, worker),
+        also when the API server is already gone (its engine and worker would live on, orphaned)."""
+        if self.proc is None:
             return
         try:
             os.killpg(self.proc.pid, signal.SIGTERM)
             self.proc.wait(20)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.proc.wait(10)
+            deadline = time.monotonic() + 20
+            while _group_alive(self.proc.pid) and time.monotonic() < deadline:
+                time.sleep(0.1)
+        except ProcessLookupError:
+            pass  # nothing left in the group
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(10)
