@@ -210,8 +210,15 @@ class RunConfig:
                     "temperature are taken after the truncation (renormalised over the kept tokens), the learner's "
                     "before it, so importance weights would be off; at temperature 1 the server reports the "
                     "learner's (raw) log-probs: sample at rollout.temperature = 1, or with top_p = 1 and top_k = 0")
-        elif self.quant.enabled:
-            what = "quant.rollout: low-bit weights are not published to the server yet"
+        elif self.quant.enabled and (world_size or 1) > 1:
+            what = ("quant.rollout under torchrun: the low-bit weights are compressed from whole layers in one "
+                    "process, not from FSDP shards yet; run one process, or quant.rollout = \"none\"")
+        elif self.quant.enabled and self.model.lora_r > 0:
+            what = ("quant.rollout with LoRA (model.lora_r > 0): the server would need the quantized base and the "
+                    "adapter apart, which is not published yet; train the full model, or quant.rollout = \"none\"")
+        elif self.quant.rollout == "w4a16" and self.model.dtype == "float32":
+            what = ("quant.rollout = \"w4a16\" with model.dtype = \"float32\": vLLM's int4 kernels run in 16-bit "
+                    "only (on CPU cpu_gemm_wna16 has no float32 path); set model.dtype = \"bfloat16\"")
         elif (world_size or 1) > 1 and not self.vllm.url and self.distributed.timeout_s < self.vllm.start_timeout_s:
             # the other ranks wait in a collective while rank 0 starts the server
             what = (f"distributed.timeout_s = {self.distributed.timeout_s} is shorter than vllm.start_timeout_s = "

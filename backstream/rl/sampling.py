@@ -73,7 +73,7 @@ class Samplers:
             from backstream.rl.vllm.server import logprobs_mode  # noqa: PLC0415
 
             mode = logprobs_mode(cfg.rollout.top_p, cfg.rollout.top_k)
-            self.publisher = WeightPublisher(cfg.vllm, tokenizer, run_dir, cfg.train.seed, dp, mode)
+            self.publisher = WeightPublisher(cfg.vllm, tokenizer, run_dir, cfg.train.seed, dp, mode, cfg.quant)
         self.built: list[RolloutSampler] = []
 
     def build(self, config: SamplingConfig, prompts: list[Tensor], prompt_text: list[str],

@@ -11,9 +11,12 @@ built-in default model serves the module; the tests:
   intact and `--resume` goes on with a new server;
 - the trainer on the vLLM backend: the update equals the local sampler's update on the same samples'
   shape of run (mismatch/kl ~ 0), and what the backend refuses is refused before the run folder;
-- torchrun: 2 ranks are clients of one server that rank 0 starts, publishing from FSDP shards.
+- torchrun: 2 ranks are clients of one server that rank 0 starts, publishing from FSDP shards;
+- QaRL: low-bit (W8A8) weights published in compressed-tensors, sampled as the learner's quantized
+  forward computes them, before and after an optimizer step.
 """
 
+import copy
 import json
 import os
 import signal
@@ -24,6 +27,7 @@ from helpers import no_run_written, run_cfg
 
 from backstream import logprobs, trainer
 from backstream.default_model import load_default
+from backstream.quant.linear import QuantConfig, quantize_model, quantized
 from backstream.rl.rollout import SamplingConfig
 from backstream.rl.vllm.sampler import VLLMSampler, WeightPublisher, starting
 from backstream.rl.vllm.server import ServerError, VLLMConfig, logprobs_mode
@@ -145,6 +149,49 @@ def test_top_p_top_k_at_temperature_1_report_the_learners_logprobs(served, tmp_p
             logits_LV = model(seq[None]).logits[0, :-1][m[1:]]
             rank = (logits_LV > logits_LV.gather(-1, seq[m][:, None])).sum(-1)
             assert (rank < 3).all()
+
+
+def _token_gaps(model, r, quant_on: bool) -> torch.Tensor:
+    """|learner - server| log-prob of every sampled token, the learner's quantized forward on or off."""
+    seqs, mask = r.sequences(), r.completion_mask()
+    with quantized(model, quant_on):
+        learner = logprobs(model, seqs, mask)
+    return torch.cat([(a[m].double() - b[m].double()).abs() for a, b, m in zip(learner, r.aligned_logprobs(), mask)])
+
+
+def test_low_bit_weights_are_published_compressed_and_sampled_as_the_learner_quantizes(tmp_path, vllm_python):
+    """QaRL on vLLM: a W8A8 policy's server starts from its compressed-tensors weights and reloads the
+    new ones after an optimizer step (the CPU int8 kernel's scales kept alive: without that the reload
+    gave NaN log-probs). Its log-probs are the learner's quantized forward's, not the full-precision
+    one's nor the old weights'. A rare token is off where an int8 activation code flips on a float
+    rounding difference elsewhere in the forward, so the bound is on the share of tokens."""
+    model, tok = load_default()
+    qcfg = QuantConfig(rollout="w8a8", aligned=True)
+    quantize_model(model, qcfg)
+    pub = WeightPublisher(VLLMConfig(python=vllm_python), tok, str(tmp_path), seed=0, quant=qcfg)
+    prompts = [torch.tensor(tok(p, add_special_tokens=True)["input_ids"]) for p in ("12+34=", "56+7=", "9+9=")]
+    s = _sampler(tok, pub, prompts, G=8, max_new=16)
+
+    def sample_and_check(version):
+        r = s.sample(model, [{}] * 3, [0, 1, 2], [torch.Generator().manual_seed(version + i) for i in range(3)])
+        assert pub.version == version and r.weight_version == [version] * 24
+        gaps = _token_gaps(model, r, True)
+        print(f"weights {version}: median {gaps.median():.1e}, within 1e-4 {(gaps <= 1e-4).double().mean():.3f}, "
+              f"mean {gaps.mean():.1e}, full precision's mean {_token_gaps(model, r, False).mean():.1e}")
+        assert gaps.median() < 1e-5 and (gaps <= 1e-4).double().mean() >= 0.9, gaps.max()
+        assert _token_gaps(model, r, False).mean() > 10 * gaps.mean()  # not the full-precision policy
+        return r, gaps
+
+    try:
+        sample_and_check(0)
+        before = copy.deepcopy(model)
+        with torch.no_grad():
+            for p in model.parameters():  # an "optimizer step": in place, as AdamW writes
+                p.add_(0.05 * torch.randn_like(p))
+        r, gaps = sample_and_check(1)
+        assert _token_gaps(before, r, True).mean() > 10 * gaps.mean()  # nor the old weights
+    finally:
+        pub.close()
 
 
 def test_a_lora_policy_publishes_its_adapter(tmp_path, vllm_python):

@@ -37,6 +37,7 @@ from torch import Tensor
 from backstream.checkpoint import quiet
 from backstream.checks import UserError
 from backstream.log import log
+from backstream.quant.export import write_compressed
 from backstream.rl.agent.episodes import EpisodeSampler
 from backstream.rl.parallel import DataParallel
 from backstream.rl.rollout import Rollout, SamplingConfig, completion_reward_inputs
@@ -99,8 +100,10 @@ class WeightPublisher:
     on every rank; so are a rank's failed requests, through `dp.fail_together` after each round."""
 
     def __init__(self, cfg: VLLMConfig, tokenizer, run_dir: str, seed: int, dp: DataParallel | None = None,
-                 mode: str = "processed_logprobs"):
+                 mode: str = "processed_logprobs", quant=None):
         self.cfg, self.tok, self.run_dir, self.seed, self.mode = cfg, tokenizer, run_dir, seed, mode
+        # QaRL: the run's [quant] when the sampler runs low-bit weights: the server gets them compressed
+        self.quant = quant if quant is not None and quant.enabled else None
         self.dp = dp if dp is not None else DataParallel(None)
         self.dir = os.path.join(run_dir, "vllm")
         self.log_path = os.path.join(run_dir, "vllm.log")
@@ -152,8 +155,11 @@ class WeightPublisher:
         initial = os.path.join(self.dir, "initial")
         shutil.rmtree(initial, ignore_errors=True)
         with quiet():
-            base.save_pretrained(initial, safe_serialization=True, state_dict=weights)
-        self.tok.save_pretrained(initial)
+            if self.quant is not None:  # the low-bit weights, as the learner's quantized forward has them
+                write_compressed(model, self.quant.format, self.quant.group_size, initial, self.tok)
+            else:
+                base.save_pretrained(initial, safe_serialization=True, state_dict=weights)
+                self.tok.save_pretrained(initial)
         dtype = str(next(v.dtype for v in weights.values() if v.is_floating_point())).removeprefix("torch.")
         length = self.cfg.max_model_len or getattr(base.config, "max_position_embeddings", 2048)
         rank = max(c.r for c in model.peft_config.values()) if self.lora else 0
@@ -179,7 +185,11 @@ class WeightPublisher:
             self.server.post("/reset_prefix_cache")
         else:
             with quiet():
-                base_model(model).save_pretrained(out, safe_serialization=True, state_dict=_base_names(model, weights))
+                if self.quant is not None:
+                    write_compressed(model, self.quant.format, self.quant.group_size, out)
+                else:
+                    base_model(model).save_pretrained(out, safe_serialization=True,
+                                                      state_dict=_base_names(model, weights))
             self.server.post("/pause?mode=wait")
             try:
                 self.server.post("/collective_rpc", {"method": "backstream_reload", "kwargs": {"path": out}})

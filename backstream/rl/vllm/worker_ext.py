@@ -5,7 +5,13 @@ nothing of backstream (the server's environment has vLLM's own transformers, not
 On a CPU server vLLM's GEMM keeps its own packed copy of each linear weight; `reload_weights`
 repacks the layers it loads, but a tied LM head is loaded through the embedding and keeps sampling
 with the old packed copy (log-probs 7e-2 off the new weights, ../shared/VLLM.md). So after the
-reload the head is re-tied to the embedding and repacked."""
+reload the head is re-tied to the embedding and repacked.
+
+Low-bit weights (QaRL, compressed-tensors): `reload_weights` redoes each layer's
+`process_weights_after_loading` on fresh tensors and copies the results into the old storages. The
+CPU int8 kernel (oneDNN) keeps a raw pointer to the `weight_scale` tensor it was built with, which
+the reload frees: sampling then returned NaN/inf log-probs. The kernels are made to keep that tensor
+alive (`_keep_int8_scales`)."""
 
 from __future__ import annotations
 
@@ -29,11 +35,33 @@ def _spin_less() -> None:
 _spin_less()
 
 
+def _keep_int8_scales(model) -> None:
+    """Each CPU int8 kernel keeps the tensor its oneDNN handler reads its weight scales from by pointer
+    (vllm 0.32.0's CPUInt8ScaledMMLinearKernel), so that a reload does not free it under the handler."""
+    try:
+        from vllm.model_executor.kernels.linear.scaled_mm.cpu import (  # noqa: PLC0415
+            CPUInt8ScaledMMLinearKernel as Int8,
+        )
+    except ImportError:  # another vLLM, or no such kernel
+        return
+    for module in model.modules():
+        kernel = getattr(getattr(module, "scheme", None), "kernel", None)
+        if not isinstance(kernel, Int8) or "process_weights_after_loading" in kernel.__dict__:
+            continue
+
+        def process(layer, kernel=kernel):
+            Int8.process_weights_after_loading(kernel, layer)
+            kernel.backstream_scales = getattr(layer, kernel.layer_param_names[1])  # what the handler points at
+
+        kernel.process_weights_after_loading = process
+
+
 class WeightSync:
     """Methods of the vLLM worker, called through `/collective_rpc`."""
 
     def backstream_reload(self, path: str) -> int:
         """Load every weight of the safetensors files in `path` in place; returns the tensors repacked."""
+        _keep_int8_scales(self.model_runner.get_model())
         self.model_runner.reload_weights(weights_path=path)
         model = self.model_runner.get_model()
         from vllm.platforms import current_platform  # noqa: PLC0415
