@@ -131,16 +131,21 @@ def test_stop_strings_cut_after_completing_token():
         run(model, SamplingConfig(stop=["x"]))
 
 
-def test_one_prefill_per_group():
-    model = model32()
-    shapes = []
-    forward = model.forward
+def spy_shapes(model) -> list:
+    """The input_ids shape of every forward call `model` makes from now on (`del model.forward` stops it)."""
+    shapes, forward = [], model.forward
 
     def spy(*args, **kw):
         shapes.append(tuple(kw["input_ids"].shape))
         return forward(*args, **kw)
 
     model.forward = spy
+    return shapes
+
+
+def test_one_prefill_per_group():
+    model = model32()
+    shapes = spy_shapes(model)
     r = run(model, SamplingConfig(max_new_tokens=5, group_size=4))
     # one prefill per prompt, then the 8 rows of both groups (prompts of 5 and 7 tokens) as one batch
     assert shapes == [(1, 5), (1, 7)] + [(8, 1)] * 4
@@ -158,19 +163,12 @@ def test_one_batch_equals_each_group_alone(device):
     prompts = [PROMPTS[1], torch.tensor([4, 2, 9]), PROMPTS[0]]
     cfg = SamplingConfig(max_new_tokens=9, group_size=4, temperature=0.9)
     eos = list(range(0, VOCAB, 5))
-    shapes = []
-    forward = model.forward
-
-    def spy(*args, **kw):
-        shapes.append(tuple(kw["input_ids"].shape))
-        return forward(*args, **kw)
-
-    model.forward = spy
+    shapes = spy_shapes(model)
     together = generate(model, prompts, cfg, eos_token_id=eos, return_kv=True,
                         generator=[torch.Generator().manual_seed(10 + j) for j in range(3)])
     decode_rows = [s[0] for s in shapes if s[1] == 1]
     assert decode_rows == sorted(decode_rows, reverse=True) and decode_rows[0] <= 12 and decode_rows[-1] < 12
-    model.forward = forward
+    del model.forward
     assert {"eos", "length"} <= set(together.finish_reason)
     for j, p in enumerate(prompts):
         alone = generate(model, [p], cfg, eos_token_id=eos, return_kv=True,
