@@ -3,8 +3,9 @@
 A batch row is a sequence with its cache: a prompt's copy for one of its G samples, or an episode's
 history before its next turn. Rows of different lengths share one cache, each left-padded with
 zeros to the longest; a 2-D mask hides the pads and every row runs at its own positions (the
-HF `generate` convention). A row that finishes (EOS, a stop string, its token budget) leaves the batch
-at once, its K/V copied out first when asked for; columns that only finished rows needed are cut.
+HF `generate` convention). A row that finishes (EOS, a stop string, its token budget) has its K/V
+copied out when asked for; finished rows leave the batch together once they are a quarter of it,
+and columns that only they needed are cut.
 A batch whose rows have one length needs no mask and computes exactly what one row alone would.
 
 Sampling draws one uniform number per row per step from the row's generator and inverts the CDF of
@@ -13,7 +14,7 @@ row's samples never depend on when the others finished, nor on which other rows 
 The log-prob of a sampled token is taken under softmax(logits / T) *before* top-k/top-p truncation:
 that is what a learner dividing its logits by the same T computes, so sampler and learner agree
 (temperature 0 samples greedily and reports log-probs at T = 1). One host sync per step reads the
-new tokens: the EOS and stop-string checks need them, and a finished row must leave the batch.
+new tokens: the EOS and stop-string checks need them.
 """
 
 from __future__ import annotations
@@ -228,14 +229,18 @@ class Decoded:
 def decode(model, rows: Rows, config, eos: set[int], tokenizer, generators: list, keep_last: bool,
            budgets: list[int], keep_kv: bool = False, finished=None) -> Decoded:
     """Sample every row of `rows` until it ends: an EOS token, a stop string of `config.stop`, or
-    `budgets[i]` tokens. Row i draws with `generators[i]`. `finished(i)` is called as row i ends."""
+    `budgets[i]` tokens. Row i draws with `generators[i]`. `finished(i)` is called as row i ends.
+
+    A finished row stays in the batch (fed, its outputs ignored) until a quarter of the batch has
+    finished; then they all leave at once. Dropping each row as it ends would copy the whole cache at
+    almost every step of a long decode; this way a batch is copied O(log B) times."""
     B = len(rows.lengths)
     window = 4 * max((len(s) for s in config.stop), default=0) + 1  # a character may take up to 4 byte tokens
     draws = Draws(generators)
     cache, logits_BV, pads = rows.cache, rows.logits, list(rows.pads)
     device = logits_BV.device
-    live = list(range(B))  # batch position -> row
-    pos_B = torch.tensor(rows.lengths, device=device)  # the next position of each live row
+    slots: list[int | None] = list(range(B))  # batch position -> its row, None once it finished
+    pos_B = torch.tensor(rows.lengths, device=device)  # the next position of each batch row
     mask_BT = None
     if any(pads):
         mask_BT = torch.ones((B, cache.get_seq_length()), dtype=torch.long, device=device)
@@ -249,18 +254,22 @@ def decode(model, rows: Rows, config, eos: set[int], tokenizer, generators: list
     for t in range(max(budgets)):
         if t > 0:
             if mask_BT is not None:
-                mask_BT = torch.cat([mask_BT, mask_BT.new_ones((len(live), 1))], 1)
+                mask_BT = torch.cat([mask_BT, mask_BT.new_ones((len(slots), 1))], 1)
             logits_BV = forward_last(model, tok_B[:, None], pos_B, cache, keep_last, mask_BT)
             pos_B = pos_B + 1
-        u_B = draws.step(live, device) if config.temperature else None
+        live = [b for b, i in enumerate(slots) if i is not None]
+        u_B = None
+        if config.temperature:  # the live rows' draws; a finished row's token is fed and ignored
+            u_B = torch.full((len(slots),), 0.5, dtype=torch.float64, device=device)
+            u_B[live] = draws.step([slots[b] for b in live], device)
         tok_B, logp_B = sample_tokens(logits_BV, config.temperature, config.top_k, config.top_p, u_B)
         new, new_lp = tok_B.tolist(), logp_B.tolist()  # the CPU-GPU sync of the step: the checks need the ids
-        if any(math.isnan(x) for x in new_lp):  # NaN/inf logits: the draw would be garbage
+        if any(math.isnan(new_lp[b]) for b in live):  # NaN/inf logits: the draw would be garbage
             raise NonFiniteLogits(f"model: its next-token logits hold NaN/inf (sampled token {t + 1} of "
-                                  f"{sum(math.isnan(x) for x in new_lp)} row(s)): its weights overflowed or hold "
-                                  "NaN/inf; in a run, lower optim.lr or clip the gradient (optim.max_grad_norm)")
-        done = []
-        for b, i in enumerate(live):
+                                  f"{sum(math.isnan(new_lp[b]) for b in live)} row(s)): its weights overflowed or "
+                                  "hold NaN/inf; in a run, lower optim.lr or clip the gradient (optim.max_grad_norm)")
+        for b in live:
+            i = slots[b]
             tokens[i].append(new[b])
             logps[i].append(new_lp[b])
             if new[b] in eos:
@@ -270,21 +279,20 @@ def decode(model, rows: Rows, config, eos: set[int], tokenizer, generators: list
             elif len(tokens[i]) == budgets[i]:
                 reasons[i] = "length"
             if reasons[i]:
-                done.append(b)
-        if not done:
-            continue
-        for b in done:
-            i = live[b]
-            if keep_kv:  # the row's fed positions: its length, then t sampled tokens
-                kv[i] = [(k.clone(), v.clone()) for k, v in row_kv(cache, b, pads[b], pads[b] + rows.lengths[i] + t)]
-            if finished is not None:
-                finished(i)
-        keep = [b for b in range(len(live)) if b not in set(done)]
+                if keep_kv:  # the row's fed positions: its length, then t sampled tokens
+                    kv[i] = [(k.clone(), v.clone())
+                             for k, v in row_kv(cache, b, pads[b], pads[b] + rows.lengths[i] + t)]
+                slots[b] = None
+                if finished is not None:
+                    finished(i)
+        keep = [b for b, i in enumerate(slots) if i is not None]
         if not keep:
             break
+        if 4 * (len(slots) - len(keep)) < len(slots):
+            continue
         idx = torch.tensor(keep, device=device)
         cache.batch_select_indices(idx)
-        live, pads, tok_B, pos_B = [live[b] for b in keep], [pads[b] for b in keep], tok_B[idx], pos_B[idx]
+        slots, pads, tok_B, pos_B = [slots[b] for b in keep], [pads[b] for b in keep], tok_B[idx], pos_B[idx]
         if mask_BT is not None:
             mask_BT = mask_BT[idx]
             cut = min(pads)  # columns that only finished rows needed
