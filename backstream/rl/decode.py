@@ -157,17 +157,20 @@ class GrowingLayer(DynamicLayer):
         self.bufs[0][:, :, self.n:n] = key_states
         self.bufs[1][:, :, self.n:n] = value_states
         self.n = n
-        self.keys, self.values = self.bufs[0][:, :, :n], self.bufs[1][:, :, :n]
+        self._views()
         return self.keys, self.values
 
     def batch_select_indices(self, indices: Tensor) -> None:
         self.bufs = [b[indices] for b in self.bufs]
-        self.keys, self.values = self.bufs[0][:, :, :self.n], self.bufs[1][:, :, :self.n]
+        self._views()
 
     def drop_front(self, cut: int) -> None:
         """Forget the first `cut` positions of every row."""
         self.bufs = [b[:, :, cut:] for b in self.bufs]
         self.n -= cut
+        self._views()
+
+    def _views(self) -> None:
         self.keys, self.values = self.bufs[0][:, :, :self.n], self.bufs[1][:, :, :self.n]
 
 
@@ -180,6 +183,26 @@ class Rows:
     lengths: list[int]
     pads: list[int]
     logits: Tensor
+
+    @staticmethod
+    def of_prompts(model, prompts: list[list[int]], keep_last: bool, room: int) -> Rows:
+        """One row per prompt of `prompts`: one prefill per distinct prompt (a group's G rows share
+        one), prompts of one length as one batch, each prompt's K/V then copied to its rows; `room`:
+        the positions the decode will add."""
+        device = next(model.parameters()).device
+        rows_of: dict[tuple, list[int]] = {}
+        for i, p in enumerate(prompts):
+            rows_of.setdefault(tuple(p), []).append(i)
+        by_length: dict[int, list[tuple]] = {}
+        for p in rows_of:
+            by_length.setdefault(len(p), []).append(p)
+        parts = []
+        for same in by_length.values():
+            cache, logits = prefill(model, [list(p) for p in same], device, keep_last)
+            which = torch.tensor([k for k, p in enumerate(same) for _ in rows_of[p]], device=logits.device)
+            cache.batch_select_indices(which)
+            parts.append(([i for p in same for i in rows_of[p]], cache, logits[which]))
+        return Rows.stack(parts, len(prompts), room)
 
     @staticmethod
     def stack(parts: list[tuple[list[int], DynamicCache, Tensor]], n: int, room: int) -> Rows:

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from backstream.checks import UserError, literals
-from backstream.rl.decode import Rows, decode, prefill
+from backstream.rl.decode import Rows, decode
 from backstream.stream.hf import takes_logits_to_keep
 
 
@@ -219,20 +219,10 @@ def generate(
 
     G, n = config.group_size, len(prompts) * config.group_size
     prompts = [p.detach().to("cpu", torch.long) for p in prompts]
-    device = next(model.parameters()).device
-    by_length: dict[int, list[int]] = {}
-    for j, p in enumerate(prompts):
-        by_length.setdefault(len(p), []).append(j)
     if not prompts:  # a rank's share of a round too small to reach it
         return Rollout(prompt_index=[], prompt_ids=[], completion_ids=[], logprobs=[], finish_reason=[],
                        kv=[] if return_kv else None, group_size=G)
-    parts = []
-    for bucket in by_length.values():  # one prefill per prompt, its K/V then copied to its G rows
-        cache, logits = prefill(model, [prompts[j].tolist() for j in bucket], device, keep_last)
-        cache.batch_repeat_interleave(G)
-        parts.append(([j * G + k for j in bucket for k in range(G)], cache, logits.repeat_interleave(G, 0)))
-    rows = Rows.stack(parts, n, config.max_new_tokens)
-    del parts
+    rows = Rows.of_prompts(model, [prompts[i // G].tolist() for i in range(n)], keep_last, config.max_new_tokens)
     left = [G] * len(prompts)  # rows of each group still sampling
 
     def finished(i: int) -> None:

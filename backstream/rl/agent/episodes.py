@@ -152,25 +152,11 @@ class EpisodeSampler:
     def _first_turns(self, model, episodes: list[_Episode], gens: list, keep_last: bool) -> None:
         """The first turn of every episode, as one batch: one prefill per distinct prompt (one for a
         task's G episodes unless reset's texts differ; prompts of one length together)."""
-        device = next(model.parameters()).device
-        by_prompt: dict[tuple, list[int]] = {}
-        for k, ep in enumerate(episodes):
-            by_prompt.setdefault(tuple(ep.prompt), []).append(k)
-        by_length: dict[int, list[tuple]] = {}
-        for prompt in by_prompt:
-            if len(prompt) >= self.max_tokens:
-                raise UserError(f"env.max_episode_tokens: a prompt of {len(prompt)} tokens leaves no room for a turn "
-                                 f"(limit {self.max_tokens}); raise it or shorten the prompt")
-            by_length.setdefault(len(prompt), []).append(prompt)
-        parts = []
-        for prompts in by_length.values():
-            cache, logits = prefill(model, [list(p) for p in prompts], device, keep_last)
-            rows = [k for p in prompts for k in by_prompt[p]]
-            which = torch.tensor([n for n, p in enumerate(prompts) for _ in by_prompt[p]], device=logits.device)
-            cache.batch_select_indices(which)  # each prompt's K/V, computed once, copied to its episodes
-            parts.append((rows, cache, logits[which]))
-        batch = Rows.stack(parts, len(episodes), self.config.max_new_tokens)
-        del parts
+        for ep in episodes:
+            if len(ep.prompt) >= self.max_tokens:
+                raise UserError(f"env.max_episode_tokens: a prompt of {len(ep.prompt)} tokens leaves no room for "
+                                 f"a turn (limit {self.max_tokens}); raise it or shorten the prompt")
+        batch = Rows.of_prompts(model, [ep.prompt for ep in episodes], keep_last, self.config.max_new_tokens)
         out = decode(model, batch, self.config, set(self.eos), self.tok, gens, keep_last,
                      [self._budget(len(ep.prompt)) for ep in episodes], keep_kv=True)
         for k, ep in enumerate(episodes):

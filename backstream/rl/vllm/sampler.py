@@ -154,12 +154,7 @@ class WeightPublisher:
         base = base_model(model)
         initial = os.path.join(self.dir, "initial")
         shutil.rmtree(initial, ignore_errors=True)
-        with quiet():
-            if self.quant is not None:  # the low-bit weights, as the learner's quantized forward has them
-                write_compressed(model, self.quant.format, self.quant.group_size, initial, self.tok)
-            else:
-                base.save_pretrained(initial, safe_serialization=True, state_dict=weights)
-                self.tok.save_pretrained(initial)
+        self._write(model, weights, initial, self.tok)
         dtype = str(next(v.dtype for v in weights.values() if v.is_floating_point())).removeprefix("torch.")
         length = self.cfg.max_model_len or getattr(base.config, "max_position_embeddings", 2048)
         rank = max(c.r for c in model.peft_config.values()) if self.lora else 0
@@ -174,6 +169,18 @@ class WeightPublisher:
         self.version += 1
         self.seen = fsdp.versions(model)
 
+    def _write(self, model, weights: dict, out: str, tokenizer=None) -> None:
+        """The base model's weights (`weights`, under its own names) as a folder the server loads: the
+        low-bit ones in compressed-tensors with `quant` (as the learner's quantized forward has them,
+        from its master weights), else as they are."""
+        with quiet():
+            if self.quant is not None:
+                write_compressed(model, self.quant.format, self.quant.group_size, out, tokenizer)
+            else:
+                base_model(model).save_pretrained(out, safe_serialization=True, state_dict=weights)
+                if tokenizer is not None:
+                    tokenizer.save_pretrained(out)
+
     def _reload(self, model, weights: dict) -> None:
         """Rank 0: `weights` written as safetensors and loaded by the server in place."""
         out = os.path.join(self.dir, f"weights-{self.version + 1}")
@@ -184,12 +191,7 @@ class WeightPublisher:
             self.server.post("/v1/load_lora_adapter", {"lora_name": ADAPTER, "lora_path": out, "load_inplace": True})
             self.server.post("/reset_prefix_cache")
         else:
-            with quiet():
-                if self.quant is not None:
-                    write_compressed(model, self.quant.format, self.quant.group_size, out)
-                else:
-                    base_model(model).save_pretrained(out, safe_serialization=True,
-                                                      state_dict=_base_names(model, weights))
+            self._write(model, _base_names(model, weights), out)
             self.server.post("/pause?mode=wait")
             try:
                 self.server.post("/collective_rpc", {"method": "backstream_reload", "kwargs": {"path": out}})
