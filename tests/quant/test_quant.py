@@ -184,6 +184,51 @@ def test_exact_int_path_equals_the_integer_product():
         assert got.dtype == torch.int32 and torch.equal(got.long(), want)
 
 
+@pytest.mark.parametrize("K", [64, 65, 2100])
+def test_int16_pairs_gemm_equals_its_naive_reference(K):
+    """oneDNN's int8 GEMM without VNNI (formats.INT8_GEMMS "int16-pairs"): the exact product plus the
+    correction on the weight pairs that can saturate equals forming, saturating and summing every pair;
+    extreme codes make many pairs saturate (odd K: the last input pairs with a zero)."""
+    from backstream.quant.formats import int16_pairs_correction, int16_pairs_mm_naive, saturating_pairs
+
+    gen = torch.Generator().manual_seed(11)
+    a = torch.randint(-127, 128, (6, K), generator=gen, dtype=torch.int8)
+    b = torch.randint(-128, 128, (9, K), generator=gen, dtype=torch.int8)
+    a[0], b[0] = 127, 127  # u = 255, the largest: every pair of this row and column saturates
+    want = int16_pairs_mm_naive(a, b)
+    exact = a.long() @ b.long().t()
+    assert (want.long() != exact).float().mean() > 0.5  # the saturation is real, not a rare corner
+    got = int8_mm(a, b, None) + int16_pairs_correction(a, b, saturating_pairs(b))
+    assert got.dtype == torch.int32 and torch.equal(got, want)
+
+
+def test_w8a8_learner_follows_the_samplers_int8_gemm():
+    """`set_int8_gemm(model, "int16-pairs")`: every w8a8 layer's forward is the int16-pairs sum in
+    vLLM's epilogue (float64 reference written here); "exact" brings the exact sum back; other
+    formats have no int8 GEMM and are left alone."""
+    from backstream.quant.formats import int16_pairs_mm_naive
+    from backstream.quant.linear import set_int8_gemm
+
+    torch.manual_seed(12)
+    lin = nn.Linear(64, 48, dtype=F64)
+    with torch.no_grad():
+        lin.weight[:, :8] *= 40  # outlier inputs: their weight codes sit near ±127, so pairs saturate
+    model = nn.Sequential(QuantLinear(lin, "w8a8"), QuantLinear(nn.Linear(48, 32, dtype=F64), "fp8"))
+    x = torch.randn(5, 64, dtype=F64) * 3
+    exact = model[0](x)
+    assert set_int8_gemm(model, "int16-pairs") == 1
+    got = model[0](x)
+    q_x, s_x = quantize_int8_act(x)
+    q = model[0].qweight()
+    want = int16_pairs_mm_naive(q_x, q.codes).to(F64) * q.scale.to(F64).t() * s_x + lin.bias
+    assert torch.equal(got, want) and not torch.equal(got, exact)
+    assert model[1].gemm == "exact"
+    set_int8_gemm(model, "exact")
+    assert torch.equal(model[0](x), exact)
+    with pytest.raises(Exception, match="gemm"):
+        set_int8_gemm(model, "saturating")
+
+
 # ---------------------------------------------------------------------------------------------
 # QuantLinear
 
