@@ -20,6 +20,9 @@
                                                      compressed-tensors)
     backstream vllm setup [--dir DIR]                vLLM's own environment (rollout.backend = "vllm"); prints
                                                      its python
+    backstream vllm serve MODEL [--host H] [--port P] [--api-key K] [--top-p P] [--top-k K] [--lora-rank R]
+                          [... -- VLLM_ARGS]         a vLLM server with what a run needs, in the foreground;
+                                                     prints the vllm.url to use (a server of your own)
 """
 
 from __future__ import annotations
@@ -105,6 +108,16 @@ def cmd_vllm(args) -> int:
     return 0
 
 
+def cmd_vllm_serve(args) -> int:
+    from backstream.rl.vllm.serve import ServeArgs, serve  # noqa: PLC0415
+
+    return serve(ServeArgs(model=args.model, host=args.host, port=args.port, api_key=args.api_key or "",
+                           python=args.python or "", dtype=args.dtype, max_model_len=args.max_model_len,
+                           top_p=args.top_p, top_k=args.top_k, logprobs_mode=args.logprobs_mode or "",
+                           lora_rank=args.lora_rank, kv_cache_gb=args.kv_cache_gb, seed=args.seed,
+                           extra=tuple(args.vllm_args)))
+
+
 def _has_matplotlib() -> bool:
     try:
         import matplotlib  # noqa: F401, PLC0415
@@ -133,6 +146,39 @@ class _TrainHelp(argparse.Action):
         print("\nconfig keys (TOML sections; override with --set section.key=value):\n")
         print(describe())
         parser.exit()
+
+
+def _serve_parser(vsub) -> None:
+    sv = vsub.add_parser("serve", help="start a vLLM server with what a run needs (a server of your own, "
+                         "vllm.url), in the foreground; prints the vllm.url to use",
+                         description="A vLLM server with what a run of rollout.backend = \"vllm\" needs: the "
+                         "worker extension that reloads the weights, the dev routes, the run's log-prob mode, whole "
+                         "prefills, the served name \"policy\" (docs/vllm.md, \"A server of your own\"). Arguments "
+                         "after `--` go to vLLM as they are.")
+    sv.add_argument("model", metavar="MODEL", help="the run's model.name: default (the built-in model), a folder or "
+                    "a Hub id")
+    sv.add_argument("--host", default="127.0.0.1", help="the address to listen on (default 127.0.0.1); off "
+                    "loopback (e.g. 0.0.0.0) an API key is required")
+    sv.add_argument("--port", type=int, default=8000, help="default 8000")
+    sv.add_argument("--api-key", metavar="KEY", help="the key every request must carry (default $VLLM_API_KEY); "
+                    "the run's vllm.api_key. It guards every route but /health")
+    sv.add_argument("--python", metavar="PY", help="the vLLM environment's python (default the one `backstream vllm "
+                    "setup` built), as vllm.python")
+    sv.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                    help="the run's model.dtype (default float32)")
+    sv.add_argument("--max-model-len", type=int, default=0, metavar="N", help="the server's context: at least the "
+                    "run's prompt + completion (default the model's)")
+    sv.add_argument("--top-p", type=float, default=1.0, metavar="P", help="the run's rollout.top_p: picks the "
+                    "log-prob mode (below 1: raw_logprobs)")
+    sv.add_argument("--top-k", type=int, default=0, metavar="K", help="the run's rollout.top_k: picks the log-prob "
+                    "mode (above 0: raw_logprobs)")
+    sv.add_argument("--logprobs-mode", choices=("processed_logprobs", "raw_logprobs"), help="instead of --top-p / "
+                    "--top-k: processed_logprobs for a run without top-p/top-k, raw_logprobs for one with them")
+    sv.add_argument("--lora-rank", type=int, default=0, metavar="R", help="the run's model.lora_r (0: no LoRA)")
+    sv.add_argument("--kv-cache-gb", type=int, default=1, metavar="G", help="a CPU server's K/V cache, whole GiB "
+                    "(VLLM_CPU_KVCACHE_SPACE; default 1)")
+    sv.add_argument("--seed", type=int, default=0, help="the engine's seed (a run seeds every request itself)")
+    sv.set_defaults(fn=cmd_vllm_serve)
 
 
 def main(argv=None) -> int:
@@ -195,7 +241,13 @@ def _main(argv=None) -> int:
     vs.add_argument("--dir", metavar="DIR", help="where (default ~/.cache/backstream/vllm-env, or "
                     "$BACKSTREAM_VLLM_DIR); a run finds the default by itself, another needs vllm.python")
     vs.set_defaults(fn=cmd_vllm)
+    _serve_parser(vsub)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    vllm_args = []
+    if argv[:2] == ["vllm", "serve"] and "--" in argv:  # what follows `--` is vLLM's own
+        argv, vllm_args = argv[:argv.index("--")], argv[argv.index("--") + 1:]
     args = ap.parse_args(argv)
+    args.vllm_args = vllm_args
     from backstream.trainer import Interrupted  # noqa: PLC0415
 
     try:

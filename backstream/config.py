@@ -403,10 +403,13 @@ def describe() -> str:
         for c in variants(section):
             key = VARIANTS.get(section, (None,))[0]
             lines.append(f"[{section}]" + (f"  ({key} = \"{getattr(c(), key)}\")" if key else ""))
-            docs = field_docs(c)
+            docs, hints = field_docs(c), typing.get_type_hints(c)
             inst = c() if key else getattr(defaults, section)
             for f in dataclasses.fields(c):
-                lines.append(f"  {f.name} = {getattr(inst, f.name)!r}")
+                # a choice's values as its type has them (often from the registry it names: data.task's tasks)
+                choices = typing.get_args(hints[f.name]) if typing.get_origin(hints[f.name]) is Literal else ()
+                lines.append(f"  {f.name} = {getattr(inst, f.name)!r}"
+                             + (f"  (one of: {', '.join(map(str, choices))})" if len(choices) > 1 else ""))
                 if f.name in docs:
                     lines.append(f"      {docs[f.name]}")
     return "\n".join(lines)
@@ -424,6 +427,14 @@ RESUMABLE = {
     "optim.max_nonfinite_steps": "a safety limit", "engine.verify": "a check before training",
     "model.device": "where the run continues (float-close, not bitwise)",
     **{f"eval.{f.name}": "evaluation (it changes nothing of the training)" for f in dataclasses.fields(EvalConfig)},
+    # the server a vLLM run samples from: where it is and what it may take, not what it samples (the weights,
+    # seeds and log-prob mode are the run's); vllm.extra_args stays the run's, as it can change the sampling
+    # (--dtype, --quantization, --generation-config's default sampling parameters)
+    **dict.fromkeys(["vllm.python", "vllm.url", "vllm.api_key"],
+                    "where the server is (it moved, another vLLM environment)"),
+    "vllm.start_timeout_s": "a time limit", "vllm.request_timeout_s": "a time limit",
+    **dict.fromkeys(["vllm.kv_cache_gb", "vllm.max_model_len"],
+                    "the server's memory (the run's sequences must fit either way)"),
     "train.output_dir": "the run folder is where --resume found it",
 }
 """The keys a resume may change (`backstream train --resume RUN [run.toml] [--set ...]`): they are

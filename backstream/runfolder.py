@@ -260,7 +260,9 @@ class Run:
     def __init__(self, cfg, run_dir: str, dp, *, resume: bool, overwrite: bool):
         self.cfg, self.dir, self.dp, self.resume = cfg, run_dir, dp, resume
         self.stop = 0  # the signal that asked the run to stop, 0 while none did
-        self.step = 0  # the trainer's, for the messages
+        self.step = 0  # the trainer's last finished step
+        self.in_step = False  # a step is under way (`next_step` to `step_done`), not its line or checkpoint
+        self.stop_after: int | None = None  # the step a first signal lets the run finish
         self.last_save = time.monotonic()
         self.lock = dp.on_main(lambda: claim(run_dir, resume=resume, overwrite=overwrite))
 
@@ -345,19 +347,33 @@ class Run:
         return checkpoint.latest(self.dir)
 
     def _signal(self, signum, frame):
-        """First SIGINT/SIGTERM: finish the step, save, stop. A second: stop at once (a checkpoint
+        """First SIGINT/SIGTERM: finish the step under way, save, stop; between steps (the last one's
+        line, evaluation or checkpoint) no other step starts. A second: stop at once (a checkpoint
         being written is left unpublished; the last complete one stays)."""
         if self.stop:
             raise KeyboardInterrupt
         self.stop = signum
+        self.stop_after = self.step + 1 if self.in_step else self.step  # what the message below promises
         sys.stderr.write("\n")  # off a progress bar's line
-        log.info(f"{signal.Signals(signum).name} received: finishing step {self.step + 1} and saving; press Ctrl-C "
-                 f"again to stop now (the last checkpoint stays: {self.last() or 'none yet'})")
+        what = (f"finishing step {self.stop_after} and saving" if self.in_step else
+                f"step {self.step} is done: saving it and stopping")
+        log.info(f"{signal.Signals(signum).name} received: {what}; press Ctrl-C again to stop now (the last "
+                 f"checkpoint stays: {self.last() or 'none yet'})")
 
-    @property
-    def stopping(self) -> bool:
-        """A signal asked the run to stop (on any rank: every rank stops at the same step boundary)."""
-        return self.dp.any(bool(self.stop))
+    def next_step(self) -> bool:
+        """Does the trainer start another step (then `step_done` when it has finished it)? Not once a
+        signal asked the run to stop before this call (on any rank: every rank stops at the same step
+        boundary). The step is marked under way before the question is asked, so that a signal in
+        between promises it, and it runs; the run's last line and checkpoint are not a step."""
+        self.in_step = True
+        if self.dp.any(self.stop_after is not None and self.step >= self.stop_after):
+            self.in_step = False  # a signal now is a second one: it stops at once
+            return False
+        return True
+
+    def step_done(self, step: int) -> None:
+        self.step = step  # before the step is no longer under way: a signal between must not see the old step
+        self.in_step = False
 
     @contextlib.contextmanager
     def training(self, step: int):

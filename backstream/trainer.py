@@ -3,7 +3,7 @@
 One step (`Trainer.train_step`) is the stages of docs/design.md §1:
   collect     sample G completions (or episodes) for each of `prompts_per_step` prompts with the
               run's sampler, score them (reward functions, TRL's signature), shape the overlong ones;
-              DAPO dynamic sampling drops the groups with no signal and refills the batch;
+              DAPO dynamic sampling drops the groups with no signal and refills the batch (dapo/*);
   advantages  per group (GRPO, Dr.GRPO, RLOO), zero where a sample gets no loss;
   update      per epoch and group-aligned minibatch: the objective (normalisers over the whole
               minibatch, before any block), the backward chosen once (`engine.backward`), a step;
@@ -11,7 +11,10 @@ One step (`Trainer.train_step`) is the stages of docs/design.md §1:
 The parts are built by their configs and live beside them: the run folder's lifecycle
 (runfolder.Run), the sampler (rl/rollout.py, rl/agent/), rewards, data parallelism (rl/parallel.py:
 one process, or a torchrun rank training whole groups of the global batch; docs/design.md §6c),
-the optimizer step (rl/optim.Stepper). The step has no branch on any of them.
+the optimizer step (rl/optim.Stepper), where the objective's π_old and π_ref come from
+(rl/backward.BeforeUpdate: the sampler's with `engine.reuse_rollout_kv`, a pass up front, or the
+engine's prefill). Each part's choices are taken once, when it is built: the step branches on none of
+them, only on the algorithm's own options (DAPO's dynamic sampling).
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ from backstream.quant.linear import quant_linears, quantize_model, quantized
 from backstream.rl import data as datamod
 from backstream.rl import parallel
 from backstream.rl.advantages import ADVANTAGES, ZeroAdvantageWatch
-from backstream.rl.backward import logprobs_before_update, verify_engine
+from backstream.rl.backward import BeforeUpdate, verify_engine
 from backstream.rl.evaluate import Evaluator, with_group_size
 from backstream.rl.losses import Normalisers, build_objective
 from backstream.rl.model import reference_policy
@@ -74,6 +77,8 @@ class Batch:
     keep: Tensor  # [N] bool: False where overlong filtering takes a sample out of the loss
     scored: Tensor  # [M >= N] total reward of every sample scored, before shaping
     scored_by_fn: dict[str, Tensor]  # per reward function, [M]
+    refill_rounds: int = 0  # DAPO: rounds after the first, to refill the groups it dropped
+    groups_dropped: int = 0  # DAPO: groups whose rewards were all equal, left out of the batch
 
 
 class Trainer:
@@ -114,10 +119,12 @@ class Trainer:
         self.rewards = Rewards(cfg.reward, environment=self.sampler.environment)
         self.reward_log = RewardLog()  # what the reward functions log during the current step
         self.evaluator = Evaluator.build(cfg.eval, cfg.data, tc.seed, self.examples, self._sampler_for)
+        self.samplers.check(self.model)  # every sampler built: the backend's needs (a server's context, its cache)
         self.ref = reference_policy(cfg, self.model, copy_of_given=model is not None)  # a whole copy, before sharding
         self.dp.prepare(self.model, self.ref)  # after LoRA and quantization; the optimizer then holds the shards
         self.opt, self.sched = cfg.optim.build(self.model.parameters())
         self.engine = cfg.engine.build(self.device)
+        self.before_update = BeforeUpdate(cfg)  # where π_old and π_ref come from
         self.advantage_fn = ADVANTAGES[cfg.algorithm.advantage]
         self.stream = datamod.PromptStream(len(self.examples), tc.seed)
         self.step = 0
@@ -267,7 +274,7 @@ class Trainer:
         the next one refills the rest; the last (after `max_refills`) keeps what it gets."""
         ac, G = self.cfg.algorithm, self.cfg.rollout.group_size
         kept: list[tuple[Rollout, Tensor, Tensor]] = []
-        scored, by_fn = [], {}
+        scored, by_fn, dropped = [], {}, 0
         self.dp.begin_step()
         for attempt in range(1 + (ac.max_refills if ac.dynamic_sampling else 0)):
             need = self.cfg.train.prompts_per_step - sum(len(r) for r, _, _ in kept) // G
@@ -281,12 +288,14 @@ class Trainer:
             if ac.dynamic_sampling:
                 groups = informative_groups(total, G) if attempt < ac.max_refills else list(range(need))
                 self.dp.kept(groups)  # under torchrun with the rollout's K/V, refills then even the shares
+                dropped += need - len(groups)
                 rows = torch.tensor(r.group_rows(groups), dtype=torch.long)
                 r, total, keep = r.select(groups), total[rows], keep[rows]
             kept.append((r, total, keep))
         rollouts, rewards, keeps = zip(*kept)
         return Batch(rollout=Rollout.concat(list(rollouts)), rewards=torch.cat(rewards), keep=torch.cat(keeps),
-                     scored=torch.cat(scored), scored_by_fn={k: torch.cat(v) for k, v in by_fn.items()})
+                     scored=torch.cat(scored), scored_by_fn={k: torch.cat(v) for k, v in by_fn.items()},
+                     refill_rounds=len(kept) - 1, groups_dropped=dropped)  # `kept`: one entry per round
 
     def advantages(self, rewards: torch.Tensor) -> torch.Tensor:
         """Per-sample advantages from the group rewards (algorithm.advantage)."""
@@ -309,8 +318,8 @@ class Trainer:
         mine = {"seqs": take(seqs, plan.mine), "mask": take(mask, plan.mine), "sampler": take(sampler_lp, plan.mine),
                 "kv": take(batch.kv, plan.mine)}
         with self._timed("prefill"):
-            mine["old"], mine["ref"] = logprobs_before_update(self.engine, self.model, self.ref, self.cfg,
-                                                              mine["seqs"], mine["mask"], mine["sampler"])
+            mine["old"], mine["ref"] = self.before_update.logprobs(self.engine, self.model, self.ref, mine["seqs"],
+                                                                   mine["mask"], mine["sampler"])
         norms = [Normalisers.of(take(mask, rows), adv[rows]) for rows in plan.batch_rows]
         logged: dict[str, list[float]] = {}
         learner_lp: list[Tensor | None] = [None] * len(plan.mine)  # at the weights that sampled, first epoch
@@ -325,9 +334,7 @@ class Trainer:
                         learner_lp[r] = lp
                 for k, v in step.items():
                     logged.setdefault(k, []).append(v)
-        # the learner's log-probs before the update: π_old when it was computed up front (several
-        # optimizer steps), else the engine's own at the first (and only) step's weights
-        before = mine["old"] if mine["old"] is not None and not self.cfg.engine.reuse_rollout_kv else learner_lp
+        before = self.before_update.learner_at_sampling(mine["old"], learner_lp)
         before = self.dp.gather_rows(plan.mine, before, len(batch))  # the global batch's, in its order
         return logged, mismatch_metrics(before, sampler_lp, mask)
 
@@ -337,7 +344,7 @@ class Trainer:
         Returns the step's metrics (summed over ranks) and the engine's result."""
         obj = build_objective(self.cfg.loss, sequences=part["seqs"], completion_mask=part["mask"], advantages=adv,
                               old_logprobs=part["old"], ref_logprobs=part["ref"], rollout_logprobs=part["sampler"],
-                              old_is_current=self.cfg.engine.reuse_rollout_kv, normalisers=norm)
+                              old_is_current=self.before_update.old_is_current, normalisers=norm)
         self.model.train(False)  # no dropout: the backward must be that of the sampled policy
         res = self.engine.backward(self.model, part["seqs"], obj, kv=part["kv"],
                                    progress=lambda phase, done, n: self.logger.phase(
@@ -357,8 +364,9 @@ class Trainer:
         a step leaves it undefined)."""
         loss = [k if "/" in k else f"loss/{k}" for k in self.cfg.loss.metric_keys()]
         loss += ["loss/router_aux"] * (self.cfg.loss.router_aux_coef > 0)
+        dapo = ["dapo/refill_rounds", "dapo/groups_dropped"] if self.cfg.algorithm.dynamic_sampling else []
         return ["step", *self.evaluator.keys(), "reward/mean", "reward/std", "response_length/mean", "batch/groups",
-                "batch/zero_adv_frac",
+                "batch/zero_adv_frac", *dapo,
                 *[f"reward/{name}" for name in self.rewards.functions], *self.sampler.metric_keys,
                 "tree/tokens_total", "tree/tokens_unique", *loss, "optim/grad_norm", *MISMATCH_KEYS,
                 "optim/skipped_nonfinite", *[f"time/{p}" for p in PHASES], "time/step", "throughput/tokens_per_s",
@@ -372,6 +380,8 @@ class Trainer:
         m = {"step": self.step, "reward/mean": float(r.mean()), "reward/std": float(r.std()) if len(r) > 1 else 0.0,
              "response_length/mean": float(sum(ro.sampled_tokens()) / n),  # the policy's tokens (of an episode too)
              "batch/groups": n // ro.group_size, "batch/zero_adv_frac": float((adv == 0).float().mean())}
+        if self.cfg.algorithm.dynamic_sampling:
+            m.update({"dapo/refill_rounds": batch.refill_rounds, "dapo/groups_dropped": batch.groups_dropped})
         # a function's mean over the samples it scored (None: TRL's "does not apply")
         m.update({f"reward/{k}": float(v.nanmean()) for k, v in batch.scored_by_fn.items()})
         m.update(self.sampler.metrics(ro))
@@ -405,9 +415,9 @@ class Trainer:
             with run.training(self.step):
                 if self.evaluator.at_start and self.step == 0:
                     self.logger.log({"step": 0, **self.evaluate()})
-                while self.step < tc.steps and not run.stopping:
+                while self.step < tc.steps and run.next_step():
                     m = self.train_step()
-                    run.step = self.step
+                    run.step_done(self.step)
                     if self.evaluator.due(self.step, tc.steps):
                         m.update(self.evaluate())
                     self.logger.log(m)

@@ -10,16 +10,18 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
-from backstream.checks import UserError, at_least
+from backstream.checks import UserError, at_least, literals
+from backstream.rl.tasks import TASKS, make_dataset
 
 
 @dataclass(kw_only=True)
 class DataConfig:
-    task: str = "arith"
-    """Built-in generated task (arith, kvlookup), used when `path` is empty."""
+    task: Literal[tuple(TASKS)] = "arith"
+    """Built-in generated task (backstream/rl/tasks.py), used when `path` is empty."""
     path: str = ""
     """A JSONL file or a `datasets` folder with a `prompt` column (text or chat messages)."""
     num_examples: int = 2048
@@ -28,6 +30,7 @@ class DataConfig:
     """Prompts longer than this are an error (no silent truncation)."""
 
     def __post_init__(self):
+        literals(self, "data")
         at_least("data.num_examples", self.num_examples, 1)
         at_least("data.max_prompt_tokens", self.max_prompt_tokens, 1)
 
@@ -38,8 +41,6 @@ class DataConfig:
         if self.path:
             examples, source = load_examples(self.path), self.path
         else:
-            from backstream.rl.tasks import make_dataset  # noqa: PLC0415
-
             examples, source = make_dataset(self.task, self.num_examples, seed), f"task {self.task}"
         check_examples(examples, source, prompt_optional)
         return examples

@@ -3,7 +3,8 @@ on request, the K/V the streamed backward can reuse (docs/design.md §1, §4).
 
 Each prompt is prefilled once (prompts of one length as one batch); its cache is repeated over the G
 rows of its group, and every row of the call then decodes as one batch (rl/decode.py: rows of other
-lengths left-padded, finished rows dropped). The log-probs are taken under softmax(logits / T) before
+lengths left-padded; finished rows stay in the batch, fed and ignored, and leave it together each
+time they are a quarter of it). The log-probs are taken under softmax(logits / T) before
 top-k/top-p truncation, the learner's convention.
 """
 

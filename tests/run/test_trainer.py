@@ -3,6 +3,7 @@ atomic, bad input stops before anything that looks like a run is written, the de
 
 import json
 import os
+import signal
 import warnings
 
 import pytest
@@ -193,6 +194,8 @@ def test_dapo_dynamic_sampling_and_overlong(tmp_path):
     assert all(r["batch/groups"] == 2 for r in rows)  # refilled to prompts_per_step
     # every completion of a random model runs to max_new_tokens: all filtered, no gradient
     assert all(r["batch/zero_adv_frac"] == 1.0 for r in rows)
+    # each refill round replaces groups that were dropped, within algorithm.max_refills (4)
+    assert all(0 <= r["dapo/refill_rounds"] <= min(4, r["dapo/groups_dropped"]) for r in rows)
 
 
 @pytest.mark.parametrize("dynamic", [True, False])
@@ -213,6 +216,12 @@ def test_dynamic_sampling_drops_a_zero_variance_group(tmp_path, dynamic):
     batch = t.collect()
     t.logger.close()
     G = cfg.rollout.group_size
+    # the step's line says what dynamic sampling did: one refill round, for the one group it dropped
+    assert (batch.refill_rounds, batch.groups_dropped) == ((1, 1) if dynamic else (0, 0))
+    t.unique_tokens = 0
+    m = t.metrics(batch, t.advantages(batch.rewards), {}, {}, step_time=1.0)
+    assert (m.get("dapo/refill_rounds"), m.get("dapo/groups_dropped")) == ((1, 1) if dynamic else (None, None))
+    assert ({"dapo/refill_rounds", "dapo/groups_dropped"} <= set(t.metric_keys())) == dynamic
     groups = [t.examples[i]["prompt"] for i in batch.rollout.prompt_index[::G]]
     assert len(batch.rollout) == len(batch.rewards) == 4 * G
     if dynamic:
@@ -255,7 +264,7 @@ def test_lora_run_resumes_bitwise(tmp_path):
     assert os.path.exists(tmp_path / "split" / "checkpoints" / "step-2" / "adapter_model.safetensors")
 
 
-def test_sigterm_checkpoints_at_the_next_step_boundary(tmp_path):
+def test_sigterm_checkpoints_at_the_next_step_boundary(tmp_path, capsys):
     killer = tmp_path / "killer.py"
     killer.write_text(
         "import os, signal\nn = [0]\n"
@@ -273,6 +282,31 @@ def test_sigterm_checkpoints_at_the_next_step_boundary(tmp_path):
     rows = [json.loads(x) for x in open(os.path.join(run, "metrics.jsonl"))]
     assert len(rows) == 2  # the step in flight finished, then the run stopped
     assert checkpoint.load_state(checkpoint.latest(run))["step"] == 2
+    assert "SIGTERM received: finishing step 2 and saving" in capsys.readouterr().err
+
+
+def test_a_sigint_between_steps_says_that_no_other_step_runs(tmp_path, monkeypatch, capsys):
+    """A SIGINT while step 1's checkpoint is written, after its line (issue 32: the run said it was
+    finishing step 2, then stopped after step 1): the message says what happens, step 1 is saved and
+    no step 2 starts. A SIGINT inside a step still finishes that step."""
+    save, calls = trainer.Trainer.save, []
+
+    def interrupted_save(self):
+        calls.append(self.step)
+        if calls == [1]:
+            os.kill(os.getpid(), signal.SIGINT)  # the handler runs now, before the checkpoint is written
+        return save(self)
+
+    monkeypatch.setattr(trainer.Trainer, "save", interrupted_save)
+    model, tok = tiny(torch.float32)
+    with pytest.raises(trainer.Interrupted) as stopped:
+        trainer.train(run_cfg(tmp_path, "run", 'model.dtype="float32"', "train.steps=10"), model=model, tokenizer=tok)
+    err = capsys.readouterr().err
+    assert "SIGINT received: step 1 is done: saving it and stopping" in err and "finishing step" not in err
+    assert stopped.value.exit_code == 130 and stopped.value.saved and stopped.value.step == 1
+    run = stopped.value.run_dir
+    assert [json.loads(x)["step"] for x in open(os.path.join(run, "metrics.jsonl"))] == [1]
+    assert checkpoint.load_state(checkpoint.latest(run))["step"] == 1
 
 
 @pytest.mark.parametrize("name", ["rmsprop", "muon"])

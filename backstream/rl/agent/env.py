@@ -15,15 +15,17 @@ this:
   feedback loops). A method named `step` is a tool like any other.
 - `tools = ["file.py:fn", ...]`: stateless function tools, beside or instead of a class.
 
-Every environment lives in a worker process of its own (rl/agent/worker.py), so that
+Every episode's environment lives in a worker process of its own (rl/agent/worker.py), so that
 `env.tool_timeout_s` really stops a tool or a `reset`: the worker is killed, the environment discarded,
-the episode ends with a counted error. Limits: `env.max_turns` sampled turns, `rollout.max_new_tokens`
-per turn, `env.max_episode_tokens` for the whole episode, `env.max_result_tokens` per tool result
-(longer ones are cut, with a marker the policy sees). An episode that reaches a limit right after a
-tool call does not run the call: the policy's call is its last message. A malformed tool call, an
-unknown tool or a tool that raises becomes an error message as the tool result (the policy sees it,
-the metrics count it); an environment whose `reset` raises or overruns stops the step with an error
-naming the class and the row.
+the episode ends with a counted error. One instance is built in the trainer's own process, once,
+before the run (`Environment.load` checks that the class builds with no argument and has a `reset`):
+a constructor runs there with no time limit. Limits: `env.max_turns` sampled turns,
+`rollout.max_new_tokens` per turn, `env.max_episode_tokens` for the whole episode,
+`env.max_result_tokens` per tool result (longer ones are cut, with a marker the policy sees). An
+episode that reaches a limit right after a tool call does not run the call: the policy's call is its
+last message. A malformed tool call, an unknown tool or a tool that raises becomes an error message as
+the tool result (the policy sees it, the metrics count it); an environment whose `reset` raises or
+overruns stops the step with an error naming the class and the row.
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ user messages are context of weight 0, and the trie of the streamed backward mer
 prompt and any turns its episodes share, so an episode costs its unique tokens.
 
 The step's episodes are played in rounds, every live episode's turn of a round decoded as one batch
-(rl/decode.py: rows of different lengths left-padded, finished rows dropped). The first round
+(rl/decode.py: rows of different lengths left-padded; finished rows stay, fed and ignored, and leave
+the batch together each time they are a quarter of it). The first round
 prefills each distinct prompt once for the episodes that start from it; each episode then keeps its
 own K/V, and a later turn prefills only its new tokens (the previous turn's last token, the inserted
 tokens) after them before it joins the round's batch. Every sampled token keeps the sampler's

