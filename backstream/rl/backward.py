@@ -15,6 +15,7 @@ from torch import Tensor
 
 from backstream.checks import UserError, at_least, literals
 from backstream.stream import fsdp
+from backstream.stream.attention import KERNELS
 from backstream.stream.engine import StreamResult, logprobs, stream_backward
 from backstream.stream.hf import base_model
 from backstream.stream.reference import reference_backward
@@ -27,7 +28,7 @@ class StreamedBackward:
     prefill and backward; log-probs alone from its prefill pass."""
 
     def __init__(self, ec: EngineConfig, device: torch.device):
-        self.kw = {"grad_dtype": GRAD_ACCUM_DTYPES[ec.grad_accum_dtype]}
+        self.kw = {"grad_dtype": GRAD_ACCUM_DTYPES[ec.grad_accum_dtype], "kernel": ec.kernel}
         if ec.block_size:
             self.kw["block_size"] = ec.block_size
         if ec.memory_budget_mb:
@@ -37,7 +38,7 @@ class StreamedBackward:
         return stream_backward(model, sequences, objective=objective, kv=kv, progress=progress, **self.kw)
 
     def logprobs(self, model, sequences: list[Tensor], mask: list[Tensor]) -> list[Tensor]:
-        return logprobs(model, sequences, mask)
+        return logprobs(model, sequences, mask, kernel=self.kw["kernel"])
 
 
 class ReferenceBackward:
@@ -85,6 +86,11 @@ class EngineConfig:
     block batches in a float32 buffer (4 bytes per trainable parameter during the backward) and
     rounds it into .grad once; "param" adds every block batch straight into .grad (one rounding per
     block batch: the error grows with the number of blocks). No effect in float32/float64."""
+    kernel: Literal[KERNELS] = "auto"
+    """The streamed backward's attention (stream/attention.py): "auto" = the fused kernel where one
+    exists for the device and dtype (CPU flash; CUDA flash for fp16/bf16, memory-efficient for fp32;
+    the naive path for float64 and soft-capping), "flash" = the fused one or an error, "math" = the naive
+    reference path everywhere (stores [queries × keys] scores; the way back if a fused kernel misbehaves)."""
     verify: bool = True
     """Before training, check on a tiny random copy of the model's architecture (seconds, config only)
     that the streamed backward gives the exact gradient (`backstream verify`); stop unless it does.

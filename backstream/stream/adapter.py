@@ -133,9 +133,10 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
         raise NeedsConcat(last, module)  # retried with history ⊕ block from the cache
     else:
         parts = batch.history_parts(layer, key, value, window)
-        parts.append(Part(key, value, batch.qpos, causal=True))
+        parts.append(Part(key, value, batch.qpos, causal=True, start=batch.p0))
     batch.attn_calls += 1
-    out = merged_attention(query, parts, batch.qpos, scale, window, batch.kernel, softcap=softcap, sinks_H=s_aux)
+    out = merged_attention(query, parts, batch.qpos, scale, window, batch.kernel, softcap=softcap, sinks_H=s_aux,
+                           q_start=batch.p0)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -44,7 +44,7 @@ from backstream.stream.adapter import (
     run_model,
     use_backstream_attention,
 )
-from backstream.stream.attention import Part, rows_as_batch, use_flash
+from backstream.stream.attention import Part, check_kernel, rows_as_batch
 from backstream.stream.hf import base_model, takes_logits_to_keep
 from backstream.stream.kvstore import KVStore
 from backstream.stream.objective import BlockView, Objective, Terms, TokenWeights, flat_offsets
@@ -134,13 +134,14 @@ class _Batch:
             a = max(node.start, first) - node.start
             if a < len(node.tokens):
                 k, v = leaves(n, a, len(node.tokens))
-                parts.append(Part(k, v, torch.arange(node.start + a, node.end, device=dev), shared=True))
+                parts.append(Part(k, v, torch.arange(node.start + a, node.end, device=dev), shared=True,
+                                  start=node.start + a))
         a, b = max(self.base, first) - self.base, self.rows[0].lo
         if a < b:
             kpos = torch.arange(self.base + a, self.base + b, device=dev)
             for r, row in enumerate(self.rows):
                 k, v = leaves(row.node, a, b)
-                parts.append(Part(k, v, kpos, row=r if len(self.rows) > 1 else None))
+                parts.append(Part(k, v, kpos, row=r if len(self.rows) > 1 else None, start=self.base + a))
         return parts
 
     def concat_history(self, layer: int, key_BHQD: Tensor, value_BHQD: Tensor) -> tuple[Tensor, Tensor]:
@@ -359,7 +360,7 @@ class _Engine:
         self.base = base_model(model)
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        self.kernel = kernel  # attention.use_flash reads it
+        self.kernel = kernel  # attention.select_kernel reads it
         self.pad_id = pad_id
         self.tree = tree
         self.schedule = batches(tree, block_size, batch_tokens)
@@ -482,7 +483,8 @@ def stream_backward(
     memory_budget: bytes; the planner picks block_size and batch_tokens to fit (see `plan`).
     kv: the K/V the caller already has (per sequence, a Cache or a list over layers of (K, V) of
       shape [kv_heads, length, head_dim]) computed at the current weights: no prefill runs.
-    kernel: attention kernel, "auto" (fused flash on CPU), "flash" or "math" (naive reference).
+    kernel: attention kernel, "auto" (the device's fused kernel where it has one for the model's dtype:
+      `attention.select_kernel`), "flash" (that fused kernel, or an error) or "math" (naive reference).
     grad_dtype: a parameter of lower precision (bfloat16, float16) gathers its gradient over the
       block batches in this dtype and `.grad` receives the sum once, at the end (one rounding
       instead of one per block batch; memory: one such buffer per parameter during the call).
@@ -548,7 +550,7 @@ def _run_local(model, sequences, obj, *, block_size, batch_tokens, memory_budget
     for name, val in (("block_size", block_size), ("batch_tokens", batch_tokens), ("memory_budget", memory_budget)):
         if val is not None and (not isinstance(val, int) or isinstance(val, bool) or val < 1):
             raise UserError(f"{name}: expected a positive integer, got {val!r}")
-    use_flash(kernel, torch.device("cpu"))  # a name it does not know is refused here, before any work
+    check_kernel(kernel)  # a name it does not know is refused here, before any work
     active = obj.active(sequences)
     if len(active) != len(sequences) or any(a.shape != s.shape for a, s in zip(active, sequences)):
         raise UserError("objective.active: must return one bool tensor per sequence, of the sequence's shape")

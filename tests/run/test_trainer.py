@@ -30,6 +30,31 @@ def test_streamed_and_reference_runs_agree_float64(tmp_path, extra):
     assert rel(results["stream"], results["reference"]) <= 1e-10
 
 
+def test_engine_kernel_math_runs_the_naive_attention_and_agrees_float64(tmp_path, monkeypatch):
+    """engine.kernel = "math" reaches the engine (its prefill and backward attend on the naive path,
+    the way back from a fused kernel that misbehaves) and trains the same weights as "auto"."""
+    from backstream.stream import attention
+
+    calls = {"math": 0}
+    naive = attention.merged_attention_math
+
+    def counted(*a, **kw):
+        calls["math"] += 1
+        return naive(*a, **kw)
+
+    monkeypatch.setattr(attention, "merged_attention_math", counted)
+    results = {}
+    for kernel in ("auto", "math"):
+        calls["math"] = 0
+        model, tok = tiny()
+        trainer.train(run_cfg(tmp_path, kernel, f'engine.kernel="{kernel}"', "engine.block_size=3"),
+                      model=model, tokenizer=tok)
+        results[kernel] = (weights(model), calls["math"])
+    assert results["auto"][1] == 0 and results["math"][1] > 0  # CPU: fused for auto, naive for math
+    assert rel(results["math"][0], weights(tiny()[0])) > 1e-4
+    assert rel(results["math"][0], results["auto"][0]) <= 1e-10
+
+
 def test_moe_router_loss_runs_agree_float64(tmp_path):
     """The MoE load-balancing loss in the loop: streamed and reference engines, same weights."""
     results, logged = {}, {}
