@@ -161,12 +161,16 @@ class Rollout:
 
     @staticmethod
     def concat(parts: list[Rollout]) -> Rollout:
-        """The samples of every part, in order (same group size; K/V kept only if every part has them)."""
+        """The samples of every part, in order (same group size). The K/V are kept only if every part
+        has them (they stay on the rank that computed them); any other field is in every part or in none,
+        and a part that lacks one the others have is a bug, not a field to drop."""
         assert parts and all(p.group_size == parts[0].group_size for p in parts)
 
-        def join(name):  # a field kept only if every part has it (K/V: only where they were computed)
+        def join(name):
             values = [getattr(p, name) for p in parts]
-            return None if any(v is None for v in values) else [x for v in values for x in v]
+            missing = [v is None for v in values]
+            assert name == "kv" or all(missing) or not any(missing), f"Rollout.concat: {name} is in some parts only"
+            return None if any(missing) else [x for v in values for x in v]
 
         return Rollout(**{f.name: join(f.name) for f in dataclasses.fields(Rollout) if f.name != "group_size"},
                        group_size=parts[0].group_size)

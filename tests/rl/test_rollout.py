@@ -2,6 +2,8 @@
 sampler log-probs, seeding, top-k/top-p, EOS and stop strings, one prefill per group, and the K/V
 it hands to the streamed backward."""
 
+import dataclasses
+
 import pytest
 import torch
 from helpers import VOCAB, lora, make
@@ -290,3 +292,7 @@ def test_select_and_concat_keep_whole_groups():
     c = Rollout.concat([s, r.select([]), r.select([1])])  # an empty selection keeps its (empty) K/V
     assert c.prompt_index == [2, 2, 0, 0, 1, 1] and len(c.kv) == 6 and c.group_size == 2
     assert Rollout.concat([r, rollout(1, kv=False)]).kv is None  # K/V only where every part has them
+    versioned = dataclasses.replace(rollout(1), weight_version=[0, 0])
+    assert Rollout.concat([versioned, versioned]).weight_version == [0] * 4
+    with pytest.raises(AssertionError, match="weight_version"):  # a field one part lacks is a bug, not dropped
+        Rollout.concat([r, versioned])
