@@ -52,7 +52,13 @@ from backstream.rl.backward import BeforeUpdate, verify_engine
 from backstream.rl.evaluate import Evaluator, with_group_size
 from backstream.rl.losses import Normalisers, build_objective
 from backstream.rl.model import reference_policy
-from backstream.rl.offpolicy import MISMATCH_KEYS, error_token_share, mismatch_metrics
+from backstream.rl.offpolicy import (
+    MISMATCH_KEYS,
+    STALENESS_KEYS,
+    error_token_share,
+    mismatch_metrics,
+    staleness_metrics,
+)
 from backstream.rl.optim import NonFiniteError, Stepper, check_finite_weights  # noqa: F401  (NonFiniteError: the API's)
 from backstream.rl.parallel import take
 from backstream.rl.rewards import RewardLog, Rewards, TrainerState
@@ -133,6 +139,7 @@ class Trainer:
         self.times = dict.fromkeys(PHASES, 0.0)
         self.zero_adv = ZeroAdvantageWatch()
         self._open_run(resume, overwrite, changes, allow_changed_files)
+        self.samplers.at_step(self.step)  # a resumed run's weights are its checkpoint's step's
 
     def _open_run(self, resume: bool, overwrite: bool, changes: list, allow_changed_files: bool) -> None:
         """The run folder (rank 0's), the checkpoint to resume from, the loggers."""
@@ -215,6 +222,7 @@ class Trainer:
             adv = self.advantages(batch.rewards) * batch.keep
             logged, mismatch = self.update(batch.rollout, adv)
             self.step += 1
+            self.samplers.at_step(self.step)  # the weights are now this step's (a server's version)
             return self.metrics(batch, adv, logged, mismatch, time.perf_counter() - t0)
 
     @contextlib.contextmanager
@@ -368,7 +376,7 @@ class Trainer:
         return ["step", *self.evaluator.keys(), "reward/mean", "reward/std", "response_length/mean", "batch/groups",
                 "batch/zero_adv_frac", *dapo,
                 *[f"reward/{name}" for name in self.rewards.functions], *self.sampler.metric_keys,
-                "tree/tokens_total", "tree/tokens_unique", *loss, "optim/grad_norm", *MISMATCH_KEYS,
+                "tree/tokens_total", "tree/tokens_unique", *loss, "optim/grad_norm", *MISMATCH_KEYS, *STALENESS_KEYS,
                 "optim/skipped_nonfinite", *[f"time/{p}" for p in PHASES], "time/step", "throughput/tokens_per_s",
                 "optim/lr", "memory/peak_mib"]
 
@@ -394,6 +402,7 @@ class Trainer:
                   for k, v in logged.items()})
         m.update(mismatch)
         m["mismatch/error_token_share"] = error_token_share(ro.sampled_ids())
+        m.update(staleness_metrics(ro.weight_version, ro.sampled, self.step - 1))  # the update started at step − 1
         tokens = sum(len(p) + len(c) for p, c in zip(batch.rollout.prompt_ids, batch.rollout.completion_ids))
         m["optim/skipped_nonfinite"] = self.stepper.skipped
         m.update({f"time/{k}": v for k, v in self.times.items()})  # rank 0's, under torchrun

@@ -229,7 +229,7 @@ def single_process_reference(tmp: str, names: list[str], store: str) -> dict:
 def vllm_job(out: str, overrides: list[str]) -> dict:
     """A run on the vLLM backend on this rank (tests/rl/test_vllm.py): the server's URL and log as this
     rank saw them, whether this rank started it (rank 0; the others are its clients) and whether its
-    process is gone after the run, the publisher's last version; then a request that only rank 1 sends
+    process is gone after the run, how many times the publisher published; then a request that only rank 1 sends
     to the stopped server: the error every rank raises."""
     from backstream.rl.vllm.server import Server, ServerError
 
@@ -248,7 +248,7 @@ def vllm_job(out: str, overrides: list[str]) -> dict:
     t.run()
     proc = seen["proc"]
     res = {"url": seen["url"], "log": seen["log"], "started": proc is not None,
-           "stopped": proc is None or proc.poll() is not None, "version": pub.version, "shares": shares}
+           "stopped": proc is None or proc.poll() is not None, "version": pub.published, "shares": shares}
     dist.barrier()  # rank 0 has stopped the server
     try:
         with pub.requests():

@@ -170,6 +170,25 @@ def mismatch_metrics(learner: list[Tensor | None], sampler: list[Tensor], mask: 
             "mismatch/ratio/max": math.exp(min(float(log_r.max()), 709.0)), "mismatch/tokens": float(len(log_r))}
 
 
+STALENESS_KEYS = ("rollout/staleness_mean", "rollout/staleness_max")
+
+
+def staleness_metrics(versions: list[Tensor] | None, sampled: list[Tensor] | None, learner_version: int) -> dict:
+    """How many versions behind the learner's weights (`learner_version`: the step that made the weights
+    the update starts from) the step's sampled tokens were sampled: `rollout/staleness_mean` and
+    `rollout/staleness_max` over every token the policy sampled (`sampled`: per sample, which completion
+    tokens; None: all of them). Samples without versions were drawn in process at the current weights:
+    0 behind."""
+    if not versions:
+        return dict.fromkeys(STALENESS_KEYS, 0.0)
+    behind = [learner_version - v if m is None else learner_version - v[m]
+              for v, m in zip(versions, sampled if sampled is not None else [None] * len(versions))]
+    behind = torch.cat(behind) if behind else torch.zeros(0, dtype=torch.long)
+    if behind.numel() == 0:
+        return dict.fromkeys(STALENESS_KEYS, 0.0)
+    return {"rollout/staleness_mean": float(behind.double().mean()), "rollout/staleness_max": float(behind.max())}
+
+
 # A degenerate loop of period p (≤ 16) shows a 16-gram 4 times within 16 + 3p ≤ 64 tokens, so the
 # shortest completions can be flagged; natural text (a 16K-token chain of thought included) seldom
 # repeats a whole 16-token span — a sentence, an equation line — four times, while an error-token

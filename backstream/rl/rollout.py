@@ -102,8 +102,10 @@ class Rollout:
     # per sample what only an episode has. None for single-turn samples.
     sampled: list[Tensor] | None = None
     episodes: list[EpisodeInfo] | None = None
-    # per sample, the version of the weights a server sampled it with (rollout.backend = "vllm")
-    weight_version: list[int] | None = None
+    # per sample, per completion token, the version of the weights it was sampled with: the learner's
+    # step that made them (0: the initial weights), int64 [len(completion)]; tokens an episode inserted
+    # carry the version of the turn before them. None: sampled in process, at the current weights
+    weight_version: list[Tensor] | None = None
 
     def __len__(self) -> int:
         return len(self.completion_ids)

@@ -94,6 +94,13 @@ class Samplers:
         self.built.append(sampler)
         return sampler
 
+    def at_step(self, step: int) -> None:
+        """The learner's weights are now those of `step` (0: the initial ones): the version a server's
+        samples record (rl/vllm `WeightPublisher.at_step`); nothing locally, where the sampler always
+        runs the current weights."""
+        if self.publisher is not None:
+            self.publisher.at_step(step)
+
     def check(self, model) -> None:
         """What the backend needs of the policy, checked once every sampler is built (they tell the
         longest sequence the run samples) and before the run folder is written: a vLLM server's

@@ -341,3 +341,18 @@ def test_input_errors():
         obj.setup([torch.full((len(s),), -1.0, dtype=torch.float64) for s in seqs])
     with pytest.raises(TypeError, match="config"):
         build_objective(object(), **kw)
+
+
+def test_staleness_counts_the_versions_behind_over_the_sampled_tokens():
+    """rollout/staleness_*: learner_version − version over every token the policy sampled (inserted
+    episode tokens left out), by hand: sample 0 sampled at versions 3, 3, 2 (the learner at 4: 1, 1, 2
+    behind); sample 1 at 4, 4 with its middle token inserted (0, 0): 5 tokens, mean 4/5, max 2. Counting
+    the inserted one too (behind 3): 6 tokens, mean 7/6, max 3. In process (no versions): 0 behind."""
+    from backstream.rl.offpolicy import staleness_metrics
+
+    versions = [torch.tensor([3, 3, 2]), torch.tensor([4, 1, 4])]
+    sampled = [torch.tensor([True, True, True]), torch.tensor([True, False, True])]
+    assert staleness_metrics(versions, sampled, 4) == {"rollout/staleness_mean": 4 / 5, "rollout/staleness_max": 2.0}
+    assert staleness_metrics(versions, None, 4) == {"rollout/staleness_mean": 7 / 6, "rollout/staleness_max": 3.0}
+    assert staleness_metrics(None, None, 7) == {"rollout/staleness_mean": 0.0, "rollout/staleness_max": 0.0}
+    assert staleness_metrics([torch.zeros(0, dtype=torch.long)], None, 2)["rollout/staleness_max"] == 0.0

@@ -72,6 +72,22 @@ def _sampler(tok, pub, prompts, G=4, max_new=12):
                        ["" for _ in prompts], pub)
 
 
+def _optimizer_step(model, pub, scale=0.05, only=None) -> None:
+    """What a trainer's step does to the weights, in place as AdamW writes them (`only`: the parameters
+    whose names hold it), and tells the publisher (their version is the learner's step)."""
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if only is None or only in n:
+                p.add_(scale * torch.randn_like(p))
+    pub.at_step(pub.learner_step + 1)
+
+
+def _sampled_with(r, version: int) -> bool:
+    """Every token of every sample of `r` records weight version `version`."""
+    return len(r.weight_version) == len(r) and all(
+        torch.equal(v, torch.full((len(c),), version)) for v, c in zip(r.weight_version, r.completion_ids))
+
+
 def _max_logprob_gap(model, r) -> float:
     seqs, mask = r.sequences(), r.completion_mask()
     learner = logprobs(model, seqs, mask)
@@ -125,18 +141,16 @@ def test_weights_published_after_a_change_are_the_ones_sampled(served):
     model, tok, pub, run_dir = served
     prompts = [torch.tensor(tok("12+34=", add_special_tokens=True)["input_ids"])]
     s = _sampler(tok, pub, prompts, G=8)
-    version = pub.version
-    with torch.no_grad():
-        for p in model.parameters():  # an "optimizer step": in place, as AdamW writes
-            p.add_(0.05 * torch.randn_like(p))
+    published = pub.published
+    _optimizer_step(model, pub)
     r = s.sample(model, [{}], [0], [torch.Generator().manual_seed(5)])
-    assert pub.version == version + 1 and r.weight_version == [pub.version] * 8
+    assert pub.published == published + 1 and pub.version == pub.learner_step and _sampled_with(r, pub.version)
     assert _max_logprob_gap(model, r) <= 1e-4  # the new weights' (the tied head included)
     fresh, _ = load_default()
     assert _max_logprob_gap(fresh, r) > 1e-2  # and not the old ones'
     r2 = s.sample(model, [{}], [0], [torch.Generator().manual_seed(6)])
-    assert pub.version == version + 1 and r2.weight_version == [pub.version] * 8  # unchanged: no publish
-    assert os.listdir(os.path.join(run_dir, "vllm")) == [f"weights-{pub.version}"]  # initial/ went after start-up
+    assert pub.published == published + 1 and _sampled_with(r2, pub.version)  # unchanged: no publish
+    assert os.listdir(os.path.join(run_dir, "vllm")) == [f"weights-{pub.published}"]  # initial/ went after start-up
 
 
 def _long_prompts(n: int, tokens: int = 400) -> list[torch.Tensor]:
@@ -155,22 +169,21 @@ def test_a_publish_resets_the_prefix_cache_of_long_prompts(served):
     test fails (the server 0.72 off the learner), where the others pass."""
     model, tok, pub, _ = served
     s = _sampler(tok, pub, _long_prompts(2), G=4, max_new=8)
-    version = pub.version
+    published = pub.published
     before = s.sample(model, [{}] * 2, [0, 1], [torch.Generator().manual_seed(i) for i in range(2)])
-    assert pub.version == version and _max_logprob_gap(model, before) <= 1e-4
-    with torch.no_grad():
-        for p in model.parameters():  # an "optimizer step": in place, as AdamW writes
-            p.add_(0.05 * torch.randn_like(p))
+    assert pub.published == published and _max_logprob_gap(model, before) <= 1e-4
+    _optimizer_step(model, pub)
     after = s.sample(model, [{}] * 2, [0, 1], [torch.Generator().manual_seed(2 + i) for i in range(2)])
     gap = _max_logprob_gap(model, after)
     print(f"long prompts after a publish: max |learner - server| {gap:.1e}")
-    assert pub.version == version + 1 and gap <= 1e-4
+    assert pub.published == published + 1 and gap <= 1e-4
 
 
 def test_top_p_top_k_at_temperature_1_report_the_learners_logprobs(served, tmp_path, vllm_python):
     """vLLM's processed log-probs are renormalised over the tokens top-p/top-k keep, the learner's are
     not: with truncation the server runs raw_logprobs, which at T = 1 are the learner's."""
     model, tok, processed, _ = served
+    model.load_state_dict(load_default()[0].state_dict())  # the shipped weights (other tests moved them), published
     # text the model is unsure how to go on from, so the truncation drops real mass
     prompts = [torch.tensor(tok("q+7=z 31 +=+ 9q", add_special_tokens=True)["input_ids"])]
     cfg = SamplingConfig(group_size=8, max_new_tokens=12, top_p=0.6, top_k=3)
@@ -223,7 +236,7 @@ def test_low_bit_weights_are_published_compressed_and_sampled_as_the_learner_qua
 
     def sample_and_check(version):
         r = s.sample(model, [{}] * 3, [0, 1, 2], [torch.Generator().manual_seed(version + i) for i in range(3)])
-        assert pub.version == version and r.weight_version == [version] * 24
+        assert pub.version == version and _sampled_with(r, version)
         gaps = _token_gaps(model, r, True)
         print(f"weights {version}: median {gaps.median():.1e}, within 1e-4 {(gaps <= 1e-4).double().mean():.3f}, "
               f"mean {gaps.mean():.1e}, full precision's mean {_token_gaps(model, r, False).mean():.1e}")
@@ -241,9 +254,7 @@ def test_low_bit_weights_are_published_compressed_and_sampled_as_the_learner_qua
             assert (_token_gaps(model, r, True) <= 1e-4).double().mean() < 0.9
             set_int8_gemm(model, gemm)
         before = copy.deepcopy(model)
-        with torch.no_grad():
-            for p in model.parameters():  # an "optimizer step": in place, as AdamW writes
-                p.add_(0.05 * torch.randn_like(p))
+        _optimizer_step(model, pub)
         r, gaps = sample_and_check(1)
         assert _token_gaps(before, r, True).mean() > 10 * gaps.mean()  # nor the old weights
     finally:
@@ -266,20 +277,17 @@ def test_a_lora_policy_publishes_its_adapter(tmp_path, vllm_python):
     pub = WeightPublisher(VLLMConfig(python=vllm_python), tok, str(tmp_path), seed=0)
     try:
         pub.ensure(model)
-        assert pub.lora and pub.model_name() == "policy-lora" and pub.version == 1
+        assert pub.lora and pub.model_name() == "policy-lora" and pub.published == 1 and pub.version == 0
         prompts = [torch.tensor(tok("12+34=", add_special_tokens=True)["input_ids"]), *_long_prompts(1)]
         s = _sampler(tok, pub, prompts, G=8)
         s.sample(model, [{}], [1], [torch.Generator().manual_seed(0)])  # the long prompt's blocks, cached
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                if "lora_B" in n:  # B starts at 0: make the adapter do something
-                    p.add_(0.2 * torch.randn_like(p))
+        _optimizer_step(model, pub, 0.2, only="lora_B")  # B starts at 0: make the adapter do something
         r = s.sample(model, [{}], [0], [torch.Generator().manual_seed(1)])
-        assert pub.version == 2 and _max_logprob_gap(model, r) <= 1e-4
+        assert pub.published == 2 and _sampled_with(r, 1) and _max_logprob_gap(model, r) <= 1e-4
         with model.disable_adapter():
             assert _max_logprob_gap(model, r) > 1e-3  # not the base model's
         long = s.sample(model, [{}], [1], [torch.Generator().manual_seed(2)])
-        assert pub.version == 2 and _max_logprob_gap(model, long) <= 1e-4  # not the old adapter's cached prompt
+        assert pub.published == 2 and _max_logprob_gap(model, long) <= 1e-4  # not the old adapter's cached prompt
     finally:
         pub.close()
 
@@ -288,7 +296,7 @@ def test_url_mode_connects_and_publishes(served, tmp_path, vllm_python):
     model, tok, pub, _ = served
     other = WeightPublisher(VLLMConfig(url=pub.server.url), tok, str(tmp_path), seed=0)
     other.ensure(model)
-    assert other.server.proc is None and other.version == 1  # nothing started; our weights published
+    assert other.server.proc is None and other.published == 1  # nothing started; our weights published
     prompts = [torch.tensor(tok("3+4=", add_special_tokens=True)["input_ids"])]
     r = _sampler(tok, other, prompts).sample(model, [{}], [0], [torch.Generator().manual_seed(0)])
     assert _max_logprob_gap(model, r) <= 1e-4
@@ -317,7 +325,7 @@ def test_episodes_through_the_server(served):
                            [tok.eos_token_id], 512, pub)
     rows = make_dataset("toolcalc", 4, seed=3)
     r = s.sample(model, rows, [0, 1, 2, 3], [torch.Generator().manual_seed(i) for i in range(4)])
-    assert len(r) == 32 and r.weight_version == [pub.version] * 32
+    assert len(r) == 32 and _sampled_with(r, pub.version)
     for i, seq in enumerate(r.sequences()):
         assert seq.tolist() == s.fed[i] + seq[-1:].tolist()
     assert sum(e.tool_calls for e in r.episodes) > 0  # the shipped model calls the tool
@@ -412,12 +420,11 @@ def test_two_ranks_share_one_server(served, tmp_path, vllm_python):
 
 
 def _versions(rows) -> list[float]:
-    """The weight versions a run's steps sample with: 0 at the start, one more after each step that
-    changed the weights (a step whose every advantage is 0 updates nothing, and nothing is published)."""
-    out = [0.0]
-    for r in rows[:-1]:
-        out.append(out[-1] + (r["batch/zero_adv_frac"] < 1))
-    return out
+    """The weight versions a synchronous run's steps sample with: the learner's step before each (its
+    weights' version; a step whose every advantage is 0 publishes nothing, but the server's weights are
+    then that step's too), with no token behind the learner."""
+    assert all(r["rollout/staleness_mean"] == 0 and r["rollout/staleness_max"] == 0 for r in rows)
+    return [float(r["step"] - 1) for r in rows]
 
 
 def _agree(rows) -> bool:

@@ -168,6 +168,8 @@ def test_demo_end_to_end(tmp_path, capsys):
                 "mismatch/logprob_abs"):
         assert key in rows[0], key
     assert rows[0]["mismatch/logprob_abs"] < 1e-4  # sampler and learner agree (same weights, fp32)
+    # the local sampler runs the current weights: no token behind the learner
+    assert all(r["rollout/staleness_mean"] == 0 and r["rollout/staleness_max"] == 0 for r in rows)
     ckpt = checkpoint.latest(str(tmp_path / "demo"))
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -292,7 +292,7 @@ class EpisodeSampler:
             sampled=[torch.tensor(ep.sampled, dtype=torch.bool) for ep in episodes], episodes=infos,
             weight_version=self._weight_versions(episodes))
 
-    def _weight_versions(self, episodes: list[_Episode]) -> list[int] | None:
+    def _weight_versions(self, episodes: list[_Episode]) -> list[Tensor] | None:
         return None  # sampled in process: always the current weights
 
     def reward_inputs(self, r: Rollout, rows: list[dict]) -> tuple[list, list, dict]:

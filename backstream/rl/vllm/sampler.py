@@ -87,6 +87,12 @@ def _base_names(model, state: dict) -> dict:
             if k.startswith(prefix) and ".lora_" not in k}
 
 
+def oldest(versions: list[Tensor] | None) -> float:
+    """The oldest weight version any token of a rollout was sampled with (NaN: no token)."""
+    mins = [int(v.min()) for v in versions or [] if len(v)]
+    return float(min(mins)) if mins else math.nan
+
+
 def starting(progress, n: int):
     """A sampler's `progress` told of the server's start-up (seconds so far), or None."""
     if progress is None:
@@ -142,7 +148,9 @@ class WeightPublisher:
         self.log_path = os.path.join(run_dir, "vllm.log")
         self.server: Server | None = None
         self.seen: tuple | None = None  # this rank's versions of the weights the server holds
-        self.version = 0  # how many times weights were published (0: the initial ones)
+        self.version = 0  # the learner's step that made the weights the server holds (0: the initial ones)
+        self.learner_step = 0  # the step that made the learner's current weights (`at_step`)
+        self.published = 0  # how many times weights were published (their folders' names)
         self.lora = False
         self.sync_s = 0.0  # seconds the last `ensure` spent publishing weights
         # the run's longest sequence, and what sets it, as its samplers tell it (`need_context`)
@@ -217,6 +225,10 @@ class WeightPublisher:
         check_server(server, needs, self.run_dir)
         return server
 
+    def at_step(self, step: int) -> None:
+        """The learner's weights are now those of `step`: what the next publish will be labelled."""
+        self.learner_step = step
+
     def ensure(self, model, progress=None) -> Server:
         """The server, holding `model`'s current weights (`sync_s`: what publishing them took now);
         `progress(seconds)` while it starts."""
@@ -227,6 +239,8 @@ class WeightPublisher:
             t = time.perf_counter()
             self._publish(model)
             self.sync_s = time.perf_counter() - t
+        else:  # a step that changed no weight (every advantage 0): the server holds this step's weights too
+            self.version = self.learner_step
         return self.server
 
     def _start(self, model, progress) -> None:
@@ -251,8 +265,8 @@ class WeightPublisher:
             self.server = Server(url, None, self.log_path, timeout, self.cfg.key())
         if self.lora:
             self._publish(model)
-        else:
-            self.seen = fsdp.versions(model)
+        else:  # started from the learner's current weights (a resumed run's: its checkpoint's step)
+            self.seen, self.version = fsdp.versions(model), self.learner_step
         if self.quant is not None and self.quant.aligned:
             self._align(model)
 
@@ -310,7 +324,7 @@ class WeightPublisher:
         weights = fsdp.full_state_dict(model, trainable_only=self.lora)  # every rank; whole on rank 0
         # rank 0 writes and reloads; the others wait for it in `on_main`, so none samples old weights
         self.dp.on_main(lambda: self._reload(model, weights))
-        self.version += 1
+        self.version, self.published = self.learner_step, self.published + 1
         self.seen = fsdp.versions(model)
 
     def _write(self, model, weights: dict, out: str, tokenizer=None) -> None:
@@ -327,7 +341,7 @@ class WeightPublisher:
 
     def _reload(self, model, weights: dict) -> None:
         """Rank 0: `weights` written as safetensors and loaded by the server in place."""
-        out = os.path.join(self.dir, f"weights-{self.version + 1}")
+        out = os.path.join(self.dir, f"weights-{self.published + 1}")
         shutil.rmtree(out, ignore_errors=True)
         if self.lora:
             with quiet():
@@ -346,8 +360,8 @@ class WeightPublisher:
                 self.server.post("/reset_prefix_cache")  # cached prompt K/V are the old weights'
             finally:
                 self.server.post("/resume")
-        if self.version > 0:
-            shutil.rmtree(os.path.join(self.dir, f"weights-{self.version}"), ignore_errors=True)
+        if self.published > 0:
+            shutil.rmtree(os.path.join(self.dir, f"weights-{self.published}"), ignore_errors=True)
 
     @contextlib.contextmanager
     def requests(self):
@@ -416,7 +430,7 @@ class VLLMSampler:
                 out.completion_ids.append(torch.tensor(ids, dtype=torch.long))
                 out.logprobs.append(logprobs)
                 out.finish_reason.append(reason)
-                out.weight_version.append(self.publisher.version)
+                out.weight_version.append(torch.full((len(ids),), self.publisher.version, dtype=torch.long))
             if progress is not None:
                 progress(j + 1, len(indices))
         return out
@@ -425,7 +439,7 @@ class VLLMSampler:
         return completion_reward_inputs(r, rows, self.tok, self.prompt_text)
 
     def metrics(self, r: Rollout) -> dict[str, float]:
-        return {"vllm/weight_version": float(min(r.weight_version)) if r.weight_version else math.nan}
+        return {"vllm/weight_version": oldest(r.weight_version)}
 
     def timings(self) -> dict[str, float]:
         return {"sync": self.sync_s}
@@ -505,12 +519,13 @@ class VLLMEpisodeSampler(EpisodeSampler):
         ep.fed = ids + tokens[:-1]
         self._took_turn(ep, tokens, logprobs, reason)
 
-    def _weight_versions(self, episodes) -> list[int]:
-        return [self.publisher.version] * len(episodes)
+    def _weight_versions(self, episodes) -> list[Tensor]:
+        # every turn of a step's episodes is sampled with the weights published before the step
+        return [torch.full((len(ep.ids),), self.publisher.version, dtype=torch.long) for ep in episodes]
 
     def metrics(self, r: Rollout) -> dict[str, float]:
         return {**super().metrics(r), "episode/tool_seconds": self.tool_s,
-                "vllm/weight_version": float(min(r.weight_version)) if r.weight_version else math.nan}
+                "vllm/weight_version": oldest(r.weight_version)}
 
     def timings(self) -> dict[str, float]:
         # episodes run concurrently: their tool seconds overlap the other episodes' turns, so they are
