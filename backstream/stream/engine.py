@@ -45,7 +45,7 @@ from backstream.stream.adapter import (
     use_backstream_attention,
 )
 from backstream.stream.attention import Part, check_kernel, rows_as_batch
-from backstream.stream.hf import base_model, takes_logits_to_keep
+from backstream.stream.hf import base_model, takes_logits_mask
 from backstream.stream.kvstore import KVStore
 from backstream.stream.objective import BlockView, Objective, Terms, TokenWeights, flat_offsets
 from backstream.stream.router import router_term
@@ -365,7 +365,7 @@ class _Engine:
         self.tree = tree
         self.schedule = batches(tree, block_size, batch_tokens)
         self.store = KVStore(tree, read_extent(tree, block_size))  # only the positions a later block reads
-        self.has_logits_to_keep = takes_logits_to_keep(model)
+        self.has_logits_to_keep = takes_logits_mask(model)  # a [B, Q] mask: each row keeps its own
         self.text_config = self.base.config.get_text_config()
         self.num_layers = self.text_config.num_hidden_layers
         self.offsets_t = torch.tensor(flat_offsets([len(s) for s in sequences]), dtype=torch.long)

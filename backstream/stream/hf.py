@@ -10,6 +10,7 @@ import functools
 import inspect
 import os
 import socket
+import sys
 from urllib.parse import urlparse
 
 from torch import nn
@@ -70,6 +71,20 @@ def decoder_layers(model: nn.Module) -> dict[str, nn.Module]:
 def takes_logits_to_keep(model: nn.Module) -> bool:
     """Does the model's forward accept `logits_to_keep` (no [positions × vocab] logits beyond those)?"""
     return "logits_to_keep" in inspect.signature(base_model(model).forward).parameters
+
+
+def takes_logits_mask(model: nn.Module) -> bool:
+    """Does the model's forward take `logits_to_keep` as a boolean [B, Q] mask of the positions to keep
+    (the engine's use: each row keeps its own)? transformers slices it with `slice_logits_to_keep`
+    from 5.2x on; before (5.17: `hidden_states[:, logits_to_keep, :]`) a mask fails inside the model,
+    and the engine takes the logits of the whole block instead and keeps its positions itself."""
+    return takes_logits_to_keep(model) and _slices_by_mask(type(base_model(model)))
+
+
+@functools.cache
+def _slices_by_mask(cls: type) -> bool:
+    module = sys.modules.get(cls.__module__)
+    return getattr(module, "slice_logits_to_keep", None) is not None
 
 
 def cache_arg(model: nn.Module) -> str | None:

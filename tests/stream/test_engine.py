@@ -30,6 +30,21 @@ def test_equivalence_families(family, use_lora, block_size):
     assert_same(model, seqs, weights, block_size=block_size)
 
 
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_a_transformers_without_logits_masks_takes_the_blocks_logits(family, monkeypatch):
+    """Before transformers 5.2x a model slices `logits_to_keep` as plain positions, and the engine's
+    [B, Q] mask failed inside it (5.17: IndexError). Where the model's module has no
+    `slice_logits_to_keep`, the engine passes no mask and keeps its positions itself: the same exact
+    gradient and log-probs (float64)."""
+    from backstream.stream import hf
+
+    model = make(family)
+    monkeypatch.setattr(hf, "_slices_by_mask", lambda cls: False)  # as 5.17's modeling files
+    assert not hf.takes_logits_mask(model)
+    seqs, weights = group_batch(torch.Generator().manual_seed(4))
+    assert_same(model, seqs, weights, block_size=3)
+
+
 def test_lora_frozen_lower_layer():
     """LoRA on layer 1 only: layer 0's K/V need no gradient at all and are left out of the roots."""
     model = lora(make("qwen3"), layers=[1])
