@@ -537,14 +537,15 @@ def _safe_io(path: str):
     return Reader(folder), Planner()
 
 
-def rng_state(generator: torch.Generator) -> dict:
-    return {"torch": torch.get_rng_state(), "python": random.getstate(), "sampler": generator.get_state(),
+def rng_state() -> dict:
+    """The process's random state (the samplers draw from generators of their own: rl/parallel.py
+    `group_generator`, by the data position; a checkpoint of an older run also holds "sampler", unused)."""
+    return {"torch": torch.get_rng_state(), "python": random.getstate(),
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
 
 
-def restore_rng(state: dict, generator: torch.Generator) -> None:
+def restore_rng(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
-    generator.set_state(state["sampler"])
     if state.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])

@@ -58,9 +58,12 @@ from backstream.rl.offpolicy import (
     error_token_share,
     mismatch_metrics,
     staleness_metrics,
+    staleness_mismatch,
+    staleness_mismatch_keys,
 )
 from backstream.rl.optim import NonFiniteError, Stepper, check_finite_weights  # noqa: F401  (NonFiniteError: the API's)
 from backstream.rl.parallel import take
+from backstream.rl.producer import Producer, Rounds
 from backstream.rl.rewards import RewardLog, Rewards, TrainerState
 from backstream.rl.rollout import Rollout
 from backstream.rl.sampling import Samplers, eos_ids
@@ -113,8 +116,7 @@ class Trainer:
         self.device = cfg.model.torch_device()
         cfg.validate(world_size=parallel.requested_world())  # None in a plain process
         check_backends(tc.log_tensorboard, tc.log_wandb)
-        self.gen = torch.Generator().manual_seed(tc.seed)  # the sampler's (one process; checkpointed)
-        self.dp = parallel.start(cfg.distributed, device=self.device, seed=tc.seed, generator=self.gen,
+        self.dp = parallel.start(cfg.distributed, device=self.device, seed=tc.seed,
                                  minibatches=cfg.algorithm.minibatches, reuse_kv=cfg.engine.reuse_rollout_kv)
         self._build_policy(model, tokenizer)
         self.examples = cfg.data.build(tc.seed, prompt_optional=bool(cfg.env.factory))
@@ -139,7 +141,8 @@ class Trainer:
         self.times = dict.fromkeys(PHASES, 0.0)
         self.zero_adv = ZeroAdvantageWatch()
         self._open_run(resume, overwrite, changes, allow_changed_files)
-        self.samplers.at_step(self.step)  # a resumed run's weights are its checkpoint's step's
+        self.rounds = self._rounds()  # from the data position a resumed run consumed
+        self.rounds.at_step(self.step)  # a resumed run's weights are its checkpoint's step's
 
     def _open_run(self, resume: bool, overwrite: bool, changes: list, allow_changed_files: bool) -> None:
         """The run folder (rank 0's), the checkpoint to resume from, the loggers."""
@@ -155,6 +158,21 @@ class Trainer:
                 start_step=self.step, keys=self.metric_keys())) or NoLogger()
             self.episode_log = self.dp.on_main(lambda: EpisodeLog(self.run_dir, tc.log_episodes, resume,
                                                                   self.step)) or NoLogger()
+
+    def _rounds(self):
+        """Where the step's rounds come from (rl/producer.py): sampled when asked, or by a producer
+        `rollout.max_staleness` steps ahead."""
+        k = self.cfg.rollout.max_staleness
+        if not k:
+            return Rounds(self.rollout_round, self.stream, self.samplers)
+        return Producer(self.sampler, self.examples, self.stream, self.dp.generator, self.cfg.train.prompts_per_step,
+                        k, self.samplers, self.publish, progress=lambda what: self.logger.phase(self.step + 1, what))
+
+    def publish(self) -> None:
+        """The learner's weights, as the sampler runs them, made the server's now (rl/producer.py)."""
+        self.model.eval()
+        with quantized(self.model, self.cfg.quant.enabled), fsdp.gathered(self.model):
+            self.samplers.publish(self.model)
 
     def _build_policy(self, model, tokenizer) -> None:
         """The policy (LoRA, quantization) and the checks it must pass before anything is written."""
@@ -188,7 +206,7 @@ class Trainer:
         """What a checkpoint holds beside the weights; the optimizer itself (checkpoint.save takes
         its state_dict in one process, its shards under torchrun)."""
         return {"step": self.step, "optimizer": self.opt, "scheduler": self.sched.state_dict(),
-                "rng": checkpoint.rng_state(self.gen), "data_position": self.stream.position}
+                "rng": checkpoint.rng_state(), "data_position": self.rounds.consumed}
 
     def save(self) -> str:
         """A checkpoint of the current step (collective under torchrun: every rank calls it)."""
@@ -206,7 +224,7 @@ class Trainer:
         (written by any number of ranks: DCP reshards)."""
         path = self.run_folder.resume_point()
         st = checkpoint.restore(path, self.model, self.opt, self.sched)
-        checkpoint.restore_rng(st["rng"], self.gen)
+        checkpoint.restore_rng(st["rng"])
         self.stream.position = st["data_position"]
         self.step = st["step"]
 
@@ -222,7 +240,8 @@ class Trainer:
             adv = self.advantages(batch.rewards) * batch.keep
             logged, mismatch = self.update(batch.rollout, adv)
             self.step += 1
-            self.samplers.at_step(self.step)  # the weights are now this step's (a server's version)
+            with self._timed("sync"):  # the weights are now this step's (a producer publishes them now)
+                self.rounds.at_step(self.step)
             return self.metrics(batch, adv, logged, mismatch, time.perf_counter() - t0)
 
     @contextlib.contextmanager
@@ -233,9 +252,9 @@ class Trainer:
 
     def rollout_round(self, n_prompts: int, refill: bool = False) -> Rollout:
         """G samples for each of this process's groups (`dp.round_groups`: all of them in one process)
-        of the next `n_prompts` prompts of the data stream, each group drawn with `dp.generator` (the
-        one sampler generator, or under torchrun one per prompt position, so that a group's samples do
-        not depend on the rank that draws it); `refill`: a DAPO refill round of the step."""
+        of the next `n_prompts` prompts of the data stream, each group drawn with `dp.generator` (one
+        per prompt position: a group's samples depend neither on the rank that draws it nor on the
+        rounds before it); `refill`: a DAPO refill round of the step."""
         start, idx = self.stream.position, self.stream.take(n_prompts)
         groups = self.dp.round_groups(n_prompts, refill)
         self.model.eval()
@@ -254,13 +273,14 @@ class Trainer:
         """One rollout round and its rewards (total, per function), over the whole round: each
         process samples and scores its groups, `dp.join_round` hands every rank every group (without
         the K/V, which stay where they were computed), in the round's order."""
-        with self._timed("rollout"):
-            r = self.rollout_round(n_prompts, refill)
+        with self._timed("rollout"):  # with a producer: the learner's wait for the samples
+            r = self.rounds.take(n_prompts, refill)
         with self._timed("reward"):
             self.logger.phase(self.step + 1, "reward")
             total, per_fn = self.score(r, log=self.reward_log) if len(r) else (torch.zeros(0), {})
         self.episode_log.write(self.step + 1, lambda: episode_rows(
             self.sampler, r, total, per_fn, self.reward_log.columns, [self.examples[i] for i in r.prompt_index]))
+        self.sampler.release(r)  # scored: an episode's environment goes back to its pool
         return self.dp.join_round(r, total, per_fn)
 
     def score(self, r: Rollout, sampler=None, examples: list[dict] | None = None,
@@ -344,7 +364,8 @@ class Trainer:
                     logged.setdefault(k, []).append(v)
         before = self.before_update.learner_at_sampling(mine["old"], learner_lp)
         before = self.dp.gather_rows(plan.mine, before, len(batch))  # the global batch's, in its order
-        return logged, mismatch_metrics(before, sampler_lp, mask)
+        return logged, {**mismatch_metrics(before, sampler_lp, mask), **staleness_mismatch(
+            before, sampler_lp, mask, batch.behind(self.step), self.cfg.rollout.max_staleness)}
 
     def _minibatch(self, part: dict, adv: Tensor, norm, where: str):
         """One optimizer step on this process's rows of a minibatch (`part`: their sequences, masks,
@@ -377,6 +398,7 @@ class Trainer:
                 "batch/zero_adv_frac", *dapo,
                 *[f"reward/{name}" for name in self.rewards.functions], *self.sampler.metric_keys,
                 "tree/tokens_total", "tree/tokens_unique", *loss, "optim/grad_norm", *MISMATCH_KEYS, *STALENESS_KEYS,
+                *staleness_mismatch_keys(self.cfg.rollout.max_staleness),
                 "optim/skipped_nonfinite", *[f"time/{p}" for p in PHASES], "time/step", "throughput/tokens_per_s",
                 "optim/lr", "memory/peak_mib"]
 
@@ -444,6 +466,7 @@ class Trainer:
         """The logs, the samplers' worker processes."""
         self.logger.close()
         self.episode_log.close()
+        self.rounds.close()
         self.samplers.close()
 
 

@@ -95,7 +95,7 @@ class Evaluator(NoEvaluation):
         r = self.sampler.sample(model, [self.examples[i] for i in mine], mine, gens)
         if mine:
             totals = score(r).view(len(mine), self.cfg.samples).tolist()
-        self.sampler.release()
+        self.sampler.release(r)
         per_prompt = [row for part in dp.gather(totals) for row in part]
         k = self.cfg.samples
         passed = [[x >= self.cfg.pass_reward for x in row] for row in per_prompt]

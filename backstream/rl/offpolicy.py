@@ -173,6 +173,23 @@ def mismatch_metrics(learner: list[Tensor | None], sampler: list[Tensor], mask: 
 STALENESS_KEYS = ("rollout/staleness_mean", "rollout/staleness_max")
 
 
+def staleness_mismatch_keys(k: int) -> list[str]:
+    """The keys of `staleness_mismatch` for rollout.max_staleness = k (none for the synchronous loop)."""
+    return [f"mismatch/kl_staleness_{s}" for s in range(k + 1)] if k else []
+
+
+def staleness_mismatch(learner: list[Tensor | None], sampler: list[Tensor], mask: list[Tensor],
+                       behind: list[Tensor], k: int) -> dict[str, float | None]:
+    """`mismatch/kl` (the k3 estimate of KL(μ ‖ π_old), `mismatch_metrics`) over the tokens sampled s
+    versions behind the weights the update starts from, for each s in 0..k (`behind`: per sample, over
+    its sequence positions): the gap that staleness adds to the numerics' own. None where no token of
+    the step is s behind."""
+    out = {}
+    for key, s in zip(staleness_mismatch_keys(k), range(k + 1)):
+        out[key] = mismatch_metrics(learner, sampler, [m & (b == s) for m, b in zip(mask, behind)]).get("mismatch/kl")
+    return out
+
+
 def staleness_metrics(versions: list[Tensor] | None, sampled: list[Tensor] | None, learner_version: int) -> dict:
     """How many versions behind the learner's weights (`learner_version`: the step that made the weights
     the update starts from) the step's sampled tokens were sampled: `rollout/staleness_mean` and

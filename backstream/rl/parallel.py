@@ -381,8 +381,8 @@ class DataParallel:
 
     world, rank, main = 1, 0, True
 
-    def __init__(self, generator: torch.Generator | None):
-        self.gen = generator  # the sampler's one generator (checkpointed by the trainer)
+    def __init__(self, seed: int = 0):
+        self.seed = seed  # train.seed: the groups' generators are drawn from it (`generator`)
 
     # set-up, the run folder, failures
     def prepare(self, model: nn.Module, ref: nn.Module | None) -> None:
@@ -429,8 +429,11 @@ class DataParallel:
         return list(range(need))
 
     def generator(self, position: int) -> torch.Generator:
-        """The generator of the group at `position` of the prompt stream."""
-        return self.gen
+        """The generator of the group at `position` of the prompt stream (`group_generator`): what a group
+        samples depends on its position alone, not on the rounds before it, their sizes or their order
+        (an asynchronous run's producer samples groups concurrently; a resumed run re-samples a group
+        thrown away in flight with the same seed)."""
+        return group_generator(self.seed, position)
 
     def join_round(self, rollout: Rollout, total: Tensor, per_fn: dict[str, Tensor]):
         """Every rank's samples of the round (K/V only for this rank's) and their rewards, in the
@@ -466,10 +469,10 @@ class Torchrun(DataParallel):
     """One rank of a torchrun job (see the module docstring); `init` has started the process group."""
 
     def __init__(self, cfg: DistributedConfig, *, device: torch.device, seed: int, minibatches: int,
-                 reuse_kv: bool, generator: torch.Generator, world_size: int | None = None,
+                 reuse_kv: bool, world_size: int | None = None,
                  this_rank: int | None = None):
         """`world_size`/`this_rank`: the process group's unless given (tests of the split policy)."""
-        super().__init__(generator)
+        super().__init__(seed)
         self.cfg, self.device, self.seed, self.minibatches = cfg, device, seed, minibatches
         self.reuse_kv = reuse_kv  # a rank trains the groups it sampled: it holds their K/V
         self.world = world() if world_size is None else world_size
@@ -521,8 +524,6 @@ class Torchrun(DataParallel):
         self.groups = round_share(need, self.minibatches, self.world, self.rank, held)
         return self.groups
 
-    def generator(self, position: int) -> torch.Generator:
-        return group_generator(self.seed, position)
 
     def join_round(self, rollout, total, per_fn):
         # K/V stay where they were computed; an episode's messages and environment served this rank's
@@ -574,13 +575,13 @@ class Torchrun(DataParallel):
         return out
 
 
-def start(cfg: DistributedConfig, *, device: torch.device, seed: int, minibatches: int, reuse_kv: bool,
-          generator: torch.Generator) -> DataParallel:
+def start(cfg: DistributedConfig, *, device: torch.device, seed: int, minibatches: int,
+          reuse_kv: bool) -> DataParallel:
     """The data parallelism of this process: `Torchrun` when torchrun started it (the process group is
     joined here), the one-process `DataParallel` otherwise."""
     if not init(cfg, device):
-        return DataParallel(generator)
-    return Torchrun(cfg, device=device, seed=seed, minibatches=minibatches, reuse_kv=reuse_kv, generator=generator)
+        return DataParallel(seed)
+    return Torchrun(cfg, device=device, seed=seed, minibatches=minibatches, reuse_kv=reuse_kv)
 
 
 def check_same_weights(model: nn.Module) -> None:

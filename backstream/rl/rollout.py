@@ -40,6 +40,16 @@ class SamplingConfig:
     backend: Literal["local", "vllm"] = "local"
     """Who samples: "local" (this process's sampler) or "vllm" (a vLLM server, `[vllm]`; the learner's
     weights are published to it after every optimizer step)."""
+    max_staleness: int = 0
+    """k: how many optimizer steps behind the learner a trained token's weights may be. 0: the synchronous
+    loop (sample, then train). k >= 1 (rollout.backend = "vllm"): the server samples the next steps'
+    prompts while the learner trains, every group started with weights at most k steps older than
+    those its update starts from (rl/producer.py, docs/design.md §6e)."""
+    in_flight: Literal["resume", "keep"] = "resume"
+    """With max_staleness >= 1, what a publish does with the samples in flight: "resume" aborts them and
+    resumes each from its tokens so far, re-prefilled with the new weights; "keep" pauses them and their
+    next tokens are sampled with the new weights after K/V computed with the old ones. Either way each
+    token records the version it was sampled with."""
 
     def __post_init__(self):
         def bad(name, allowed):
@@ -61,6 +71,8 @@ class SamplingConfig:
             bad("stop", "a list of non-empty strings")
         if not is_int(self.group_size) or self.group_size < 1:
             bad("group_size", "an integer >= 1")
+        if not is_int(self.max_staleness) or self.max_staleness < 0:
+            bad("max_staleness", "an integer >= 0 (0 = the synchronous loop)")
         literals(self, "rollout")
 
 
@@ -75,6 +87,7 @@ class EpisodeInfo:
     tool_errors: int  # malformed or unknown calls, tools that raised or overran their time
     results_cut: int  # tool results cut at env.max_result_tokens (or at the episode's token limit)
     timed_out: bool  # the environment overran env.tool_timeout_s and was discarded
+    tool_seconds: float = 0.0  # seconds in its tools
     prompt: object = None  # text, or chat messages (reset's text in them)
     messages: list | None = None  # after the prompt; the last assistant message has a `finish_reason`
     env: object = None
@@ -125,6 +138,14 @@ class Rollout:
     def sequences(self) -> list[Tensor]:
         """Prompt + completion, one 1-D tensor per sample."""
         return [torch.cat([p, c]) for p, c in zip(self.prompt_ids, self.completion_ids)]
+
+    def behind(self, version: int) -> list[Tensor]:
+        """Per sample, over `sequences()[i]`: how many versions each completion token's weights are
+        behind `version` (0 without versions: sampled in process at the current weights), -1 at the
+        prompt."""
+        versions = self.weight_version or [torch.full((len(c),), version) for c in self.completion_ids]
+        return [torch.cat([torch.full((len(p),), -1, dtype=torch.long), version - v.long()])
+                for p, v in zip(self.prompt_ids, versions)]
 
     def completion_mask(self) -> list[Tensor]:
         """Per sample, a bool tensor over `sequences()[i]`: True at the tokens the policy sampled (the
@@ -274,8 +295,8 @@ class Sampler:
         """Seconds of the last `sample` spent in phases of their own (an episode's tools: "tool")."""
         return {}
 
-    def release(self) -> None:
-        """Let go of what the last `sample` held for its reward functions (nothing here)."""
+    def release(self, r: Rollout | None = None) -> None:
+        """Let go of what `r` (None: every sample so far) held for its reward functions (nothing here)."""
 
     def close(self) -> None:
         """Stop what the sampler started (nothing here)."""

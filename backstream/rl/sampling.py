@@ -29,7 +29,9 @@ class RolloutSampler(Protocol):
         """G samples for each example `indices[j]` (the data's row `rows[j]`), group j drawn with
         `generators[j]`; `progress(done, n)` after each group, `progress(done, n, what)` to say what a
         long wait is (a server starting). Under torchrun every rank calls it at
-        every round, with an empty share too (a server's weight sync is a collective)."""
+        every round, with an empty share too (a server's weight sync is a collective). `model`: the
+        learner; a server's samplers also take None, from an asynchronous run's producer, which
+        publishes the weights itself (rl/producer.py) and calls `sample` from threads of its own."""
 
     def reward_inputs(self, r: Rollout, rows: list[dict]) -> tuple[list, list, dict]:
         """(completions, prompts, extra keyword arguments) as TRL passes them to reward functions."""
@@ -40,8 +42,9 @@ class RolloutSampler(Protocol):
     def timings(self) -> dict[str, float]:
         """Seconds of the last `sample` spent in phases of their own (an episode's tools: "tool")."""
 
-    def release(self) -> None:
-        """Let go of what the last `sample` held for its reward functions."""
+    def release(self, r: Rollout | None = None) -> None:
+        """Let go of what the samples of `r` (None: every sample so far) held for their reward functions,
+        once they are scored (an episode's environment)."""
 
     def close(self) -> None:
         """Stop what the sampler started (worker processes, a server)."""
@@ -74,8 +77,9 @@ class Samplers:
             from backstream.rl.vllm.server import logprobs_mode  # noqa: PLC0415
 
             mode = logprobs_mode(cfg.rollout.top_p, cfg.rollout.top_k)
+            in_flight = cfg.rollout.in_flight if cfg.rollout.max_staleness else "wait"
             self.publisher = WeightPublisher(cfg.vllm, tokenizer, run_dir, cfg.train.seed, dp, mode, cfg.quant,
-                                             cfg.model)
+                                             cfg.model, in_flight)
         self.built: list[RolloutSampler] = []
 
     def build(self, config: SamplingConfig, prompts: list[Tensor], prompt_text: list[str],
@@ -100,6 +104,12 @@ class Samplers:
         runs the current weights."""
         if self.publisher is not None:
             self.publisher.at_step(step)
+
+    def publish(self, model) -> None:
+        """A server's weights made `model`'s now (the server started first, if it was not): an
+        asynchronous run's producer publishes at each step boundary (rl/producer.py)."""
+        if self.publisher is not None:
+            self.publisher.ensure(model)
 
     def check(self, model) -> None:
         """What the backend needs of the policy, checked once every sampler is built (they tell the

@@ -202,11 +202,12 @@ def test_the_data_parallel_object_without_processes():
 
     from backstream.rl.parallel import DataParallel, DistributedConfig, Torchrun
 
-    G, gen = 2, torch.Generator()
+    G = 2
     ranks = [Torchrun(DistributedConfig(), device=torch.device("cpu"), seed=0, minibatches=1, reuse_kv=True,
-                      generator=gen, world_size=2, this_rank=r) for r in range(2)]
+                      world_size=2, this_rank=r) for r in range(2)]
     assert [r.main for r in ranks] == [True, False]
-    assert ranks[0].generator(5).initial_seed() == ranks[1].generator(5).initial_seed() != gen.initial_seed()
+    assert ranks[0].generator(5).initial_seed() == ranks[1].generator(5).initial_seed() \
+        != ranks[0].generator(6).initial_seed()
 
     def round_(need: int, refill: bool):
         rounds = [rk.round_groups(need, refill) for rk in ranks]
@@ -233,10 +234,12 @@ def test_the_data_parallel_object_without_processes():
     assert ranks[1].train_groups(4, kv) == [1, 3]
     assert ranks[1].train_groups(4, None) == [2, 3]  # without K/V: its half of the minibatch
     # one process: the round is the whole batch, nothing moves
-    one = DataParallel(gen)
+    one = DataParallel(0)
     roll, total, per_fn = _fake_round(one.round_groups(3, refill=True), G, with_kv=False)
     assert one.join_round(roll, total, per_fn) == (roll, total, per_fn)
-    assert one.generator(9) is gen and one.train_groups(3, None) == [0, 1, 2] and one.gather(5) == [5]
+    # one process draws a group with the generator every rank would: by its position alone
+    assert one.generator(9).initial_seed() == ranks[1].generator(9).initial_seed()
+    assert one.train_groups(3, None) == [0, 1, 2] and one.gather(5) == [5]
     assert one.gather_rows([0, 1], ["a", "b"], 2) == ["a", "b"] and one.on_main(lambda: 4) == 4
     one.fail_together(None)
     with pytest.raises(KeyError, match="server"):

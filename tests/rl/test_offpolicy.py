@@ -356,3 +356,34 @@ def test_staleness_counts_the_versions_behind_over_the_sampled_tokens():
     assert staleness_metrics(versions, None, 4) == {"rollout/staleness_mean": 7 / 6, "rollout/staleness_max": 3.0}
     assert staleness_metrics(None, None, 7) == {"rollout/staleness_mean": 0.0, "rollout/staleness_max": 0.0}
     assert staleness_metrics([torch.zeros(0, dtype=torch.long)], None, 2)["rollout/staleness_max"] == 0.0
+
+
+def test_mismatch_per_staleness_against_a_per_token_loop():
+    """mismatch/kl_staleness_s: the k3 estimate e^x − 1 − x (x = log π_old − log μ) averaged over the
+    tokens s versions behind, against a float64 loop over the tokens; None where no token is s behind;
+    the prompt (behind −1), masked tokens and NaN log-probs (the learner's gaps) are left out."""
+    from backstream.rl.offpolicy import staleness_mismatch
+    from backstream.rl.rollout import Rollout
+
+    gen = torch.Generator().manual_seed(3)
+    r = Rollout(prompt_index=[0, 0, 1], prompt_ids=[torch.tensor([1, 2]), torch.tensor([1, 2]), torch.tensor([3])],
+                completion_ids=[torch.arange(5), torch.arange(3), torch.arange(4)],
+                logprobs=[-torch.rand(n, generator=gen, dtype=torch.float64) for n in (5, 3, 4)],
+                finish_reason=["eos"] * 3, group_size=1,
+                weight_version=[torch.tensor([5, 5, 6, 6, 6]), torch.tensor([6, 6, 6]), torch.tensor([4, 4, 5, 5])])
+    behind = r.behind(6)
+    assert [b.tolist() for b in behind] == [[-1, -1, 1, 1, 0, 0, 0], [-1, -1, 0, 0, 0], [-1, 2, 2, 1, 1]]
+    sampler, mask = r.aligned_logprobs(), r.completion_mask()
+    mask[0][3] = False  # a token without loss (an inserted one)
+    learner = [s + 0.1 * torch.randn(len(s), generator=gen, dtype=torch.float64) for s in sampler]
+    learner[1][3] = math.nan  # the learner computed nothing there
+    got = staleness_mismatch(learner, sampler, mask, behind, 3)
+    for s in range(4):
+        terms = [math.expm1(float(a[t] - b[t])) - float(a[t] - b[t])
+                 for a, b, m, bh in zip(learner, sampler, mask, behind) for t in range(len(a))
+                 if m[t] and bh[t] == s and math.isfinite(float(a[t] - b[t]))]
+        want = sum(terms) / len(terms) if terms else None
+        assert (got[f"mismatch/kl_staleness_{s}"] is None) == (want is None)
+        if want is not None:
+            assert got[f"mismatch/kl_staleness_{s}"] == pytest.approx(want, rel=1e-12, abs=0)
+    assert got["mismatch/kl_staleness_3"] is None and staleness_mismatch(learner, sampler, mask, behind, 0) == {}

@@ -520,7 +520,7 @@ def test_eval_metrics_against_rewards_known_in_advance():
         def sample(self, model, rows, indices, gens):
             return indices  # what score() gets
 
-        def release(self):
+        def release(self, r=None):
             pass
 
     examples = [{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(50)]

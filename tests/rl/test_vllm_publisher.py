@@ -23,7 +23,7 @@ class StandIn:
 
     def post(self, route, body=None):
         self.posts.append(route)
-        return {}
+        return {"success": True} if route == "/reset_prefix_cache" else {}
 
     def stop(self):
         self.stopped = True

@@ -167,7 +167,8 @@ def test_a_server_without_dev_routes_or_the_served_name_is_refused_with_the_comm
     url = f"http://127.0.0.1:{httpd.server_address[1]}"
     try:
         with pytest.raises(UserError, match=rf"the server at {url} cannot serve this run: it serves "
-                           r"\['/models/qwen'\], not \"policy\" \(--served-model-name\); it has no weight-reload "
+                           r"\['/models/qwen'\], not \"policy\" \(--served-model-name\); its token-in, token-out "
+                           r"route /inference/v1/generate is off \(--enable-scale-out\).*; it has no weight-reload "
                            r"routes.*VLLM_SERVER_DEV_MODE=1.*\n  backstream vllm serve default --host 127.0.0.1 "
                            rf"--port {httpd.server_address[1]}\n"):
             check_server(Server.connect(url, 10), Needs(), str(tmp_path / "run"))

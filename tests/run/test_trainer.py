@@ -428,7 +428,7 @@ def test_nonfinite_steps_are_skipped_then_stop_the_run(tmp_path):
     also turn deterministic: every advantage 0, no step to skip, which the trainer warns about)."""
     model, tok = tiny(torch.float32)
     cfg = run_cfg(tmp_path, "nan", 'model.dtype="float32"', "optim.lr=1e30", "optim.max_grad_norm=0",
-                  "train.steps=10", "train.save_every=1", "optim.max_nonfinite_steps=2", "train.seed=4")
+                  "train.steps=10", "train.save_every=1", "optim.max_nonfinite_steps=2", "train.seed=1")
     with pytest.raises(trainer.NonFiniteError, match=r"optim.max_nonfinite_steps: 2 optimizer steps in a row .*"
                                                       r"NaN/inf.*optim.lr = 1e\+30"):
         trainer.train(cfg, model=model, tokenizer=tok)

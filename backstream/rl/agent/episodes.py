@@ -24,6 +24,7 @@ it sampled (`EpisodeSampler.fed` keeps them for the test that checks it).
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -62,11 +63,17 @@ class _Episode:
     reason: str | None = None
     kv: KV | None = None  # per layer (K, V) [Hkv, L, D] of every fed position
     fed: list[int] = field(default_factory=list)  # every token fed to the model, in order (fidelity test)
+    # per completion token, the weight version it was sampled with (a server's turns; None in process):
+    # an inserted token carries the version of the turn before it
+    versions: list[int] | None = None
 
-    def add(self, ids: list[int], logprobs: list[float] | None) -> None:
+    def add(self, ids: list[int], logprobs: list[float] | None, versions: list[int] | None = None) -> None:
         self.ids += ids
         self.sampled += [logprobs is not None] * len(ids)
         self.logprobs += logprobs if logprobs is not None else [math.nan] * len(ids)
+        if versions is not None or self.versions is not None:
+            self.versions = (self.versions or []) + (versions if versions is not None else
+                                                     [self.versions[-1]] * len(ids))
 
     def length(self) -> int:
         return len(self.prompt) + len(self.ids)
@@ -92,7 +99,8 @@ class EpisodeSampler:
         limit = env_cfg.max_episode_tokens or context or 10**9
         self.max_tokens = min(limit, context or limit)
         self.fed: list[list[int]] = []  # of the last `sample`, per episode
-        self.live: list = []  # the environments of the last `sample`, released at the next
+        self.live: list = []  # the environments of the episodes not released yet (`release`)
+        self.starting = threading.Lock()  # episodes of concurrent `sample` calls start one at a time
         self.tool_s = 0.0  # seconds in tools during the last `sample`
 
     def timings(self) -> dict[str, float]:
@@ -105,7 +113,6 @@ class EpisodeSampler:
 
     @torch.no_grad()
     def sample(self, model, rows: list[dict], indices: list[int], generators: list, progress=None) -> Rollout:
-        self.release()
         G, keep_last = self.config.group_size, takes_logits_to_keep(model)
         episodes = [self._start(row, index) for row, index in zip(rows, indices) for _ in range(G)]
         gens = [gen for gen in generators for _ in range(G)]  # an episode draws from its group's generator
@@ -128,11 +135,18 @@ class EpisodeSampler:
         self.tool_s = sum(ep.tool_s for ep in episodes)
         return self._rollout(episodes, indices)
 
-    def release(self) -> None:
-        """Hand the last `sample`'s environments back to their pool (their episodes are scored)."""
-        for env in self.live:
+    def release(self, r: Rollout | None = None) -> None:
+        """Hand the environments of `r`'s episodes back to their pool, once they are scored (None: of every
+        episode not released yet)."""
+        with self.starting:
+            if r is None:
+                envs, self.live = self.live, []
+            else:
+                mine = {id(e.env) for e in r.episodes or []}
+                envs = [env for env in self.live if id(env) in mine]
+                self.live = [env for env in self.live if id(env) not in mine]
+        for env in envs:
             env.release()
-        self.live = []
 
     def close(self) -> None:
         self.release()
@@ -168,8 +182,9 @@ class EpisodeSampler:
     def _budget(self, length: int) -> int:
         return max(1, min(self.config.max_new_tokens, self.max_tokens - length))
 
-    def _took_turn(self, ep: _Episode, tokens: list[int], logps: Tensor, reason: str) -> None:
-        ep.add(tokens, logps.tolist())
+    def _took_turn(self, ep: _Episode, tokens: list[int], logps: Tensor, reason: str,
+                   versions: list[int] | None = None) -> None:
+        ep.add(tokens, logps.tolist(), versions)
         ep.turn, ep.pending, ep.turn_reason = tokens, tokens[-1:], reason
         ep.turns += 1
 
@@ -281,7 +296,7 @@ class EpisodeSampler:
         for ep in episodes:
             ep.kv = None
         infos = [EpisodeInfo(turns=ep.turns, tool_calls=ep.tool_calls, tool_errors=ep.tool_errors,
-                             results_cut=ep.results_cut, timed_out=ep.reason == "timeout",
+                             results_cut=ep.results_cut, timed_out=ep.reason == "timeout", tool_seconds=ep.tool_s,
                              prompt=ep.prompt_for_rewards, messages=ep.messages, env=ep.env) for ep in episodes]
         return Rollout(
             prompt_index=[i for i in indices for _ in range(G)],
@@ -290,10 +305,8 @@ class EpisodeSampler:
             logprobs=[torch.tensor(ep.logprobs, dtype=lp_dtype) for ep in episodes],
             finish_reason=[ep.reason for ep in episodes], kv=kv, group_size=G,
             sampled=[torch.tensor(ep.sampled, dtype=torch.bool) for ep in episodes], episodes=infos,
-            weight_version=self._weight_versions(episodes))
-
-    def _weight_versions(self, episodes: list[_Episode]) -> list[Tensor] | None:
-        return None  # sampled in process: always the current weights
+            weight_version=None if not episodes or episodes[0].versions is None else  # None: in process, at
+            [torch.tensor(ep.versions, dtype=torch.long) for ep in episodes])  # the current weights
 
     def reward_inputs(self, r: Rollout, rows: list[dict]) -> tuple[list, list, dict]:
         """As TRL passes them with an environment: each episode's messages after the prompt (the last

@@ -31,6 +31,7 @@ import math
 import os
 import shutil
 import time
+import uuid
 
 import torch
 from torch import Tensor
@@ -45,12 +46,14 @@ from backstream.rl.agent.episodes import EpisodeSampler
 from backstream.rl.parallel import DataParallel
 from backstream.rl.rollout import Rollout, SamplingConfig, completion_reward_inputs
 from backstream.rl.vllm.serve import Needs, check_server
-from backstream.rl.vllm.server import SERVED_NAME, Server, VLLMConfig, free_port, server_args
+from backstream.rl.vllm.server import SERVED_NAME, Server, ServerError, VLLMConfig, free_port, server_args
 from backstream.stream import fsdp
 from backstream.stream.engine import logprobs
 from backstream.stream.hf import base_model
 
-ADAPTER = "policy-lora"  # the served name of a LoRA policy's adapter
+ADAPTER = "policy-lora"
+# what a publish does with the requests in flight: vLLM's /pause mode for each rollout.in_flight
+PAUSE_MODES = {"wait": "wait", "resume": "abort", "keep": "keep"}  # the served name of a LoRA policy's adapter
 ALIGNED_MEDIAN = 1e-4  # QaRL's start-up check: an aligned server is ~1e-7 off the learner, a misaligned one ~1e-2
 ALIGN_PROBE = 64  # tokens of that check's prompt (`WeightPublisher._align`)
 
@@ -67,14 +70,45 @@ def sampling_args(config: SamplingConfig) -> dict:
     return out
 
 
-def _choice(ch: dict, eos: list[int]) -> tuple[list[int], Tensor, str]:
-    """A completion choice of the server: its token ids, their log-probs and how it ended ("eos",
-    "length", or "stop" for a stop string)."""
-    ids, lps = ch["token_ids"], ch["logprobs"]["token_logprobs"]
+@dataclasses.dataclass
+class Sampled:
+    """One sample the server drew: its token ids, their log-probs, the weight version each token was
+    sampled with (the server's own label, exact across a publish) and how it ended ("eos", "length",
+    "stop" for a stop string; "abort" only inside `WeightPublisher.generate`)."""
+
+    ids: list[int]
+    logprobs: Tensor
+    versions: Tensor
+    reason: str
+
+
+def _choice(ch: dict, eos: list[int]) -> Sampled:
+    """A choice of /inference/v1/generate as a `Sampled`."""
+    ids = ch["token_ids"]
+    lps = [x["logprob"] for x in (ch.get("logprobs") or {}).get("content") or []]
     if len(lps) != len(ids):
         raise RuntimeError(f"vLLM returned {len(lps)} log-probs for {len(ids)} tokens")
-    reason = "eos" if ids and ids[-1] in eos else "length" if ch["finish_reason"] == "length" else "stop"
-    return ids, torch.tensor([math.nan if x is None else x for x in lps], dtype=torch.float32), reason
+    versions = torch.empty(len(ids), dtype=torch.long)
+    covered = 0
+    for span in ch.get("weight_versions") or []:
+        try:
+            versions[span["start"]:span["end"]] = int(span["version"])
+        except ValueError:
+            raise RuntimeError(f"vLLM labelled tokens with weight version {span['version']!r}, which no publish of "
+                               "this run set (another client changed it: /update_weight_version)") from None
+        covered += span["end"] - span["start"]
+    if covered != len(ids):
+        raise RuntimeError(f"vLLM labelled {covered} of {len(ids)} tokens with a weight version")
+    reason = "abort" if ch["finish_reason"] == "abort" else "eos" if ids and ids[-1] in eos else \
+        "length" if ch["finish_reason"] == "length" else "stop"
+    return Sampled(ids, torch.tensor([math.nan if x is None else x for x in lps], dtype=torch.float32), versions,
+                   reason)
+
+
+def resumed_seed(seed: int, choice: int, part: int) -> int:
+    """The seed of the `part`-th resumption of choice `choice` of a request seeded `seed`."""
+    return int(torch.randint(0, 2**31 - 1, (1,), generator=torch.Generator().manual_seed(
+        (seed * 1_000_003 + choice) * 1_009 + part)))
 
 
 def _base_names(model, state: dict) -> dict:
@@ -142,10 +176,17 @@ class WeightPublisher:
     on every rank; so are a rank's failed requests, through `dp.fail_together` after each round."""
 
     def __init__(self, cfg: VLLMConfig, tokenizer, run_dir: str, seed: int, dp: DataParallel | None = None,
-                 mode: str = "processed_logprobs", quant=None, policy=None):
+                 mode: str = "processed_logprobs", quant=None, policy=None, in_flight: str = "wait"):
         """`policy`: the run's [model] (a server of your own is checked against its name, dtype and
-        LoRA before the run folder is written; the defaults' without it, the model's own at the start)."""
+        LoRA before the run folder is written; the defaults' without it, the model's own at the start).
+        `in_flight`: what a publish does with the requests in flight (`PAUSE_MODES`): "wait" for them
+        (the synchronous loop, where none is), "resume" them from their tokens so far with the new
+        weights, or "keep" them (their next tokens sampled with the new weights after the old K/V)."""
+        if in_flight not in PAUSE_MODES:
+            raise UserError(f"rollout.in_flight: got {in_flight!r}, expected \"keep\" or \"resume\"")
         self.cfg, self.tok, self.run_dir, self.seed, self.mode = cfg, tokenizer, run_dir, seed, mode
+        self.in_flight = in_flight
+        self.sent: dict[str, None] = {}  # ids of the requests in flight (aborted when the run closes)
         # QaRL: the run's [quant] when the sampler runs low-bit weights: the server gets them compressed
         self.quant = quant if quant is not None and quant.enabled else None
         self.dp = dp if dp is not None else DataParallel(None)
@@ -244,9 +285,53 @@ class WeightPublisher:
             t = time.perf_counter()
             self._publish(model)
             self.sync_s = time.perf_counter() - t
-        else:  # a step that changed no weight (every advantage 0): the server holds this step's weights too
-            self.version = self.learner_step
+        elif self.version != self.learner_step:  # a step that changed no weight (every advantage 0): the server
+            self.version = self.learner_step  # holds this step's weights too, and labels its tokens so
+            self.dp.on_main(lambda: self._label(self.version))
         return self.server
+
+    def _label(self, version: int) -> None:
+        """Rank 0: the server labels the tokens it samples from now on with `version` (vLLM's per-token
+        weight versions, which /inference/v1/generate returns)."""
+        self.server.post("/update_weight_version", {"new_version": str(version)})
+
+    def generate(self, ids: list[int], params: dict, n: int, seed: int, eos: list[int]) -> list[Sampled]:
+        """`n` samples after the token ids `ids` (/inference/v1/generate: token ids in and out, per-token
+        log-probs and weight versions); `params`: vLLM's sampling parameters but n and seed; `eos`: the
+        tokens that end a sample ("eos"). A sample that
+        a publish aborted (rollout.in_flight = "resume") is resumed from its tokens so far, re-prefilled
+        with the new weights, by a request of its own: its tokens keep the versions they were sampled
+        with. Thread-safe: an asynchronous run's groups call it from threads of their own."""
+        done = self._request(ids, params, n, seed, eos)
+        for c, first in enumerate(done):
+            part = first
+            while part.reason == "abort":
+                left = params["max_tokens"] - len(first.ids)
+                if left <= 0:
+                    part.reason = "length"
+                    break
+                (part,) = self._request(ids + first.ids, {**params, "max_tokens": left}, 1,
+                                        resumed_seed(seed, c, len(first.ids)), eos)
+                first.ids, first.reason = first.ids + part.ids, part.reason
+                first.logprobs = torch.cat([first.logprobs, part.logprobs])
+                first.versions = torch.cat([first.versions, part.versions])
+        return done
+
+    def _request(self, ids: list[int], params: dict, n: int, seed: int, eos: list[int]) -> list[Sampled]:
+        rid = f"backstream-{uuid.uuid4().hex}"
+        body = {"model": self.model_name(), "token_ids": ids, "request_id": rid, "return_token_ids": True,
+                "sampling_params": {**params, "n": n, "seed": seed, "logprobs": 0, "skip_special_tokens": False}}
+        if self.in_flight == "keep":  # a publish cannot reset a cache that paused requests hold: keyed by version
+            body["cache_salt"] = f"weights-{self.version}"
+        self.sent[rid] = None
+        try:
+            answer = self.server.post("/inference/v1/generate", body)
+        finally:
+            self.sent.pop(rid, None)
+        if answer.get("prompt_token_ids") not in (None, ids):
+            raise RuntimeError("vLLM answered for other prompt ids than those sent; the sequence would not be what "
+                               "the policy saw")
+        return [_choice(ch, eos) for ch in sorted(answer["choices"], key=lambda ch: ch["index"])]
 
     def _start(self, model, progress) -> None:
         self.lora = hasattr(model, "peft_config")
@@ -271,6 +356,7 @@ class WeightPublisher:
             self._publish(model)
         else:  # started from the learner's current weights (a resumed run's: its checkpoint's step)
             self.seen, self.version = fsdp.versions(model), self.learner_step
+            self.dp.on_main(lambda: self._label(self.version))
         if self.quant is not None and self.quant.aligned:
             self._align(model)
 
@@ -327,7 +413,7 @@ class WeightPublisher:
     def _publish(self, model) -> None:
         weights = fsdp.full_state_dict(model, trainable_only=self.lora)  # every rank; whole on rank 0
         # rank 0 writes and reloads; the others wait for it in `on_main`, so none samples old weights
-        self.dp.on_main(lambda: self._reload(model, weights))
+        self.dp.on_main(lambda: self._reload(model, weights, self.learner_step))
         self.version, self.published = self.learner_step, self.published + 1
         self.seen = fsdp.versions(model)
 
@@ -343,29 +429,45 @@ class WeightPublisher:
                 if tokenizer is not None:
                     tokenizer.save_pretrained(out)
 
-    def _reload(self, model, weights: dict) -> None:
-        """Rank 0: `weights` written as safetensors and loaded by the server in place."""
+    def _reload(self, model, weights: dict, version: int) -> None:
+        """Rank 0: `weights` written as safetensors and loaded by the server in place, between /pause and
+        /resume (the requests in flight waited for, aborted or kept: `in_flight`); the tokens sampled
+        after are labelled `version`, and the prefix cache is reset (cached prompt K/V are the old
+        weights'; with in_flight = "keep" the paused requests hold their blocks and the reset cannot
+        free them: requests then key their cache by the version, `cache_salt`)."""
         out = os.path.join(self.dir, f"weights-{self.published + 1}")
         shutil.rmtree(out, ignore_errors=True)
-        if self.lora:
-            with quiet():
+        with quiet():
+            if self.lora:
                 model.save_pretrained(out, state_dict=weights)  # the adapter alone
-            self.server.post("/v1/load_lora_adapter", {"lora_name": ADAPTER, "lora_path": out, "load_inplace": True})
-            # vllm 0.32.0 keys cached blocks by the adapter's name and path, which a new folder changes;
-            # the reset keeps the old adapter's K/V out whatever the path (tested with one path reused)
-            self.server.post("/reset_prefix_cache")
-        else:
-            self._write(model, _base_names(model, weights), out)
-            # the prefix cache is reset below, once the new weights are in: /pause's own clearing (on by
-            # default in vllm 0.32.0) is deprecated there, and one mechanism is what the tests can see
-            self.server.post("/pause?mode=wait&clear_cache=false")
-            try:
+            else:
+                self._write(model, _base_names(model, weights), out)
+        # /pause's own clearing (on by default in vllm 0.32.0) is deprecated there: the reset below is the
+        # one mechanism, which the tests can see
+        self.server.post(f"/pause?mode={PAUSE_MODES[self.in_flight]}&clear_cache=false")
+        try:
+            if self.lora:
+                self.server.post("/v1/load_lora_adapter", {"lora_name": ADAPTER, "lora_path": out,
+                                                           "load_inplace": True})
+            else:
                 self.server.post("/collective_rpc", {"method": "backstream_reload", "kwargs": {"path": out}})
-                self.server.post("/reset_prefix_cache")  # cached prompt K/V are the old weights'
-            finally:
-                self.server.post("/resume")
+            self._label(version)
+            if self.in_flight != "keep":
+                self._reset_prefix_cache()
+        finally:
+            self.server.post("/resume")
         if self.published > 0:
             shutil.rmtree(os.path.join(self.dir, f"weights-{self.published}"), ignore_errors=True)
+
+    def _reset_prefix_cache(self) -> None:
+        """Reset the server's prefix cache, which vLLM refuses (`success: false`) while a request holds
+        blocks: an aborted request lets go of them within moments."""
+        for _ in range(50):
+            if self.server.post("/reset_prefix_cache") in ({"success": True}, "", None):
+                return
+            time.sleep(0.1)
+        raise ServerError(f"vLLM /reset_prefix_cache: refused for 5 s after a publish (a request still holds "
+                          f"cached blocks); {self.server.where()}")
 
     @contextlib.contextmanager
     def requests(self):
@@ -382,6 +484,9 @@ class WeightPublisher:
         """Stop the server the run started, and delete the weights published to it: a server (this run's,
         now stopped, or the user's, which loaded them) has no need of them, and train.keep_checkpoints
         alone bounds what a run leaves on disk."""
+        if self.server is not None and self.sent and self.server.proc is None:  # a server of your own: ours stop
+            with contextlib.suppress(Exception):
+                self.server.post("/inference/v1/abort_requests", {"request_ids": list(self.sent)}, timeout=10)
         if self.server is not None:
             self.server.stop()  # rank 0's; a client's holds no process
             self.server = None
@@ -407,34 +512,33 @@ class VLLMSampler:
         return max((len(p) for p in self.prompts), default=0)
 
     def sample(self, model, rows: list[dict], indices: list[int], generators: list, progress=None) -> Rollout:
-        server = self.publisher.ensure(model, starting(progress, len(rows)))
-        self.sync_s = self.publisher.sync_s
+        """`model`: the learner, whose weights are published first if they changed; None where the caller
+        publishes them itself (an asynchronous run's producer, at step boundaries)."""
+        if model is not None:
+            self.publisher.ensure(model, starting(progress, len(rows)))
+        self.sync_s = self.publisher.sync_s if model is not None else 0.0
         c, G = self.config, self.config.group_size
         seeds = [int(torch.randint(0, 2**31 - 1, (1,), generator=g)) for g in generators]
+        params = {"max_tokens": c.max_new_tokens, "temperature": c.temperature, "stop_token_ids": self.eos,
+                  **sampling_args(c)}
 
-        def request(j: int) -> dict:
-            body = {"model": self.publisher.model_name(), "prompt": [self.prompts[indices[j]].tolist()], "n": G,
-                    "max_tokens": c.max_new_tokens, "temperature": c.temperature, "logprobs": 0,
-                    "return_token_ids": True, "seed": seeds[j], "stop_token_ids": self.eos,
-                    "skip_special_tokens": False, **sampling_args(c)}
-            return server.post("/v1/completions", body)
+        def request(j: int) -> list[Sampled]:
+            return self.publisher.generate(self.prompts[indices[j]].tolist(), params, G, seeds[j], self.eos)
 
         out = Rollout(prompt_index=[], prompt_ids=[], completion_ids=[], logprobs=[], finish_reason=[], kv=None,
                       group_size=G, weight_version=[])
         with self.publisher.requests(), \
                 concurrent.futures.ThreadPoolExecutor(max_workers=min(64, max(1, len(indices)))) as pool:
             answers = list(pool.map(request, range(len(indices))))
-        for j, answer in enumerate(answers):
+        for j, samples in enumerate(answers):
             prompt = self.prompts[indices[j]]
-            choices = sorted(answer["choices"], key=lambda ch: ch["index"])
-            for ch in choices:
-                ids, logprobs, reason = _choice(ch, self.eos)
+            for x in samples:
                 out.prompt_index.append(indices[j])
                 out.prompt_ids.append(prompt)
-                out.completion_ids.append(torch.tensor(ids, dtype=torch.long))
-                out.logprobs.append(logprobs)
-                out.finish_reason.append(reason)
-                out.weight_version.append(torch.full((len(ids),), self.publisher.version, dtype=torch.long))
+                out.completion_ids.append(torch.tensor(x.ids, dtype=torch.long))
+                out.logprobs.append(x.logprobs)
+                out.finish_reason.append(x.reason)
+                out.weight_version.append(x.versions)
             if progress is not None:
                 progress(j + 1, len(indices))
         return out
@@ -448,7 +552,7 @@ class VLLMSampler:
     def timings(self) -> dict[str, float]:
         return {"sync": self.sync_s}
 
-    def release(self) -> None:
+    def release(self, r: Rollout | None = None) -> None:
         pass
 
     def close(self) -> None:
@@ -475,24 +579,26 @@ class VLLMEpisodeSampler(EpisodeSampler):
                                    f"env.max_episode_tokens = {env_cfg.max_episode_tokens}: the model's context")
 
     def sample(self, model, rows: list[dict], indices: list[int], generators: list, progress=None) -> Rollout:
-        self.release()
-        server = self.publisher.ensure(model, starting(progress, len(rows)))
-        self.sync_s = self.publisher.sync_s
+        """`model`: as `VLLMSampler.sample`'s (None: the caller publishes the weights)."""
+        if model is not None:
+            self.publisher.ensure(model, starting(progress, len(rows)))
+        self.sync_s = self.publisher.sync_s if model is not None else 0.0
         G, turns = self.config.group_size, self.env_cfg.max_turns
         episodes, seeds, done = [], [], [0]
 
         def play(k: int) -> None:
             ep = episodes[k]
-            self._turn(server, ep, seeds[k][0])
+            self._turn(ep, seeds[k][0])
             while self._after_turn(ep):
                 ep.add(ep.inserted, None)
-                self._turn(server, ep, seeds[k][min(ep.turns, turns - 1)])
+                self._turn(ep, seeds[k][min(ep.turns, turns - 1)])
             done[0] += 1
 
         with self.publisher.requests():  # an error in an episode stops the step, on every rank
             for row, index, gen in zip(rows, indices, generators):
                 for _ in range(G):  # a seed per turn of each episode, from its group's generator
-                    episodes.append(self._start(row, index))
+                    with self.starting:  # (groups of an asynchronous run start from threads of their own)
+                        episodes.append(self._start(row, index))
                     seeds.append(torch.randint(0, 2**31 - 1, (turns,), generator=gen).tolist())
             for ep in episodes:
                 if len(ep.prompt) >= self.max_tokens:
@@ -503,32 +609,20 @@ class VLLMEpisodeSampler(EpisodeSampler):
                     f.result()
                     if progress is not None and done[0] % G == 0:
                         progress(done[0] // G, len(rows))
-        self.tool_s = sum(ep.tool_s for ep in episodes)
-        self.fed = [ep.fed for ep in episodes]
         return self._rollout(episodes, indices)
 
-    def _turn(self, server: Server, ep, seed: int) -> None:
+    def _turn(self, ep, seed: int) -> None:
         """One turn sampled by the server from the episode's ids so far."""
         ids = list(ep.prompt) + list(ep.ids)
         c = self.config
-        answer = server.post("/v1/completions", {
-            "model": self.publisher.model_name(), "prompt": [ids], "n": 1, "max_tokens": self._budget(len(ids)),
-            "temperature": c.temperature, "logprobs": 0, "return_token_ids": True, "seed": seed,
-            "stop_token_ids": list(self.eos), "skip_special_tokens": False, **sampling_args(c)})
-        (choice,) = answer["choices"]
-        if choice.get("prompt_token_ids") not in (None, ids):
-            raise RuntimeError("vLLM answered for other prompt ids than the episode's; the sequence would not be "
-                               "what the policy saw")
-        tokens, logprobs, reason = _choice(choice, list(self.eos))
-        ep.fed = ids + tokens[:-1]
-        self._took_turn(ep, tokens, logprobs, reason)
-
-    def _weight_versions(self, episodes) -> list[Tensor]:
-        # every turn of a step's episodes is sampled with the weights published before the step
-        return [torch.full((len(ep.ids),), self.publisher.version, dtype=torch.long) for ep in episodes]
+        params = {"max_tokens": self._budget(len(ids)), "temperature": c.temperature, "stop_token_ids": list(self.eos),
+                  **sampling_args(c)}
+        (x,) = self.publisher.generate(ids, params, 1, seed, list(self.eos))
+        ep.fed = ids + x.ids[:-1]
+        self._took_turn(ep, x.ids, x.logprobs, x.reason, x.versions.tolist())
 
     def metrics(self, r: Rollout) -> dict[str, float]:
-        return {**super().metrics(r), "episode/tool_seconds": self.tool_s,
+        return {**super().metrics(r), "episode/tool_seconds": sum(e.tool_seconds for e in r.episodes or []),
                 "vllm/weight_version": oldest(r.weight_version)}
 
     def timings(self) -> dict[str, float]:

@@ -121,6 +121,9 @@ def check_server(server: Server, needs: Needs, run_dir: str) -> dict:
     if keyed and _ask(server, "GET", "/is_paused", key=False)[0] == 200:
         problems.append("its weight-reload routes (/collective_rpc, /pause, /resume) answer without the API key: "
                         "vLLM's --api-key guards the /v1 routes only; `backstream vllm serve` guards every route")
+    if _ask(server, "POST", "/inference/v1/generate", {})[0] in (403, 404):  # 422 (an empty request) when it is on
+        problems.append("its token-in, token-out route /inference/v1/generate is off (--enable-scale-out): the run's "
+                        "requests go there, for the weight version of every sampled token")
     nonce = secrets.token_hex(16)
     probe = os.path.join(probe_dir(run_dir), f".backstream-probe-{nonce}")
     try:

