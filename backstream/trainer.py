@@ -140,8 +140,8 @@ class Trainer:
                                where=lambda: (self.step, checkpoint.latest(self.run_dir)))
         self.times = dict.fromkeys(PHASES, 0.0)
         self.zero_adv = ZeroAdvantageWatch()
+        self.rounds = self._rounds()
         self._open_run(resume, overwrite, changes, allow_changed_files)
-        self.rounds = self._rounds()  # from the data position a resumed run consumed
         self.rounds.at_step(self.step)  # a resumed run's weights are its checkpoint's step's
 
     def _open_run(self, resume: bool, overwrite: bool, changes: list, allow_changed_files: bool) -> None:
@@ -399,7 +399,7 @@ class Trainer:
                 *[f"reward/{name}" for name in self.rewards.functions], *self.sampler.metric_keys,
                 "tree/tokens_total", "tree/tokens_unique", *loss, "optim/grad_norm", *MISMATCH_KEYS, *STALENESS_KEYS,
                 *staleness_mismatch_keys(self.cfg.rollout.max_staleness),
-                "optim/skipped_nonfinite", *[f"time/{p}" for p in PHASES], "time/step", "throughput/tokens_per_s",
+                "optim/skipped_nonfinite", *[f"time/{p}" for p in PHASES], *self.rounds.metric_keys, "time/step", "throughput/tokens_per_s",
                 "optim/lr", "memory/peak_mib"]
 
     def metrics(self, batch: Batch, adv: Tensor, logged: dict[str, list[float]], mismatch: dict[str, float],
@@ -428,6 +428,7 @@ class Trainer:
         tokens = sum(len(p) + len(c) for p, c in zip(batch.rollout.prompt_ids, batch.rollout.completion_ids))
         m["optim/skipped_nonfinite"] = self.stepper.skipped
         m.update({f"time/{k}": v for k, v in self.times.items()})  # rank 0's, under torchrun
+        m.update(self.rounds.metrics())
         m.update({"time/step": step_time, "throughput/tokens_per_s": tokens / step_time,
                   "optim/lr": self.sched.get_last_lr()[0],
                   "memory/peak_mib": max(self.dp.gather(peak_mib(self.device)))})  # the fullest rank's

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
+import time
 
 from backstream.rl.rollout import Rollout
 
@@ -35,6 +36,8 @@ from backstream.rl.rollout import Rollout
 class Rounds:
     """The synchronous loop's rounds: `sample(n, refill)` (the trainer's) draws the next n groups of
     the stream now."""
+
+    metric_keys: tuple[str, ...] = ()
 
     def __init__(self, sample, stream, samplers):
         self.sample, self.stream, self.samplers = sample, stream, samplers
@@ -51,6 +54,9 @@ class Rounds:
         """The learner's weights are now step's: a server's samplers publish them at their next round."""
         self.samplers.at_step(step)
 
+    def metrics(self) -> dict[str, float]:
+        return {}
+
     def close(self) -> None:
         pass
 
@@ -61,18 +67,29 @@ class Producer:
     `publish()`: publishes the learner's weights now; `generator(position)`:
     a group's generator; `per_step`: P."""
 
+    metric_keys = ("time/sampler_idle",)
+    """Seconds of the step with no group in flight: the server idle for want of work the bound allows."""
+
     def __init__(self, sampler, examples: list[dict], stream, generator, per_step: int, k: int, samplers,
                  publish, progress=None):
         self.sampler, self.examples, self.stream, self.generator = sampler, examples, stream, generator
         self.per_step, self.k, self.samplers, self.publish = per_step, k, samplers, publish
         self.progress = progress  # progress(what): the learner's wait, on the progress line
-        self.consumed = stream.position  # groups handed to the trainer; the stream runs ahead of it
-        self.limit = self.consumed  # groups at positions below it may start
+        self.handed: int | None = None  # groups handed to the trainer (once it runs; the stream runs ahead)
+        self.limit = 0  # groups at positions below it may start
         self.step = 0  # the learner's step: the weights the next update starts from
         self.started: dict[int, concurrent.futures.Future] = {}
         self.cv = threading.Condition()
         self.feeder: threading.Thread | None = None
         self.closed = False
+        self.running = 0  # groups in flight
+        self.idle_since: float | None = time.perf_counter()
+        self.idle_s = 0.0  # since the trainer last read it (`metrics`)
+
+    @property
+    def consumed(self) -> int:
+        """The data position of the next group to train (what a checkpoint holds)."""
+        return self.stream.position if self.handed is None else self.handed
 
     def take(self, n: int, refill: bool = False) -> Rollout:
         """The next n groups of the stream, once sampled (started now if the bound had not let them)."""
@@ -90,7 +107,7 @@ class Producer:
             if self.progress is not None and not future.done():
                 self.progress(f"waiting for samples {pos - first + 1}/{n}")
             parts.append(future.result())
-        self.consumed = first + n
+        self.handed = first + n
         r = Rollout.concat(parts)
         self._check_bound(r)
         return r
@@ -116,7 +133,9 @@ class Producer:
     def _start(self) -> None:
         """The server started (or connected to) with the learner's weights, then the feeder."""
         self.publish()
-        self.limit = self.consumed + (self.k + 1) * self.per_step
+        self.idle_since = time.perf_counter()
+        self.handed = self.stream.position
+        self.limit = self.handed + (self.k + 1) * self.per_step
         self.feeder = threading.Thread(target=self._feed, name="backstream-producer", daemon=True)
         self.feeder.start()
 
@@ -129,6 +148,9 @@ class Producer:
                 pos = self.stream.position
                 (index,) = self.stream.take(1)
                 future = self.started[pos] = concurrent.futures.Future()
+                if self.running == 0 and self.idle_since is not None:
+                    self.idle_s += time.perf_counter() - self.idle_since
+                self.running += 1
                 self.cv.notify_all()
             threading.Thread(target=self._sample, args=(pos, index, future), name=f"backstream-group-{pos}",
                              daemon=True).start()
@@ -138,6 +160,18 @@ class Producer:
             future.set_result(self.sampler.sample(None, [self.examples[index]], [index], [self.generator(pos)]))
         except BaseException as e:  # noqa: BLE001  (raised in the trainer, by `take`)
             future.set_exception(e)
+        finally:
+            with self.cv:
+                self.running -= 1
+                if self.running == 0:
+                    self.idle_since = time.perf_counter()
+
+    def metrics(self) -> dict[str, float]:
+        with self.cv:
+            now = time.perf_counter()
+            idle = self.idle_s + (now - self.idle_since if self.running == 0 and self.idle_since is not None else 0)
+            self.idle_s, self.idle_since = 0.0, now if self.running == 0 else self.idle_since
+        return {"time/sampler_idle": idle}
 
     def close(self) -> None:
         """Start nothing more; what is in flight is the server's to drop (the publisher aborts it, or

@@ -471,7 +471,7 @@ def test_a_model_built_from_a_config_with_qwen3s_context_trains_on_the_default_v
     (max_model_len = the model's 40,960 tokens, 1.25 GiB of K/V in a 1 GiB cache). Now the server's
     context is the run's longest sequence, its longest prompt + rollout.max_new_tokens."""
     model, tok = _qwen3_context_model()
-    t = trainer.Trainer(_vllm_run(tmp_path, "run", "train.steps=2"), model=model, tokenizer=tok)
+    t = trainer.Trainer(_vllm_run(tmp_path, "run", "train.steps=2", "train.seed=1"), model=model, tokenizer=tok)
     longest = t.samplers.publisher.longest
     assert longest == max(len(p) for p in t.sampler.prompts) + 6
     run = t.run()

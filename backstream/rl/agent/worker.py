@@ -279,6 +279,11 @@ class WorkerPool:
     def __init__(self, factory_spec: str, tool_specs: list[str]):
         self.factory_spec, self.tool_specs = factory_spec, list(tool_specs)
         self.idle: list[Worker] = []
+        # the zygote starts now, in the thread that builds the environment (the trainer's): Linux ties
+        # its PR_SET_PDEATHSIG to the thread that forked it, not the process, and an asynchronous run
+        # starts its episodes' environments from threads that end (the zygote and every worker died
+        # with the first such thread)
+        Zygote.get()
 
     def acquire(self) -> Worker:
         while self.idle:
