@@ -399,7 +399,8 @@ class Trainer:
                 *[f"reward/{name}" for name in self.rewards.functions], *self.sampler.metric_keys,
                 "tree/tokens_total", "tree/tokens_unique", *loss, "optim/grad_norm", *MISMATCH_KEYS, *STALENESS_KEYS,
                 *staleness_mismatch_keys(self.cfg.rollout.max_staleness),
-                "optim/skipped_nonfinite", *[f"time/{p}" for p in PHASES], *self.rounds.metric_keys, "time/step", "throughput/tokens_per_s",
+                "optim/skipped_nonfinite", *[f"time/{p}" for p in PHASES], *self.rounds.metric_keys,
+                "time/step", "throughput/tokens_per_s",
                 "optim/lr", "memory/peak_mib"]
 
     def metrics(self, batch: Batch, adv: Tensor, logged: dict[str, list[float]], mismatch: dict[str, float],

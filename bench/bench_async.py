@@ -139,7 +139,36 @@ def main() -> None:
                 print(f"{task}: k={k} {speed:.2f}x the synchronous steps per hour; the bound (S + L) / max(S, L) = "
                       f"({S:.2f} + {L:.2f}) / {max(S, L):.2f} = {bound:.2f}x: {speed / bound:.0%} of it", flush=True)
     common.save("async", results)
+    plot(results, args.tasks)
     print(f"runs in {work}")
+
+
+def plot(results: dict, tasks: list[str]) -> None:
+    """bench/results/async.png: per task, the reward against steps and against wall time, each run."""
+    try:
+        import matplotlib  # extra `plot`
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, axes = plt.subplots(len(tasks), 2, figsize=(11, 3.6 * len(tasks)), squeeze=False)
+    colors = {0: "black", 1: "tab:blue", 2: "tab:orange"}
+    for row, task in zip(axes, tasks):
+        for key, run in results["runs"].items():
+            if not key.startswith(f"{task}/"):
+                continue
+            k = int(key.split("/")[1][1:])
+            wall = [sum(run["step_end_s"][:i + 1]) for i in range(len(run["step_end_s"]))]
+            label = f"k = {k}" if key.endswith("seed0") else None
+            style = {"color": colors.get(k, "gray"), "alpha": 0.8, "label": label}
+            row[0].plot(range(1, len(run["reward"]) + 1), run["reward"], **style)
+            row[1].plot(wall, run["reward"], **style)
+        row[0].set(title=f"{task}: reward against steps", xlabel="step", ylabel="reward/mean")
+        row[1].set(title=f"{task}: reward against wall time", xlabel="seconds", ylabel="reward/mean")
+        row[0].legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(common.RESULTS, "async.png"), dpi=90)
 
 
 if __name__ == "__main__":

@@ -305,6 +305,23 @@ def rel(a, b):
     return num / den
 
 
+def kill_the_server_then_step(t) -> None:
+    """Kill the vLLM server of trainer `t` (its whole process group) and check that the next step stops
+    with the error that names vllm.log and --resume; `t` is closed after."""
+    import signal
+
+    import pytest
+
+    from backstream.rl.vllm.server import ServerError
+
+    os.killpg(t.samplers.publisher.server.proc.pid, signal.SIGKILL)
+    t.samplers.publisher.server.proc.wait()
+    with pytest.raises(ServerError, match=r"vLLM .*(died|no answer).*vllm.log.*--resume"):
+        t.train_step()
+    t.close()
+    t.run_folder.release()
+
+
 def no_run_written(path):
     return not os.path.exists(path) or not os.listdir(path)
 

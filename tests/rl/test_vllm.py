@@ -23,18 +23,17 @@ built-in default model serves the module; the tests:
 import copy
 import json
 import os
-import signal
 
 import pytest
 import torch
-from helpers import no_run_written, run_cfg
+from helpers import kill_the_server_then_step, no_run_written, run_cfg
 
 from backstream import logprobs, trainer
 from backstream.default_model import load_default
 from backstream.quant.linear import QuantConfig, quant_linears, quantize_model, quantized, set_int8_gemm
 from backstream.rl.rollout import SamplingConfig
 from backstream.rl.vllm.sampler import VLLMSampler, WeightPublisher, starting
-from backstream.rl.vllm.server import ServerError, VLLMConfig, logprobs_mode
+from backstream.rl.vllm.server import VLLMConfig, logprobs_mode
 from backstream.rl.vllm.setup import default_dir, python_of, setup
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
@@ -363,12 +362,7 @@ def test_the_trainer_on_vllm_and_a_server_killed_mid_run(tmp_path, vllm_python):
     t = trainer.Trainer(config_of(run, "train.steps=4"), run_dir=run, resume=True)
     t.train_step()
     assert os.listdir(os.path.join(run, "vllm")) == []  # the server loaded initial/: it is gone
-    os.killpg(t.samplers.publisher.server.proc.pid, signal.SIGKILL)
-    t.samplers.publisher.server.proc.wait()
-    with pytest.raises(ServerError, match=r"vLLM .*(died|no answer).*vllm.log.*--resume"):
-        t.train_step()
-    t.close()
-    t.run_folder.release()
+    kill_the_server_then_step(t)
     run2 = trainer.train(resume=run, overrides=["train.steps=4", "vllm.request_timeout_s=900"])  # may change
     rows = [json.loads(x) for x in open(os.path.join(run2, "metrics.jsonl"))]
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and _agree(rows)

@@ -7,7 +7,8 @@
 - a run with k = 1 against a slowed server: every trained token within the bound (the producer checks
   each one, the metrics show the steps' maxima), tokens one step behind do occur, the prompts trained
   are the stream's in order, none twice or skipped, also across a checkpoint and `--resume` (the
-  groups the producer had started beyond the checkpoint are re-sampled);
+  groups the producer had started beyond the checkpoint are re-sampled), and a server killed with
+  groups in flight stops the step that takes them with the error naming vllm.log;
 - episodes (toolcalc) with k = 1 and in_flight = "keep": tool calls of the next step run while the
   learner trains, per-token versions within the bound.
 """
@@ -20,9 +21,9 @@ import time
 
 import pytest
 import torch
-from helpers import run_cfg
+from helpers import kill_the_server_then_step, run_cfg
 
-from backstream import logprobs, trainer
+from backstream import config, logprobs, trainer
 from backstream.default_model import load_default
 from backstream.rl.data import PromptStream
 from backstream.rl.vllm.sampler import WeightPublisher
@@ -124,6 +125,10 @@ def test_a_run_one_step_ahead_keeps_the_bound_and_resumes_without_taking_a_promp
     order = PromptStream(64, cfg.train.seed).take(4 * P)
     assert _trained_prompts(run) == [[i for i in order[s * P:(s + 1) * P] for _ in range(G)] for s in range(4)]
     assert not os.path.exists(os.path.join(run, "vllm"))
+    # the server dies with groups in flight: the step that takes them stops with the error naming vllm.log
+    t = trainer.Trainer(config.load(os.path.join(run, "config.toml"), ["train.steps=6"]), run_dir=run, resume=True)
+    t.train_step()
+    kill_the_server_then_step(t)
 
 
 def test_episodes_one_step_ahead_with_requests_kept_across_publishes(tmp_path, vllm_python):
