@@ -114,7 +114,7 @@ class EpisodeSampler:
     @torch.no_grad()
     def sample(self, model, rows: list[dict], indices: list[int], generators: list, progress=None) -> Rollout:
         G, keep_last = self.config.group_size, takes_logits_to_keep(model)
-        episodes = [self._start(row, index) for row, index in zip(rows, indices) for _ in range(G)]
+        episodes = self._start_groups(rows, indices)
         gens = [gen for gen in generators for _ in range(G)]  # an episode draws from its group's generator
         left = [G] * len(rows)  # live episodes per group
 
@@ -152,6 +152,18 @@ class EpisodeSampler:
         self.release()
         self.env.close()
 
+    def _start_groups(self, rows: list[dict], indices: list[int]) -> list[_Episode]:
+        """G episodes of each row, their environments reset (one call at a time across threads: the
+        environments' pool is shared); a prompt with no room for a turn is an error."""
+        with self.starting:
+            episodes = [self._start(row, index) for row, index in zip(rows, indices)
+                        for _ in range(self.config.group_size)]
+        for ep in episodes:
+            if len(ep.prompt) >= self.max_tokens:
+                raise UserError(f"env.max_episode_tokens: a prompt of {len(ep.prompt)} tokens leaves no room for "
+                                f"a turn (limit {self.max_tokens}); raise it or shorten the prompt")
+        return episodes
+
     def _start(self, row: dict, index: int) -> _Episode:
         env, extra = self.env.new(row, index)
         self.live.append(env)
@@ -167,10 +179,6 @@ class EpisodeSampler:
     def _first_turns(self, model, episodes: list[_Episode], gens: list, keep_last: bool) -> None:
         """The first turn of every episode, as one batch: one prefill per distinct prompt (one for a
         task's G episodes unless reset's texts differ; prompts of one length together)."""
-        for ep in episodes:
-            if len(ep.prompt) >= self.max_tokens:
-                raise UserError(f"env.max_episode_tokens: a prompt of {len(ep.prompt)} tokens leaves no room for "
-                                 f"a turn (limit {self.max_tokens}); raise it or shorten the prompt")
         batch = Rows.of_prompts(model, [ep.prompt for ep in episodes], keep_last, self.config.max_new_tokens)
         out = decode(model, batch, self.config, set(self.eos), self.tok, gens, keep_last,
                      [self._budget(len(ep.prompt)) for ep in episodes], keep_kv=True)

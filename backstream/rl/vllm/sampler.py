@@ -595,15 +595,10 @@ class VLLMEpisodeSampler(EpisodeSampler):
             done[0] += 1
 
         with self.publisher.requests():  # an error in an episode stops the step, on every rank
-            for row, index, gen in zip(rows, indices, generators):
-                for _ in range(G):  # a seed per turn of each episode, from its group's generator
-                    with self.starting:  # (groups of an asynchronous run start from threads of their own)
-                        episodes.append(self._start(row, index))
-                    seeds.append(torch.randint(0, 2**31 - 1, (turns,), generator=gen).tolist())
-            for ep in episodes:
-                if len(ep.prompt) >= self.max_tokens:
-                    raise UserError(f"env.max_episode_tokens: a prompt of {len(ep.prompt)} tokens leaves no room "
-                                    f"for a turn (limit {self.max_tokens}); raise it or shorten the prompt")
+            episodes += self._start_groups(rows, indices)
+            # a seed per turn of each episode, from its group's generator
+            seeds += [torch.randint(0, 2**31 - 1, (turns,), generator=gen).tolist() for gen in generators
+                      for _ in range(G)]
             with concurrent.futures.ThreadPoolExecutor(max_workers=min(128, max(1, len(episodes)))) as pool:
                 for f in concurrent.futures.as_completed([pool.submit(play, k) for k in range(len(episodes))]):
                     f.result()
