@@ -136,6 +136,7 @@ class Trainer:
         self.advantage_fn = ADVANTAGES[cfg.algorithm.advantage]
         self.stream = datamod.PromptStream(len(self.examples), tc.seed)
         self.step = 0
+        self.last_end: float | None = None  # when the last step ended (time/step runs from there)
         self.stepper = Stepper(cfg.optim, self.model, self.opt, self.sched, self.quantized_layers,
                                where=lambda: (self.step, checkpoint.latest(self.run_dir)))
         self.times = dict.fromkeys(PHASES, 0.0)
@@ -231,7 +232,8 @@ class Trainer:
     # -- the loop -------------------------------------------------------------------------------
     def train_step(self) -> dict:
         """One RL step (docs/design.md §1): collect → advantages → update → metrics; returns the metrics."""
-        t0 = time.perf_counter()
+        t0 = self.last_end or time.perf_counter()  # the end of the last step: its logging, checkpoint and
+        # evaluation count (a producer samples on meanwhile), so steps per hour read off time/step
         self.times = dict.fromkeys(PHASES, 0.0)
         self.reward_log = RewardLog()
         self.unique_tokens = 0  # tokens the engine's trees held this step (first epoch)
@@ -242,7 +244,8 @@ class Trainer:
             self.step += 1
             with self._timed("sync"):  # the weights are now this step's (a producer publishes them now)
                 self.rounds.at_step(self.step)
-            return self.metrics(batch, adv, logged, mismatch, time.perf_counter() - t0)
+            self.last_end = time.perf_counter()
+            return self.metrics(batch, adv, logged, mismatch, self.last_end - t0)
 
     @contextlib.contextmanager
     def _timed(self, phase: str):
