@@ -82,13 +82,36 @@ class PlainFormat:
     def user(self, text: str) -> list[int]:
         return self.encode(f"\n{text}\n")
 
+    def conversation(self, messages: list[dict], eos: int) -> list[int]:
+        """A whole conversation (an endpoint request: rl/agent/endpoint.py) as this format writes an
+        episode: the first system/user messages' text as the prompt, then each assistant turn (a call as
+        `[name arg ...]`, arguments in the order of the tool's parameters) ended by `eos`, a tool result as
+        "\n=result\n", a later user message as "\n" + text + "\n"."""
+        head = 0
+        while head < len(messages) and messages[head]["role"] in ("system", "developer", "user"):
+            head += 1
+        ids = self.tok("".join(_text(m) for m in messages[:head]), add_special_tokens=True)["input_ids"]
+        for m in messages[head:]:
+            if m["role"] == "assistant":
+                calls = [c["function"] for c in m.get("tool_calls") or []]
+                text = _text(m) + "".join(f"[{c['name']} {' '.join(_plain_args(c, self.params))}]" for c in calls)
+                ids += self.encode(text) + [eos]
+            elif m["role"] == "tool":
+                ids += self.tool_results([("", _text(m))])
+            else:
+                ids += self.user(_text(m))
+        return ids
+
 
 class ChatFormat:
     """The tokenizer's chat template (see the module docstring)."""
 
     name = "chat"
 
-    def __init__(self, tokenizer, schemas: list[dict], end_of_turn: set[int], template: str = ""):
+    def __init__(self, tokenizer, schemas: list[dict], end_of_turn: set[int], template: str = "",
+                 check: bool = True):
+        """`check`: refuse now a template that renders earlier turns differently later (the in-process
+        episode loop extends what it fed; an endpoint's requests take such a rewrite as a branch)."""
         self.template = _read_template(template) if template else None
         if self.template is None and getattr(tokenizer, "chat_template", None) is None:
             raise UserError("env.format: 'chat' needs a tokenizer with a chat template (or env.chat_template); use "
@@ -96,7 +119,8 @@ class ChatFormat:
         self.tok, self.schemas, self.end_of_turn = tokenizer, schemas, end_of_turn
         # special tokens that are not turn ends: a parser reads tool-call markers among them
         self.specials = [t for t in getattr(tokenizer, "all_special_tokens", []) if t]
-        self.check()
+        if check:
+            self.check()
 
     def check(self) -> None:
         """Render a tool conversation (a call, its result, the next turn; a user message) through the
@@ -118,6 +142,11 @@ class ChatFormat:
                                            add_generation_prompt=generation_prompt, return_dict=False,
                                            chat_template=self.template)
         return list(out[0] if out and isinstance(out[0], list) else out)
+
+    def conversation(self, messages: list[dict], eos: int) -> list[int]:
+        """A whole conversation, rendered by the template with the tools and the generation prompt (an
+        endpoint request: rl/agent/endpoint.py; `eos` unused: the template ends its turns)."""
+        return self._render(messages, True)
 
     def prompt(self, prompt, extra: str | None) -> tuple[list[int], list[dict]]:
         """`prompt` None: the environment's reset text is the task's one user message."""
@@ -217,6 +246,25 @@ def _value(text: str):
         return json.loads(text)
     except ValueError:
         return text
+
+
+def _text(message: dict) -> str:
+    """A message's content as text (OpenAI's list of parts joined)."""
+    content = message.get("content") or ""
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return str(content)
+
+
+def _plain_args(function: dict, params: dict[str, list[str]]) -> list[str]:
+    """A call's arguments (a JSON string or an object) as the plain format writes them."""
+    args = function.get("arguments") or {}
+    if isinstance(args, str):
+        args = json.loads(args or "{}")
+    if isinstance(args, dict):
+        order = params.get(function["name"], list(args))
+        args = [args[k] for k in order if k in args]
+    return [a if isinstance(a, str) else json.dumps(a) for a in args]
 
 
 def _as_message_call(call: ToolCall) -> dict:

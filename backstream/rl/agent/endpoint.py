@@ -1,0 +1,295 @@
+"""An OpenAI-compatible endpoint for agent programs (issue 34, docs/agentic.md): `POST
+/v1/chat/completions` (messages, tools and tool_choice, streaming or not) and `GET /v1/models`, on
+127.0.0.1 only, served by FastAPI on uvicorn (vLLM's own stack), requests validated by typed models.
+
+Each episode has its own base URL (`/episodes/<id>/v1`) and key; a request with another key, or for
+a finished episode, is refused. A request's conversation is rendered whole (the model's chat template
+with the request's tools, or the plain format of a model without one: rl/agent/turns.py) and handed
+to the episode's `Transcript` (rl/agent/transcript.py), which continues a branch or starts one; the
+answer is sampled after exactly those ids (`generate`: the run's backend, token ids in and out) and
+recorded with its log-probs. Tool calls in the answer are parsed (the formats the project reads) into
+OpenAI `tool_calls`, with `finish_reason` "tool_calls".
+
+Honoured: `model` (the served name), `messages`, `tools`, `tool_choice` ("auto", "none": no call is
+parsed), `stream`, `max_tokens` / `max_completion_tokens` (at most rollout.max_new_tokens), `seed`.
+Refused with an OpenAI-shaped error the client reads: malformed JSON or fields (400), another key
+(401), a finished episode (403), an unknown model (404), a body over `MAX_BODY` bytes (413), `n` > 1,
+`temperature` / `top_p` other than the run's (the policy is trained at its own sampling settings),
+more requests than `max_requests` (400). A conversation that leaves no room in the model's context
+answers nothing with `finish_reason` "length".
+"""
+
+import json
+import secrets
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from backstream.rl.agent.transcript import Transcript
+
+MAX_BODY = 4 * 2**20  # bytes of one request
+
+
+@dataclass
+class Answer:
+    """What the backend sampled after a request's ids: tokens, log-probs, versions, how it ended
+    ("eos", "length", "stop")."""
+
+    ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    reason: str
+
+
+@dataclass
+class EpisodeSession:
+    """One episode of an agent program: its key, its transcript, whether it is over."""
+
+    id: str
+    key: str
+    base_url: str
+    transcript: Transcript = field(default_factory=Transcript)
+    finished: bool = False
+    errors: int = 0  # requests refused
+
+
+class APIError(Exception):
+    """An error the client gets in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def _models():
+    """The request's typed models (pydantic, as FastAPI validates them)."""
+    from pydantic import BaseModel, ConfigDict, Field  # noqa: PLC0415  (the endpoint's extra)
+
+    class Message(BaseModel):
+        model_config = ConfigDict(extra="allow")
+        role: Literal["system", "developer", "user", "assistant", "tool"]
+        content: str | list[dict[str, Any]] | None = None
+        tool_calls: list[dict[str, Any]] | None = None
+        tool_call_id: str | None = None
+        name: str | None = None
+
+    class ChatRequest(BaseModel):
+        model_config = ConfigDict(extra="ignore")
+        model: str
+        messages: list[Message] = Field(min_length=1)
+        tools: list[dict[str, Any]] | None = None
+        tool_choice: str | dict[str, Any] | None = None
+        stream: bool = False
+        n: int = 1
+        temperature: float | None = None
+        top_p: float | None = None
+        max_tokens: int | None = Field(default=None, ge=1)
+        max_completion_tokens: int | None = Field(default=None, ge=1)
+        seed: int | None = None
+
+    return ChatRequest
+
+
+class Endpoint:
+    """The endpoint of a run (see the module docstring). `format_for(tools)`: a turn format
+    (rl/agent/turns.py) for a request's tools, which renders a conversation (`conversation`) and parses
+    an answer (`parse`); `generate(ids, max_tokens, seed)`: the backend's sample after `ids`;
+    `eos`: the token that ends a turn; `temperature` / `top_p` / `max_new_tokens`: the run's sampling;
+    `context`: the model's; `max_requests`: per episode (env.max_turns)."""
+
+    def __init__(self, format_for: Callable, generate: Callable[[list[int], int, int], Answer], eos: int,
+                 served_name: str = "policy", temperature: float = 1.0, top_p: float = 1.0,
+                 max_new_tokens: int = 64, context: int | None = None, max_requests: int = 16):
+        self.format_for, self.generate, self.eos, self.served_name = format_for, generate, eos, served_name
+        self.temperature, self.top_p, self.max_new_tokens = temperature, top_p, max_new_tokens
+        self.context, self.max_requests = context, max_requests
+        self.episodes: dict[str, EpisodeSession] = {}
+        self.lock = threading.Lock()
+        self.server = None  # uvicorn's, once started
+        self.thread: threading.Thread | None = None
+        self.url = ""
+        self.app = self._app()
+
+    # -- the run's side --------------------------------------------------------------------------
+    def start(self) -> str:
+        """Serve on 127.0.0.1, a free port, in a thread; returns the URL once it answers."""
+        import uvicorn  # noqa: PLC0415  (the endpoint's extra)
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        config = uvicorn.Config(self.app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, name="backstream-endpoint", daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the agent endpoint did not start on 127.0.0.1:{port}")
+            time.sleep(0.01)
+        self.url = f"http://127.0.0.1:{port}"
+        return self.url
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.should_exit = True
+            self.thread.join(timeout=10)
+            self.server = None
+
+    def open(self) -> EpisodeSession:
+        """A new episode: its base URL and key (what its agent is given)."""
+        eid = uuid.uuid4().hex[:16]
+        ep = EpisodeSession(id=eid, key=f"bs-{secrets.token_urlsafe(24)}", base_url=f"{self.url}/episodes/{eid}/v1")
+        with self.lock:
+            self.episodes[eid] = ep
+        return ep
+
+    def finish(self, ep: EpisodeSession) -> Transcript:
+        """The episode is over: later requests are refused; its transcript."""
+        ep.finished = True
+        return ep.transcript
+
+    # -- the HTTP side ---------------------------------------------------------------------------
+    def _app(self):
+        from fastapi import FastAPI, Request  # noqa: PLC0415  (the endpoint's extra)
+        from fastapi.responses import JSONResponse, StreamingResponse  # noqa: PLC0415
+        from pydantic import ValidationError  # noqa: PLC0415
+
+        app = FastAPI(title="backstream agent endpoint", docs_url=None, redoc_url=None, openapi_url=None)
+        chat_request = _models()
+
+        def episode_of(request: Request, eid: str) -> EpisodeSession:
+            ep = self.episodes.get(eid)
+            given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+            if ep is None or not secrets.compare_digest(given, ep.key):
+                raise APIError(401, "Incorrect API key for this episode: use the OPENAI_API_KEY the run gave "
+                                    "the agent, with its OPENAI_BASE_URL", "authentication_error",
+                               code="invalid_api_key")
+            if ep.finished:
+                raise APIError(403, "this episode is over: its requests were trained; a new episode gets a new base "
+                                    "URL and key", "permission_error", code="episode_finished")
+            return ep
+
+        @app.exception_handler(APIError)
+        async def api_error(_request, e: APIError):
+            return JSONResponse(e.body(), status_code=e.status)
+
+        @app.get("/episodes/{eid}/v1/models")
+        async def models(request: Request, eid: str):
+            episode_of(request, eid)
+            return {"object": "list", "data": [{"id": self.served_name, "object": "model", "created": 0,
+                                                "owned_by": "backstream"}]}
+
+        @app.post("/episodes/{eid}/v1/chat/completions")
+        async def chat(request: Request, eid: str):
+            ep = episode_of(request, eid)
+            body = await request.body()
+            if len(body) > MAX_BODY:
+                raise APIError(413, f"the request is {len(body)} bytes, over the endpoint's limit of {MAX_BODY}",
+                               code="request_too_large")
+            try:
+                req = chat_request.model_validate_json(body)
+            except ValidationError as e:
+                first = e.errors()[0]
+                where = ".".join(str(x) for x in first.get("loc", ()))
+                raise APIError(400, f"{first.get('msg', 'invalid request')} ({where or 'body'})",
+                               param=where or None) from None
+            answer = await _in_thread(self._complete, ep, req)
+            if not req.stream:
+                return answer
+            return StreamingResponse(_chunks(answer), media_type="text/event-stream")
+
+        return app
+
+    def _complete(self, ep: EpisodeSession, req) -> dict:
+        """One chat completion (in a worker thread: the backend's `generate` blocks)."""
+        try:
+            self._check(ep, req)
+        except APIError:
+            ep.errors += 1
+            raise
+        tools = req.tools or []
+        fmt = self.format_for(tools if req.tool_choice != "none" else [])
+        messages = [_for_template(m.model_dump(exclude_none=True)) for m in req.messages]
+        ids = fmt.conversation(messages, self.eos)
+        branch = ep.transcript.request(ids)
+        room = (self.context - len(ids)) if self.context else self.max_new_tokens
+        budget = min(req.max_completion_tokens or req.max_tokens or self.max_new_tokens, self.max_new_tokens, room)
+        if budget <= 0:
+            out = Answer([], [], [], "length")
+        else:
+            out = self.generate(ids, budget, req.seed if req.seed is not None else secrets.randbelow(2**31))
+        ep.transcript.answer(branch, out.ids, out.logprobs, out.versions)
+        message, calls = fmt.parse(out.ids) if out.ids else ({"role": "assistant", "content": ""}, [])
+        finish = "length" if out.reason == "length" else "tool_calls" if calls else "stop"
+        reply: dict = {"role": "assistant", "content": message.get("content") or None}
+        if calls and out.reason != "length":
+            reply["tool_calls"] = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                                    "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}
+                                   for c in calls]
+            reply["content"] = reply["content"] or None
+        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+                "model": self.served_name,
+                "choices": [{"index": 0, "message": reply, "finish_reason": finish, "logprobs": None}],
+                "usage": {"prompt_tokens": len(ids), "completion_tokens": len(out.ids),
+                          "total_tokens": len(ids) + len(out.ids)}}
+
+    def _check(self, ep: EpisodeSession, req) -> None:
+        if req.model != self.served_name:
+            raise APIError(404, f"The model {req.model!r} does not exist: this endpoint serves {self.served_name!r} "
+                                "(OPENAI_MODEL)", code="model_not_found", param="model")
+        if req.n != 1:
+            raise APIError(400, f"n = {req.n}: one completion per request (a group's G episodes are the run's "
+                                "samples of a task)", param="n")
+        for name, run in (("temperature", self.temperature), ("top_p", self.top_p)):
+            value = getattr(req, name)
+            if value is not None and value != run:
+                raise APIError(400, f"{name} = {value}: the run samples at rollout.{name} = {run}, the policy's "
+                                    f"trained setting; leave {name} unset", param=name)
+        if ep.transcript.requests >= self.max_requests:
+            raise APIError(400, f"this episode has made its {self.max_requests} requests (env.max_turns)",
+                           code="max_turns")
+
+
+def _for_template(message: dict) -> dict:
+    """An OpenAI message as chat templates take it: a call's arguments as an object."""
+    calls = message.get("tool_calls")
+    if calls:
+        fixed = []
+        for c in calls:
+            fn = dict(c.get("function", {}))
+            if isinstance(fn.get("arguments"), str):
+                try:
+                    fn["arguments"] = json.loads(fn["arguments"] or "{}")
+                except ValueError:
+                    pass  # kept as sent: the template renders what the agent wrote
+            fixed.append({**c, "function": fn})
+        message = {**message, "tool_calls": fixed}
+    return message
+
+
+async def _in_thread(fn, *args):
+    import asyncio  # noqa: PLC0415
+
+    return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+
+
+def _chunks(answer: dict):
+    """A completion as server-sent events: the message in one chunk, the finish reason, [DONE]."""
+    choice = answer["choices"][0]
+    base = {k: answer[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
+    delta = {"role": "assistant", "content": choice["message"]["content"]}
+    if choice["message"].get("tool_calls"):
+        delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(choice["message"]["tool_calls"])]
+    yield f"data: {json.dumps(base | {'choices': [{'index': 0, 'delta': delta, 'finish_reason': None}]})}\n\n"
+    end = {"index": 0, "delta": {}, "finish_reason": choice["finish_reason"]}
+    yield f"data: {json.dumps(base | {'choices': [end]})}\n\n"
+    yield "data: [DONE]\n\n"

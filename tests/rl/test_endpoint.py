@@ -1,0 +1,159 @@
+"""The agent endpoint (rl/agent/endpoint.py) driven by the `openai` client: a multi-turn tool episode
+of the built-in toolcalc task in the default model's plain format, streaming and not; rewritten
+histories as branches; every fault an OpenAI-shaped error the client raises as its own exception.
+The backend behind it is a scripted stand-in here (what is tested is the endpoint and the tree)."""
+
+import json
+
+import pytest
+
+openai = pytest.importorskip("openai")  # the extras `agent` and `agent-test` (.ci/run installs them)
+pytest.importorskip("fastapi")
+
+from backstream.default_model import load_default  # noqa: E402
+from backstream.rl.agent.endpoint import Answer, Endpoint  # noqa: E402
+from backstream.rl.agent.turns import PlainFormat  # noqa: E402
+
+ADD = {"type": "function", "function": {"name": "add", "description": "a + b", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}
+
+
+class Scripted:
+    """A policy that answers with the next of `turns` (text), each ended by EOS; records what it was fed."""
+
+    def __init__(self, tok, turns: list[str]):
+        self.tok, self.turns, self.fed = tok, list(turns), []
+
+    def __call__(self, ids: list[int], max_tokens: int, seed: int) -> Answer:
+        self.fed.append(list(ids))
+        out = self.tok(self.turns.pop(0), add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id]
+        out = out[:max_tokens]
+        reason = "eos" if out[-1] == self.tok.eos_token_id else "length"
+        return Answer(out, [-0.25] * len(out), [7] * len(out), reason)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_default()[1]
+
+
+def _endpoint(tok, turns, **kw) -> tuple[Endpoint, Scripted]:
+    policy = Scripted(tok, turns)
+    ep = Endpoint(lambda tools: PlainFormat(tok, tools), policy, tok.eos_token_id, max_new_tokens=32, **kw)
+    ep.start()
+    return ep, policy
+
+
+def _agent(client, stream: bool) -> list[dict]:
+    """A tool-using agent as people write them: call the model, run its tool calls, send the results."""
+    messages = [{"role": "user", "content": "12+34+56="}]
+    for _ in range(5):
+        if stream:
+            parts = list(client.chat.completions.create(model="policy", messages=messages, tools=[ADD], stream=True))
+            delta = parts[0].choices[0].delta
+            finish = parts[-1].choices[0].finish_reason
+            message = {"role": "assistant", "content": delta.content}
+            calls = [{"id": c.id, "type": "function", "function": {"name": c.function.name,
+                                                                   "arguments": c.function.arguments}}
+                     for c in delta.tool_calls or []]
+        else:
+            choice = client.chat.completions.create(model="policy", messages=messages, tools=[ADD]).choices[0]
+            finish, message = choice.finish_reason, {"role": "assistant", "content": choice.message.content}
+            calls = [c.model_dump() for c in choice.message.tool_calls or []]
+        if calls:
+            message["tool_calls"] = calls
+        messages.append(message)
+        if finish != "tool_calls":
+            return messages
+        for c in calls:
+            args = json.loads(c["function"]["arguments"])
+            messages.append({"role": "tool", "tool_call_id": c["id"], "content": str(args["a"] + args["b"])})
+    return messages
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_openai_client_agent_plays_a_tool_episode_on_one_branch(tok, stream):
+    ep, policy = _endpoint(tok, ["[add 12 34]", "[add 46 56]", "102"])
+    try:
+        session = ep.open()
+        client = openai.OpenAI(base_url=session.base_url, api_key=session.key, max_retries=0)
+        assert [m.id for m in client.models.list()] == ["policy"]
+        messages = _agent(client, stream)
+        assert messages[-1] == {"role": "assistant", "content": "102"}
+        assert [m["role"] for m in messages] == ["user", "assistant", "tool", "assistant", "tool", "assistant"]
+        assert json.loads(messages[1]["tool_calls"][0]["function"]["arguments"]) == {"a": 12, "b": 34}
+        t = ep.finish(session)
+    finally:
+        ep.stop()
+    # the agent appended: one branch, and its sampled tokens are exactly the three answers, each after
+    # exactly the ids the policy was fed
+    assert t.requests == 3 and t.divergences() == 0
+    (b,) = t.branches
+    eos = tok.eos_token_id
+    text = tok.decode(b.ids)
+    want = "12+34+56=[add 12 34]<eos>\n=46\n[add 46 56]<eos>\n=102\n102<eos>"
+    assert text.replace(tok.decode([eos]), "<eos>").endswith(want)
+    starts = [i for i in range(len(b.ids)) if b.sampled[i] and (i == 0 or not b.sampled[i - 1])]
+    assert [b.ids[:s] for s in starts] == policy.fed
+    assert sum(b.sampled) == sum(len(tok(x, add_special_tokens=False)["input_ids"]) + 1
+                                 for x in ("[add 12 34]", "[add 46 56]", "102"))
+
+
+def test_a_rewritten_history_is_a_branch(tok):
+    ep, policy = _endpoint(tok, ["[add 12 34]", "[add 46 56]", "102"])
+    try:
+        session = ep.open()
+        client = openai.OpenAI(base_url=session.base_url, api_key=session.key, max_retries=0)
+        first = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "12+34+56="}],
+                                               tools=[ADD]).choices[0]
+        call = first.message.tool_calls[0]
+        # the agent summarises its history: the call and its result become one user note
+        client.chat.completions.create(model="policy", tools=[ADD], messages=[
+            {"role": "user", "content": "12+34+56="}, {"role": "user", "content": " so far 46"}])
+        t = ep.finish(session)
+    finally:
+        ep.stop()
+    assert call.function.name == "add" and t.divergences() == 1
+    for fed, b in zip(policy.fed, t.branches):  # each answer after exactly what it was fed, trained there
+        assert b.ids[:len(fed)] == fed and not any(b.sampled[:len(fed)]) and all(b.sampled[len(fed):])
+
+
+def test_faults_are_errors_the_client_reads(tok):
+    ep, _ = _endpoint(tok, ["7"] * 8, max_requests=2)
+    try:
+        session = ep.open()
+        client = openai.OpenAI(base_url=session.base_url, api_key=session.key, max_retries=0)
+        user = [{"role": "user", "content": "1+1="}]
+        with pytest.raises(openai.AuthenticationError, match="Incorrect API key"):
+            openai.OpenAI(base_url=session.base_url, api_key="wrong", max_retries=0).chat.completions.create(
+                model="policy", messages=user)
+        with pytest.raises(openai.NotFoundError, match="serves 'policy'"):
+            client.chat.completions.create(model="gpt-4o", messages=user)
+        with pytest.raises(openai.BadRequestError, match="one completion per request"):
+            client.chat.completions.create(model="policy", messages=user, n=2)
+        with pytest.raises(openai.BadRequestError, match=r"temperature = 0.2: the run samples at rollout.temperature"):
+            client.chat.completions.create(model="policy", messages=user, temperature=0.2)
+        with pytest.raises(openai.BadRequestError, match="messages"):
+            client.chat.completions.create(model="policy", messages=[])
+        ok = client.chat.completions.create(model="policy", messages=user, temperature=1.0)  # the run's: honoured
+        assert ok.choices[0].message.content == "7"
+        # a cut completion says so
+        cut = client.chat.completions.create(model="policy", messages=user, max_tokens=1).choices[0]
+        assert cut.finish_reason == "length"
+        with pytest.raises(openai.BadRequestError, match="made its 2 requests"):
+            client.chat.completions.create(model="policy", messages=user)
+        ep.finish(session)
+        with pytest.raises(openai.PermissionDeniedError, match="this episode is over"):
+            client.chat.completions.create(model="policy", messages=user)
+        import urllib.error
+        import urllib.request
+
+        other = ep.open()
+        req = urllib.request.Request(other.base_url + "/chat/completions", data=b"{not json",
+                                     headers={"Authorization": f"Bearer {other.key}",
+                                              "Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req)
+        assert e.value.code == 400 and json.loads(e.value.read())["error"]["type"] == "invalid_request_error"
+    finally:
+        ep.stop()
