@@ -10,26 +10,11 @@ import pytest
 openai = pytest.importorskip("openai")  # the extras `agent` and `agent-test` (.ci/run installs them)
 pytest.importorskip("fastapi")
 
+from agents_for_tests import ADD, Scripted  # noqa: E402
+
 from backstream.default_model import load_default  # noqa: E402
-from backstream.rl.agent.endpoint import Answer, Endpoint  # noqa: E402
+from backstream.rl.agent.endpoint import Endpoint  # noqa: E402
 from backstream.rl.agent.turns import PlainFormat  # noqa: E402
-
-ADD = {"type": "function", "function": {"name": "add", "description": "a + b", "parameters": {
-    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}
-
-
-class Scripted:
-    """A policy that answers with the next of `turns` (text), each ended by EOS; records what it was fed."""
-
-    def __init__(self, tok, turns: list[str]):
-        self.tok, self.turns, self.fed = tok, list(turns), []
-
-    def __call__(self, ids: list[int], max_tokens: int, seed: int) -> Answer:
-        self.fed.append(list(ids))
-        out = self.tok(self.turns.pop(0), add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id]
-        out = out[:max_tokens]
-        reason = "eos" if out[-1] == self.tok.eos_token_id else "length"
-        return Answer(out, [-0.25] * len(out), [7] * len(out), reason)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,59 @@
+"""Agent programs and a scripted policy for the endpoint's tests (tests/rl/test_endpoint.py,
+test_agent_runner.py): agents written with the `openai` client, as users write them."""
+
+import json
+import time
+
+from backstream.rl.agent.endpoint import Answer
+
+ADD = {"type": "function", "function": {"name": "add", "description": "a + b", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}
+
+
+class Scripted:
+    """A policy that answers with the next of `turns` (text), each ended by EOS; records what it was fed."""
+
+    def __init__(self, tok, turns: list[str]):
+        self.tok, self.turns, self.fed = tok, list(turns), []
+
+    def __call__(self, ids: list[int], max_tokens: int, seed: int) -> Answer:
+        self.fed.append(list(ids))
+        out = self.tok(self.turns.pop(0), add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id]
+        out = out[:max_tokens]
+        reason = "eos" if out[-1] == self.tok.eos_token_id else "length"
+        return Answer(out, [-0.25] * len(out), [7] * len(out), reason)
+
+
+def calculator_agent(base_url, api_key, model, row):
+    """Solve `row["prompt"]` with the add tool; the reward: 1 if the final answer is `row["answer"]`."""
+    import openai
+
+    client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    messages = [{"role": "user", "content": row["prompt"]}]
+    for _ in range(4):
+        choice = client.chat.completions.create(model=model, messages=messages, tools=[ADD]).choices[0]
+        message = {"role": "assistant", "content": choice.message.content}
+        if not choice.message.tool_calls:
+            return float(choice.message.content.strip() == row["answer"])
+        message["tool_calls"] = [c.model_dump() for c in choice.message.tool_calls]
+        messages.append(message)
+        for c in choice.message.tool_calls:
+            args = json.loads(c.function.arguments)
+            messages.append({"role": "tool", "tool_call_id": c.id, "content": str(args["a"] + args["b"])})
+    return 0.0
+
+
+async def async_agent(base_url, api_key, model, row):
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    answer = await client.chat.completions.create(model=model, messages=[{"role": "user", "content": row["prompt"]}])
+    return 0.5 if answer.choices[0].message.content else None
+
+
+def raising_agent(base_url, api_key, model, row):
+    raise KeyError("no such tool")
+
+
+def sleeping_agent(base_url, api_key, model, row):
+    time.sleep(30)
