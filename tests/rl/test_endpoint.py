@@ -142,3 +142,18 @@ def test_faults_are_errors_the_client_reads(tok):
         assert e.value.code == 400 and json.loads(e.value.read())["error"]["type"] == "invalid_request_error"
     finally:
         ep.stop()
+
+
+def test_a_backend_failure_is_a_server_error_the_client_reads(tok):
+    def broken(ids, max_tokens, seed):
+        raise ConnectionError("the vLLM server died")
+
+    ep = Endpoint(lambda tools: PlainFormat(tok, tools), broken, tok.eos_token_id)
+    ep.start()
+    try:
+        s = ep.open()
+        client = openai.OpenAI(base_url=s.base_url, api_key=s.key, max_retries=0)
+        with pytest.raises(openai.InternalServerError, match="the run's sampler failed: ConnectionError: the vLLM"):
+            client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "1+1="}])
+    finally:
+        ep.stop()

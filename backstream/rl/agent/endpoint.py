@@ -182,6 +182,11 @@ class Endpoint:
         async def api_error(_request, e: APIError):
             return JSONResponse(e.body(), status_code=e.status)
 
+        @app.exception_handler(Exception)
+        async def server_error(_request, e: Exception):  # the backend failed (a server that died): said, shaped
+            return JSONResponse(APIError(500, f"the run's sampler failed: {type(e).__name__}: {e}", "server_error")
+                                .body(), status_code=500)
+
         @app.get("/episodes/{eid}/v1/models")
         async def models(request: Request, eid: str):
             episode_of(request, eid)
