@@ -174,6 +174,14 @@ class RunConfig:
     def to_dict(self) -> dict:
         return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
 
+    def public_dict(self) -> dict:
+        """`to_dict` with the secrets (`SECRETS`) left empty: what the run folder and the loggers keep."""
+        d = self.to_dict()
+        for key in SECRETS:
+            section, name = key.split(".")
+            d[section][name] = ""
+        return d
+
     def flat(self) -> dict[str, Any]:
         """{"section.key": value} of every key."""
         return {f"{sec}.{k}": v for sec, values in self.to_dict().items() for k, v in values.items()}
@@ -423,6 +431,11 @@ def describe() -> str:
 
 
 # -- resuming a run ------------------------------------------------------------------------------
+
+SECRETS = ("vllm.api_key",)
+"""Keys no file of the run folder holds (config.toml writes them empty, config_changes.jsonl as
+"<not written>") nor the loggers: a resumed run takes them from the environment ($VLLM_API_KEY) or
+`--set` again."""
 
 RESUMABLE = {
     "train.steps": "how long the run goes on",

@@ -209,8 +209,12 @@ def check_fingerprints(run_dir: str, allow_changed: bool) -> list[str]:
 def record_changes(run_dir: str, step: int, changes: list[tuple[str, object, object]]) -> None:
     """Append what a resume changed (key, old value, new value) to the run's change log."""
     when = time.strftime("%Y-%m-%d %H:%M:%S")
+    from backstream.config import SECRETS  # noqa: PLC0415  (config imports the whole RL loop)
+
     with open(os.path.join(run_dir, CHANGES), "a") as f:
         for key, old, new in changes:
+            if key in SECRETS:
+                old, new = (v and "<not written>" for v in (old, new))
             f.write(json.dumps({"time": when, "step": step, "key": key, "old": old, "new": new}) + "\n")
 
 
@@ -314,7 +318,7 @@ class Run:
         notes = [f"resumed at step {c['step']} ({c['time']}): {c['key']} {c['old']!r} -> {c['new']!r}"
                  for c in read_changes(self.dir)]
         with open(os.path.join(self.dir, "config.toml"), "w") as f:
-            f.write(to_toml(self.cfg.to_dict(), notes))
+            f.write(to_toml(self.cfg.public_dict(), notes))
 
     def record_error(self, e: BaseException) -> None:
         """The error that stopped the run, with its traceback, in RUN_DIR/error.log (rank 0, a folder

@@ -155,7 +155,7 @@ class Trainer:
                 self._resume()
             self.logger = self.dp.on_main(lambda: Logger(
                 self.run_dir, progress=tc.progress, tensorboard=tc.log_tensorboard, wandb=tc.log_wandb,
-                config=self.cfg.to_dict(), total_steps=tc.steps, append=resume, wandb_project=tc.wandb_project,
+                config=self.cfg.public_dict(), total_steps=tc.steps, append=resume, wandb_project=tc.wandb_project,
                 start_step=self.step, keys=self.metric_keys())) or NoLogger()
             self.episode_log = self.dp.on_main(lambda: EpisodeLog(self.run_dir, tc.log_episodes, resume,
                                                                   self.step)) or NoLogger()

@@ -74,3 +74,21 @@ def test_a_same_size_look_alike_is_refused_on_resume(tmp_path):
     with pytest.raises(ValueError, match="data.path: .*data.jsonl changed since the run started"):
         runfolder.check_fingerprints(str(run), False)
     assert runfolder.check_fingerprints(str(run), True)
+
+
+def test_the_servers_api_key_is_written_nowhere_in_the_run_folder(tmp_path):
+    """vllm.api_key given in the config (or --set) is used, but config.toml holds it empty and
+    config_changes.jsonl says "<not written>": a run folder is shared and copied, a key is not."""
+    model, tok = tiny(torch.float64)
+    cfg = run_cfg(tmp_path, "run", "train.steps=1", "train.save_every=1", 'vllm.api_key="sekrit-123"')
+    run = trainer.train(cfg, model=model, tokenizer=tok)
+    assert 'api_key = ""' in open(os.path.join(run, "config.toml")).read()
+    model, tok = tiny(torch.float64)
+    trainer.train(resume=run, overrides=["train.steps=2", 'vllm.api_key="other-456"'], model=model, tokenizer=tok)
+    changes = [json.loads(x) for x in open(os.path.join(run, "config_changes.jsonl"))]
+    assert {"key": "vllm.api_key", "old": "", "new": "<not written>"}.items() <= \
+        next(c for c in changes if c["key"] == "vllm.api_key").items()
+    for folder, _, files in os.walk(run):
+        for name in files:
+            data = open(os.path.join(folder, name), "rb").read()
+            assert b"sekrit-123" not in data and b"other-456" not in data, os.path.join(folder, name)

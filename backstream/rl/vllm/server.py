@@ -45,7 +45,8 @@ class VLLMConfig:
     run connects to it and starts none, and checks at start-up that it can serve the run."""
     api_key: str = ""
     """The key of a server of your own (`backstream vllm serve --api-key`), sent with every request;
-    "" = $VLLM_API_KEY, if set. Required for a url off loopback."""
+    "" = $VLLM_API_KEY, if set. Required for a url off loopback. Never written to the run folder
+    (config.toml holds it empty): a resumed run takes it from $VLLM_API_KEY or --set again."""
     extra_args: list[str] = field(default_factory=list)
     """More arguments for the server the run starts (e.g. ["--max-num-seqs", "256"])."""
     start_timeout_s: float = 600.0
