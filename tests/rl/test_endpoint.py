@@ -157,3 +157,48 @@ def test_a_backend_failure_is_a_server_error_the_client_reads(tok):
             client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "1+1="}])
     finally:
         ep.stop()
+
+
+# A thinking model's template, as Qwen3's: an assistant turn keeps its reasoning (<think>...</think>)
+# while it is the last one, and loses it once the conversation goes on
+THINKING = ("{%- for m in messages -%}"
+            "{%- if m.role == 'assistant' -%}"
+            "{%- set c = m.content or '' -%}"
+            "{%- if not loop.last and '</think>' in c -%}{%- set c = c.split('</think>')[-1] -%}{%- endif -%}"
+            "A:{{ c }}{{ eos_token }}"
+            "{%- else -%}U:{{ m.content }}{%- endif -%}"
+            "{%- endfor -%}{%- if add_generation_prompt -%}A:{%- endif -%}")
+
+
+def test_a_template_that_strips_earlier_reasoning_trains_as_branches(tok):
+    """Under Qwen3's rule the second request does not extend what was sampled (the reasoning is gone):
+    no refusal, a branch; the reasoning tokens are trained on the first branch, after exactly the
+    ids that were fed, and the second answer on the second, after the stripped history."""
+    import copy
+
+    from backstream.rl.agent.turns import ChatFormat
+
+    chat_tok = copy.copy(tok)
+    chat_tok.chat_template = THINKING
+    eos = {tok.eos_token_id}
+    policy = Scripted(tok, ["<think>1+1</think>2", "<think>2+2</think>4"])
+    ep = Endpoint(lambda tools: ChatFormat(chat_tok, tools, eos, check=False), policy, tok.eos_token_id,
+                  max_new_tokens=32)
+    ep.start()
+    try:
+        s = ep.open()
+        client = openai.OpenAI(base_url=s.base_url, api_key=s.key, max_retries=0)
+        messages = [{"role": "user", "content": "1+1="}]
+        first = client.chat.completions.create(model="policy", messages=messages).choices[0].message.content
+        assert first == "<think>1+1</think>2"
+        messages += [{"role": "assistant", "content": first}, {"role": "user", "content": "2+2="}]
+        second = client.chat.completions.create(model="policy", messages=messages).choices[0].message.content
+        t = ep.finish(s)
+    finally:
+        ep.stop()
+    assert second == "<think>2+2</think>4" and t.divergences() == 1
+    render = [tok.decode(b.ids) for b in t.branches]
+    assert render[0] == "U:1+1=A:<think>1+1</think>2<eos>"
+    assert render[1] == "U:1+1=A:2<eos>U:2+2=A:<think>2+2</think>4<eos>"  # the stripped history, as context
+    for fed, b in zip(policy.fed, t.branches):
+        assert b.ids[:len(fed)] == fed and not any(b.sampled[:len(fed)]) and all(b.sampled[len(fed):])
