@@ -9,7 +9,9 @@ One step (`Trainer.train_step`) is the stages of docs/design.md §1:
               minibatch, before any block), the backward chosen once (`engine.backward`), a step;
   metrics     one line: rewards, lengths, loss terms, sampler/learner mismatch, time per phase.
 The parts are built by their configs and live beside them: the run folder's lifecycle
-(runfolder.Run), the sampler (rl/rollout.py, rl/agent/), rewards, data parallelism (rl/parallel.py:
+(runfolder.Run), the sampler (rl/rollout.py, rl/agent/) and where its rounds come from (rl/producer.py:
+sampled when the step asks, or by a producer up to rollout.max_staleness steps ahead), rewards, data
+parallelism (rl/parallel.py:
 one process, or a torchrun rank training whole groups of the global batch; docs/design.md §6c),
 the optimizer step (rl/optim.Stepper), where the objective's π_old and π_ref come from
 (rl/backward.BeforeUpdate: the sampler's with `engine.reuse_rollout_kv`, a pass up front, or the
