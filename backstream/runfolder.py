@@ -208,9 +208,9 @@ def check_fingerprints(run_dir: str, allow_changed: bool) -> list[str]:
 
 def record_changes(run_dir: str, step: int, changes: list[tuple[str, object, object]]) -> None:
     """Append what a resume changed (key, old value, new value) to the run's change log."""
-    when = time.strftime("%Y-%m-%d %H:%M:%S")
     from backstream.config import SECRETS  # noqa: PLC0415  (config imports the whole RL loop)
 
+    when = time.strftime("%Y-%m-%d %H:%M:%S")
     with open(os.path.join(run_dir, CHANGES), "a") as f:
         for key, old, new in changes:
             if key in SECRETS:

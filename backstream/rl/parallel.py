@@ -524,7 +524,6 @@ class Torchrun(DataParallel):
         self.groups = round_share(need, self.minibatches, self.world, self.rank, held)
         return self.groups
 
-
     def join_round(self, rollout, total, per_fn):
         # K/V stay where they were computed; an episode's messages and environment served this rank's
         # reward functions: its counts alone travel

@@ -51,9 +51,9 @@ from backstream.stream import fsdp
 from backstream.stream.engine import logprobs
 from backstream.stream.hf import base_model
 
-ADAPTER = "policy-lora"
+ADAPTER = "policy-lora"  # the served name of a LoRA policy's adapter
 # what a publish does with the requests in flight: vLLM's /pause mode for each rollout.in_flight
-PAUSE_MODES = {"wait": "wait", "resume": "abort", "keep": "keep"}  # the served name of a LoRA policy's adapter
+PAUSE_MODES = {"wait": "wait", "resume": "abort", "keep": "keep"}
 ALIGNED_MEDIAN = 1e-4  # QaRL's start-up check: an aligned server is ~1e-7 off the learner, a misaligned one ~1e-2
 ALIGN_PROBE = 64  # tokens of that check's prompt (`WeightPublisher._align`)
 
@@ -290,6 +290,14 @@ class WeightPublisher:
             self.dp.on_main(lambda: self._label(self.version))
         return self.server
 
+    def before_sampling(self, model, progress, n: int) -> float:
+        """What a sampler does before its requests: `ensure(model)` (None: the caller publishes, an
+        asynchronous run's producer at step boundaries); returns the seconds spent publishing."""
+        if model is None:
+            return 0.0
+        self.ensure(model, starting(progress, n))
+        return self.sync_s
+
     def _label(self, version: int) -> None:
         """Rank 0: the server labels the tokens it samples from now on with `version` (vLLM's per-token
         weight versions, which /inference/v1/generate returns)."""
@@ -303,18 +311,17 @@ class WeightPublisher:
         with the new weights, by a request of its own: its tokens keep the versions they were sampled
         with. Thread-safe: an asynchronous run's groups call it from threads of their own."""
         done = self._request(ids, params, n, seed, eos)
-        for c, first in enumerate(done):
-            part = first
-            while part.reason == "abort":
-                left = params["max_tokens"] - len(first.ids)
-                if left <= 0:
-                    part.reason = "length"
+        for c, x in enumerate(done):
+            while x.reason == "abort":
+                left = params["max_tokens"] - len(x.ids)
+                if left <= 0:  # aborted with its budget spent: it ended by length
+                    x.reason = "length"
                     break
-                (part,) = self._request(ids + first.ids, {**params, "max_tokens": left}, 1,
-                                        resumed_seed(seed, c, len(first.ids)), eos)
-                first.ids, first.reason = first.ids + part.ids, part.reason
-                first.logprobs = torch.cat([first.logprobs, part.logprobs])
-                first.versions = torch.cat([first.versions, part.versions])
+                (part,) = self._request(ids + x.ids, {**params, "max_tokens": left}, 1,
+                                        resumed_seed(seed, c, len(x.ids)), eos)
+                x.ids, x.reason = x.ids + part.ids, part.reason
+                x.logprobs = torch.cat([x.logprobs, part.logprobs])
+                x.versions = torch.cat([x.versions, part.versions])
         return done
 
     def _request(self, ids: list[int], params: dict, n: int, seed: int, eos: list[int]) -> list[Sampled]:
@@ -514,9 +521,7 @@ class VLLMSampler:
     def sample(self, model, rows: list[dict], indices: list[int], generators: list, progress=None) -> Rollout:
         """`model`: the learner, whose weights are published first if they changed; None where the caller
         publishes them itself (an asynchronous run's producer, at step boundaries)."""
-        if model is not None:
-            self.publisher.ensure(model, starting(progress, len(rows)))
-        self.sync_s = self.publisher.sync_s if model is not None else 0.0
+        self.sync_s = self.publisher.before_sampling(model, progress, len(rows))
         c, G = self.config, self.config.group_size
         seeds = [int(torch.randint(0, 2**31 - 1, (1,), generator=g)) for g in generators]
         params = {"max_tokens": c.max_new_tokens, "temperature": c.temperature, "stop_token_ids": self.eos,
@@ -580,9 +585,7 @@ class VLLMEpisodeSampler(EpisodeSampler):
 
     def sample(self, model, rows: list[dict], indices: list[int], generators: list, progress=None) -> Rollout:
         """`model`: as `VLLMSampler.sample`'s (None: the caller publishes the weights)."""
-        if model is not None:
-            self.publisher.ensure(model, starting(progress, len(rows)))
-        self.sync_s = self.publisher.sync_s if model is not None else 0.0
+        self.sync_s = self.publisher.before_sampling(model, progress, len(rows))
         G, turns = self.config.group_size, self.env_cfg.max_turns
         episodes, seeds, done = [], [], [0]
 
