@@ -194,7 +194,8 @@ class RunConfig:
                  if self.model.name != "default" and os.path.isdir(self.model.name) else self.model)
         reward = dataclasses.replace(self.reward, functions=[absolute_spec(f) for f in self.reward.functions])
         env = dataclasses.replace(self.env, factory=absolute_spec(self.env.factory) if self.env.factory else "",
-                                  tools=[absolute_spec(t) for t in self.env.tools])
+                                  tools=[absolute_spec(t) for t in self.env.tools],
+                                  agent=absolute_spec(self.env.agent) if self.env.agent else "")
         ev = dataclasses.replace(self.eval, path=os.path.abspath(self.eval.path)) if self.eval.path else self.eval
         return dataclasses.replace(self, data=data, model=model, reward=reward, env=env, eval=ev)
 
@@ -203,7 +204,7 @@ class RunConfig:
         reward functions' source files; a run records their fingerprints and a resume checks them."""
         files = {self.data.path: "data.path"} if self.data.path and os.path.exists(self.data.path) else {}
         for key, specs in (("reward.functions", self.reward.functions), ("env.factory", [self.env.factory]),
-                           ("env.tools", self.env.tools)):
+                           ("env.tools", self.env.tools), ("env.agent", [self.env.agent])):
             for spec in filter(None, specs):
                 files.update({path: key for path in spec_files(spec)})
         return files
@@ -252,6 +253,8 @@ class RunConfig:
         if loss.router_aux_coef > 0 and ec.reuse_rollout_kv:
             raise UserError("loss.router_aux_coef > 0 needs the prefill's routing counts; "
                              "set engine.reuse_rollout_kv = false")
+        if self.env.program:
+            self._validate_agent(world_size)
         if self.rollout.backend == "vllm":
             self._validate_vllm(world_size)
         elif self.rollout.max_staleness:
@@ -278,6 +281,26 @@ class RunConfig:
                              f"train.prompts_per_step={self.train.prompts_per_step}")
         if world_size is not None:
             self._validate_distributed(world_size)
+
+    def _validate_agent(self, world_size: int | None) -> None:
+        """What an agent program's run (env.agent, env.agent_command) cannot do (yet), refused by name."""
+        key = "env.agent" if self.env.agent else "env.agent_command"
+        what = None
+        if self.engine.reuse_rollout_kv:
+            what = "engine.reuse_rollout_kv: an agent's requests hand no K/V to the engine; set it to false"
+        elif world_size is not None:
+            what = "torchrun: the endpoint serves one process's episodes, not every rank's yet; run one process"
+        elif self.rollout.max_staleness:
+            what = (f"rollout.max_staleness = {self.rollout.max_staleness}: agent episodes are sampled with the "
+                    "synchronous loop only, yet; set rollout.max_staleness = 0")
+        else:
+            try:
+                import fastapi  # noqa: F401, PLC0415  (the endpoint's extra)
+                import uvicorn  # noqa: F401, PLC0415
+            except ImportError as e:
+                what = f"the agent endpoint needs FastAPI and uvicorn ({e}); pip install 'backstream[agent]'"
+        if what is not None:
+            raise UserError(f"{key}: {what}")
 
     def _validate_distributed(self, world: int) -> None:
         """What torchrun with `world` ranks cannot do with this config."""
@@ -386,8 +409,12 @@ def _task_defaults(raw: dict) -> None:
     from backstream.rl.tasks import TASKS  # noqa: PLC0415
 
     task = TASKS.get(data.get("task", DataConfig().task))
+    env = raw.get("env", {}) if isinstance(raw.get("env"), dict) else {}
+    program = env.get("agent") or env.get("agent_command")  # an agent program runs the task's tools itself
     for key, value in (task.defaults if task else {}).items():
         section, name = key.split(".", 1)
+        if program and key in ("env.factory", "env.tools"):
+            continue
         if isinstance(raw.get(section, {}), dict) and name not in raw.get(section, {}):
             raw.setdefault(section, {})[name] = value
 
@@ -444,6 +471,7 @@ RESUMABLE = {
     "train.progress": "logging", "train.plots": "logging", "train.log_tensorboard": "logging",
     "train.log_wandb": "logging", "train.wandb_project": "logging", "train.log_episodes": "logging",
     "reward.timeout_s": "a time limit", "distributed.timeout_s": "a time limit", "env.tool_timeout_s": "a time limit",
+    "env.agent_timeout_s": "a time limit",
     "optim.max_nonfinite_steps": "a safety limit", "engine.verify": "a check before training",
     "model.device": "where the run continues (float-close, not bitwise)",
     **{f"eval.{f.name}": "evaluation (it changes nothing of the training)" for f in dataclasses.fields(EvalConfig)},

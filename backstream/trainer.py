@@ -346,10 +346,13 @@ class Trainer:
 
     def _update(self, batch: Rollout, adv: Tensor) -> tuple[dict[str, list[float]], dict[str, float]]:
         ac = self.cfg.algorithm
-        seqs, mask, sampler_lp = batch.sequences(), batch.completion_mask(), batch.aligned_logprobs()
+        view = batch.training(self.step)  # a sample's sequences: its own, and its forks (an agent's branches)
+        seqs, mask, sampler_lp = view.seqs, view.mask, view.logprobs
+        adv = adv[view.owner]
         plan = self.dp.plan_update(len(batch) // batch.group_size, ac.minibatches, batch.group_size, batch.kv)
+        plan = plan.over(view.rows_of(len(batch)))
         mine = {"seqs": take(seqs, plan.mine), "mask": take(mask, plan.mine), "sampler": take(sampler_lp, plan.mine),
-                "kv": take(batch.kv, plan.mine)}
+                "kv": take(view.kv, plan.mine)}
         with self._timed("prefill"):
             mine["old"], mine["ref"] = self.before_update.logprobs(self.engine, self.model, self.ref, mine["seqs"],
                                                                    mine["mask"], mine["sampler"])
@@ -368,9 +371,9 @@ class Trainer:
                 for k, v in step.items():
                     logged.setdefault(k, []).append(v)
         before = self.before_update.learner_at_sampling(mine["old"], learner_lp)
-        before = self.dp.gather_rows(plan.mine, before, len(batch))  # the global batch's, in its order
-        return logged, {**mismatch_metrics(before, sampler_lp, mask), **staleness_mismatch(
-            before, sampler_lp, mask, batch.behind(self.step), self.cfg.rollout.max_staleness)}
+        before = self.dp.gather_rows(plan.mine, before, len(seqs))  # the global batch's, in its order
+        return logged, {**mismatch_metrics(before, sampler_lp, mask), **staleness_metrics(view.behind, mask),
+                        **staleness_mismatch(before, sampler_lp, mask, view.behind, self.cfg.rollout.max_staleness)}
 
     def _minibatch(self, part: dict, adv: Tensor, norm, where: str):
         """One optimizer step on this process's rows of a minibatch (`part`: their sequences, masks,
@@ -423,15 +426,14 @@ class Trainer:
         m.update(self.sampler.metrics(ro))
         logged_means = self.reward_log.means()
         m.update({k: float(sum(v) / len(v)) for k, v in gathered_means(self.dp.gather(logged_means)).items()})
-        m["tree/tokens_total"] = sum(len(p) + len(c) for p, c in zip(ro.prompt_ids, ro.completion_ids))
+        m["tree/tokens_total"] = ro.tokens_total()
         m["tree/tokens_unique"] = sum(self.dp.gather(self.unique_tokens))  # the engine's, over every rank
         # loss terms as loss/…; an objective's own groups (is/…, tbpo/…) keep their names
         m.update({"optim/grad_norm" if k == "grad_norm" else k if "/" in k else f"loss/{k}": float(sum(v) / len(v))
                   for k, v in logged.items()})
         m.update(mismatch)
         m["mismatch/error_token_share"] = error_token_share(ro.sampled_ids())
-        m.update(staleness_metrics(ro.weight_version, ro.sampled, self.step - 1))  # the update started at step − 1
-        tokens = sum(len(p) + len(c) for p, c in zip(batch.rollout.prompt_ids, batch.rollout.completion_ids))
+        tokens = ro.tokens_total()
         m["optim/skipped_nonfinite"] = self.stepper.skipped
         m.update({f"time/{k}": v for k, v in self.times.items()})  # rank 0's, under torchrun
         m.update(self.rounds.metrics())

@@ -57,3 +57,34 @@ def raising_agent(base_url, api_key, model, row):
 
 def sleeping_agent(base_url, api_key, model, row):
     time.sleep(30)
+
+
+def rewriting_agent(base_url, api_key, model, row):
+    """Three requests that rewrite their history as agents do: the first answer is sent back wrapped
+    as reasoning (`<think>…</think>ok`, which a thinking template strips once the conversation goes
+    on), the second as it came, the third after the agent summarised the whole history into one
+    note. Its reward: the share of vowels-free characters of the last answer (any number will do)."""
+    import openai
+
+    client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    messages = [{"role": "user", "content": row["prompt"]}]
+    answer = ""
+    for turn in range(3):
+        if turn == 2:  # a summary replaces the history
+            messages = [{"role": "user", "content": row["prompt"]}, {"role": "user", "content": "so far: ok"}]
+        answer = client.chat.completions.create(model=model, messages=messages, max_tokens=5).choices[0].message
+        answer = answer.content or ""
+        messages += [{"role": "assistant", "content": f"<think>{answer}</think>ok" if turn == 0 else answer},
+                     {"role": "user", "content": "more"}]
+    return sum(ch not in "aeiou" for ch in answer) / max(1, len(answer))
+
+
+def failing_agent(base_url, api_key, model, row):
+    """One request, then a raise (its episode: reward 0, counted) for odd prompts' second episodes."""
+    import openai
+
+    client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    client.chat.completions.create(model=model, messages=[{"role": "user", "content": row["prompt"]}], max_tokens=3)
+    if "1" in row["prompt"]:
+        raise RuntimeError("the agent's own bug")
+    return 1.0

@@ -190,17 +190,11 @@ def staleness_mismatch(learner: list[Tensor | None], sampler: list[Tensor], mask
     return out
 
 
-def staleness_metrics(versions: list[Tensor] | None, sampled: list[Tensor] | None, learner_version: int) -> dict:
-    """How many versions behind the learner's weights (`learner_version`: the step that made the weights
-    the update starts from) the step's sampled tokens were sampled: `rollout/staleness_mean` and
-    `rollout/staleness_max` over every token the policy sampled (`sampled`: per sample, which completion
-    tokens; None: all of them). Samples without versions were drawn in process at the current weights:
-    0 behind."""
-    if not versions:
-        return dict.fromkeys(STALENESS_KEYS, 0.0)
-    behind = [learner_version - v if m is None else learner_version - v[m]
-              for v, m in zip(versions, sampled if sampled is not None else [None] * len(versions))]
-    behind = torch.cat(behind) if behind else torch.zeros(0, dtype=torch.long)
+def staleness_metrics(behind: list[Tensor], mask: list[Tensor]) -> dict:
+    """How many versions behind the weights the update starts from the step's sampled tokens were
+    sampled: `rollout/staleness_mean` and `rollout/staleness_max` over every token with a loss (`behind`
+    and `mask` per sequence: rl/rollout.py `TrainingRows`; in process, every token is 0 behind)."""
+    behind = torch.cat([b[m] for b, m in zip(behind, mask)]) if behind else torch.zeros(0, dtype=torch.long)
     if behind.numel() == 0:
         return dict.fromkeys(STALENESS_KEYS, 0.0)
     return {"rollout/staleness_mean": float(behind.double().mean()), "rollout/staleness_max": float(behind.max())}

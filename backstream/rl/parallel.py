@@ -374,6 +374,17 @@ class UpdatePlan:
     own: list[list[int]]
     local: list[list[int]]
 
+    def over(self, rows_of: list[list[int]]) -> UpdatePlan:
+        """The same plan over sequences, where sample r trains the sequences `rows_of[r]` (a sample with
+        forks: rl/rollout.py `TrainingRows`)."""
+        def expand(rows):
+            return [s for r in rows for s in rows_of[r]]
+
+        mine, own = expand(self.mine), [expand(rows) for rows in self.own]
+        at = {s: k for k, s in enumerate(mine)}
+        return UpdatePlan(mine=mine, batch_rows=[expand(rows) for rows in self.batch_rows], own=own,
+                          local=[[at[s] for s in rows] for rows in own])
+
 
 class DataParallel:
     """One process: it samples and trains the whole batch, and every method is the identity. The
@@ -462,7 +473,10 @@ class DataParallel:
 
     def gather_rows(self, rows: list[int], values: list, n: int) -> list:
         """Per-sample `values` of this rank's `rows`, gathered into the order of the n-sample batch."""
-        return list(values)
+        out = [None] * n
+        for r, v in zip(rows, values):
+            out[r] = v
+        return out
 
 
 class Torchrun(DataParallel):

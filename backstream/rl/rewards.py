@@ -313,7 +313,8 @@ def with_env_reward(functions: list[tuple[RewardFn | str, float]], environment) 
         raise UserError(f"reward.functions: 'env' reads get_reward(), but {environment.name} has none; add one or "
                          "remove 'env'")
     if environment.has_reward and not named:
-        log.info(f"reward: {environment.name}.get_reward() is the reward 'env' with weight 1, as in TRL (name 'env' "
+        source = getattr(environment, "reward_source", f"{environment.name}.get_reward()")
+        log.info(f"reward: {source} is the reward 'env' with weight 1, as in TRL (name 'env' "
                  "in reward.functions to weight it; weight 0 leaves it out)")
         return [*functions, ("env", 1.0)]
     return functions

@@ -98,6 +98,39 @@ class EpisodeInfo:
 
 
 @dataclass
+class Fork:
+    """A sequence a sample trains beside its own (prompt + completion): a branch an agent's rewritten
+    history started (rl/agent/transcript.py). Every token, whether its loss is here (a token sampled on
+    this branch; the others are context), the sampler's log-probs (NaN at context) and the weight
+    version of each token (None: sampled in process at the current weights; -1 at context)."""
+
+    ids: Tensor  # 1-D long
+    sampled: Tensor  # bool, per token
+    logprobs: Tensor  # per token
+    versions: Tensor | None = None
+
+
+@dataclass
+class TrainingRows:
+    """What the update trains: one entry per sequence, a sample's own and then every sample's forks;
+    `owner[s]` is the sample (row of the rollout) sequence s belongs to, whose advantage it takes."""
+
+    seqs: list[Tensor]
+    mask: list[Tensor]  # True at the tokens with a loss
+    logprobs: list[Tensor]  # the sampler's, NaN elsewhere (`Rollout.aligned_logprobs`' layout)
+    behind: list[Tensor]  # versions behind the update's weights per token, -1 at the prompt (`Rollout.behind`)
+    owner: list[int]
+    kv: list | None
+
+    def rows_of(self, n_samples: int) -> list[list[int]]:
+        """Per sample, its sequences."""
+        out: list[list[int]] = [[] for _ in range(n_samples)]
+        for s, i in enumerate(self.owner):
+            out[i].append(s)
+        return out
+
+
+@dataclass
 class Rollout:
     """One entry per sample; the G samples of prompt j are rows j*G .. j*G+G-1."""
 
@@ -119,6 +152,9 @@ class Rollout:
     # step that made them (0: the initial weights), int64 [len(completion)]; tokens an episode inserted
     # carry the version of the turn before them. None: sampled in process, at the current weights
     weight_version: list[Tensor] | None = None
+    # per sample, the sequences it trains beside its own (an agent program's rewritten histories:
+    # rl/agent/programs.py); None: one sequence per sample
+    forks: list[list[Fork]] | None = None
 
     def __len__(self) -> int:
         return len(self.completion_ids)
@@ -127,13 +163,22 @@ class Rollout:
         """Per sample, the token ids the policy sampled (of an episode: its turns, without what came between)."""
         if self.sampled is None:
             return list(self.completion_ids)
-        return [c[m] for c, m in zip(self.completion_ids, self.sampled)]
+        own = [c[m] for c, m in zip(self.completion_ids, self.sampled)]
+        return own if self.forks is None else [torch.cat([x, *[f.ids[f.sampled] for f in fs]])
+                                               for x, fs in zip(own, self.forks)]
 
     def sampled_tokens(self) -> list[int]:
         """Per sample, how many tokens the policy sampled."""
         if self.sampled is None:
             return [len(c) for c in self.completion_ids]
-        return [int(m.sum()) for m in self.sampled]
+        return [int(m.sum()) + sum(int(f.sampled.sum()) for f in (self.forks[i] if self.forks else ()))
+                for i, m in enumerate(self.sampled)]
+
+    def tokens_total(self) -> int:
+        """Tokens of every sequence the update trains, each counted in each (shared prefixes as often as
+        they are held)."""
+        return sum(len(p) + len(c) for p, c in zip(self.prompt_ids, self.completion_ids)) + sum(
+            len(f.ids) for fs in self.forks or [] for f in fs)
 
     def sequences(self) -> list[Tensor]:
         """Prompt + completion, one 1-D tensor per sample."""
@@ -146,6 +191,23 @@ class Rollout:
         versions = self.weight_version or [torch.full((len(c),), version) for c in self.completion_ids]
         return [torch.cat([torch.full((len(p),), -1, dtype=torch.long), version - v.long()])
                 for p, v in zip(self.prompt_ids, versions)]
+
+    def training(self, version: int) -> TrainingRows:
+        """The sequences the update trains: each sample's own (`sequences()`), then every sample's forks,
+        with their loss masks, sampler log-probs and versions behind `version` (`behind`)."""
+        rows = TrainingRows(seqs=self.sequences(), mask=self.completion_mask(), logprobs=self.aligned_logprobs(),
+                            behind=self.behind(version), owner=list(range(len(self))), kv=self.kv)
+        for i, fs in enumerate(self.forks or []):
+            for f in fs:
+                behind = (torch.zeros(len(f.ids), dtype=torch.long) if f.versions is None else
+                          torch.where(f.versions >= 0, version - f.versions, -1))
+                rows.seqs.append(f.ids)
+                rows.mask.append(f.sampled)
+                rows.logprobs.append(f.logprobs)
+                rows.behind.append(behind)
+                rows.owner.append(i)
+        assert self.kv is None or len(rows.seqs) == len(self), "Rollout.training: K/V with forks"
+        return rows
 
     def completion_mask(self) -> list[Tensor]:
         """Per sample, a bool tensor over `sequences()[i]`: True at the tokens the policy sampled (the

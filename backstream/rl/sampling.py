@@ -84,7 +84,9 @@ class Samplers:
 
     def build(self, config: SamplingConfig, prompts: list[Tensor], prompt_text: list[str],
               return_kv: bool) -> RolloutSampler:
-        if self.publisher is not None and self.cfg.env.enabled:
+        if self.cfg.env.program:
+            sampler = self._agent_sampler(config)
+        elif self.publisher is not None and self.cfg.env.enabled:
             from backstream.rl.vllm.sampler import VLLMEpisodeSampler  # noqa: PLC0415
 
             sampler = VLLMEpisodeSampler(config, self.cfg.env, self.tok, self.eos, self.context, self.publisher)
@@ -97,6 +99,22 @@ class Samplers:
                                     self.context)
         self.built.append(sampler)
         return sampler
+
+    def _agent_sampler(self, config: SamplingConfig) -> RolloutSampler:
+        """An agent program's episodes through the run's endpoint, the backend's answers behind it."""
+        from backstream.rl.agent.programs import AgentSampler, LocalAnswers  # noqa: PLC0415  (the agent room)
+
+        env = self.cfg.env
+        limit = min(filter(None, (env.max_episode_tokens, self.context)), default=None)
+        if self.publisher is not None:
+            from backstream.rl.vllm.sampler import ServerAnswers  # noqa: PLC0415
+
+            why = (f"env.max_episode_tokens = {env.max_episode_tokens}" if limit == env.max_episode_tokens else
+                   "the model's context (an agent's conversation may grow to it; env.max_episode_tokens bounds it)")
+            answers = ServerAnswers(config, self.eos, self.publisher, limit, why)
+        else:
+            answers = LocalAnswers(config, self.eos, self.tok)
+        return AgentSampler(config, env, self.tok, self.eos, self.context, answers)
 
     def at_step(self, step: int) -> None:
         """The learner's weights are now those of `step` (0: the initial ones): the version a server's

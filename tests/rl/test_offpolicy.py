@@ -345,17 +345,30 @@ def test_input_errors():
 
 def test_staleness_counts_the_versions_behind_over_the_sampled_tokens():
     """rollout/staleness_*: learner_version − version over every token the policy sampled (inserted
-    episode tokens left out), by hand: sample 0 sampled at versions 3, 3, 2 (the learner at 4: 1, 1, 2
-    behind); sample 1 at 4, 4 with its middle token inserted (0, 0): 5 tokens, mean 4/5, max 2. Counting
-    the inserted one too (behind 3): 6 tokens, mean 7/6, max 3. In process (no versions): 0 behind."""
+    episode tokens and prompts left out), by hand: sample 0 sampled at versions 3, 3, 2 (the learner at
+    4: 1, 1, 2 behind); sample 1 at 4, 4 with its middle token inserted (0, 0): 5 tokens, mean 4/5, max 2.
+    A fork (an agent's branch) counts its own sampled tokens. In process (no versions): 0 behind."""
     from backstream.rl.offpolicy import staleness_metrics
+    from backstream.rl.rollout import Fork, Rollout
 
-    versions = [torch.tensor([3, 3, 2]), torch.tensor([4, 1, 4])]
-    sampled = [torch.tensor([True, True, True]), torch.tensor([True, False, True])]
-    assert staleness_metrics(versions, sampled, 4) == {"rollout/staleness_mean": 4 / 5, "rollout/staleness_max": 2.0}
-    assert staleness_metrics(versions, None, 4) == {"rollout/staleness_mean": 7 / 6, "rollout/staleness_max": 3.0}
-    assert staleness_metrics(None, None, 7) == {"rollout/staleness_mean": 0.0, "rollout/staleness_max": 0.0}
-    assert staleness_metrics([torch.zeros(0, dtype=torch.long)], None, 2)["rollout/staleness_max"] == 0.0
+    r = Rollout(prompt_index=[0, 0], prompt_ids=[torch.tensor([5]), torch.tensor([5, 6])],
+                completion_ids=[torch.tensor([1, 2, 3]), torch.tensor([1, 2, 3])], logprobs=[torch.zeros(3)] * 2,
+                finish_reason=["eos"] * 2, group_size=2,
+                sampled=[torch.tensor([True, True, True]), torch.tensor([True, False, True])],
+                weight_version=[torch.tensor([3, 3, 2]), torch.tensor([4, 1, 4])])
+    rows = r.training(4)
+    assert staleness_metrics(rows.behind, rows.mask) == {"rollout/staleness_mean": 4 / 5,
+                                                         "rollout/staleness_max": 2.0}
+    r.forks = [[Fork(torch.tensor([5, 1, 9]), torch.tensor([False, False, True]), torch.zeros(3),
+                     torch.tensor([-1, -1, 1]))], []]
+    rows = r.training(4)
+    assert rows.owner == [0, 1, 0] and rows.rows_of(2) == [[0, 2], [1]]
+    assert staleness_metrics(rows.behind, rows.mask) == {"rollout/staleness_mean": 7 / 6,
+                                                         "rollout/staleness_max": 3.0}
+    r.weight_version, r.forks = None, None
+    assert staleness_metrics(*(lambda x: (x.behind, x.mask))(r.training(7))) == {
+        "rollout/staleness_mean": 0.0, "rollout/staleness_max": 0.0}
+    assert staleness_metrics([], [])["rollout/staleness_max"] == 0.0
 
 
 def test_mismatch_per_staleness_against_a_per_token_loop():

@@ -19,6 +19,8 @@ more requests than `max_requests` (400). A conversation that leaves no room in t
 answers nothing with `finish_reason` "length".
 """
 
+import asyncio
+import concurrent.futures
 import json
 import secrets
 import socket
@@ -32,6 +34,7 @@ from typing import Any, Literal
 from backstream.rl.agent.transcript import Transcript
 
 MAX_BODY = 4 * 2**20  # bytes of one request
+MAX_IN_FLIGHT = 1024  # requests answered at once (more wait their turn)
 
 
 @dataclass
@@ -41,7 +44,7 @@ class Answer:
 
     ids: list[int]
     logprobs: list[float]
-    versions: list[int]
+    versions: list[int] | None  # None: sampled in process, at the current weights
     reason: str
 
 
@@ -52,9 +55,12 @@ class EpisodeSession:
     id: str
     key: str
     base_url: str
+    seed: int = 0  # a request without `seed` draws with seed (this, its number in the episode)
     transcript: Transcript = field(default_factory=Transcript)
     finished: bool = False
     errors: int = 0  # requests refused
+    tool_calls: int = 0  # calls answered
+    conversation: list[dict] = field(default_factory=list)  # the last answered request's, with its answer
 
 
 class APIError(Exception):
@@ -112,6 +118,11 @@ class Endpoint:
         self.temperature, self.top_p, self.max_new_tokens = temperature, top_p, max_new_tokens
         self.context, self.max_requests = context, max_requests
         self.episodes: dict[str, EpisodeSession] = {}
+        self.finished: dict[str, str] = {}  # finished episodes' keys
+        # a thread per request in flight (the backend's `generate` blocks until its batch is decoded):
+        # asyncio's default pool (cores + 4 threads) would let only that many episodes batch
+        self.workers = concurrent.futures.ThreadPoolExecutor(max_workers=MAX_IN_FLIGHT,
+                                                             thread_name_prefix="backstream-request")
         self.lock = threading.Lock()
         self.server = None  # uvicorn's, once started
         self.thread: threading.Thread | None = None
@@ -143,18 +154,25 @@ class Endpoint:
             self.server.should_exit = True
             self.thread.join(timeout=10)
             self.server = None
+        self.workers.shutdown(wait=False, cancel_futures=True)
 
-    def open(self) -> EpisodeSession:
-        """A new episode: its base URL and key (what its agent is given)."""
+    def open(self, seed: int = 0) -> EpisodeSession:
+        """A new episode: its base URL and key (what its agent is given); `seed`: its requests' draws."""
         eid = uuid.uuid4().hex[:16]
-        ep = EpisodeSession(id=eid, key=f"bs-{secrets.token_urlsafe(24)}", base_url=f"{self.url}/episodes/{eid}/v1")
+        ep = EpisodeSession(id=eid, key=f"bs-{secrets.token_urlsafe(24)}", base_url=f"{self.url}/episodes/{eid}/v1",
+                            seed=seed)
         with self.lock:
             self.episodes[eid] = ep
         return ep
 
     def finish(self, ep: EpisodeSession) -> Transcript:
-        """The episode is over: later requests are refused; its transcript."""
+        """The episode is over: later requests are refused, and answers still being sampled are not
+        recorded; its transcript."""
         ep.finished = True
+        ep.transcript.close()
+        with self.lock:  # a finished episode's key is kept (its requests are refused as finished), not its data
+            self.episodes.pop(ep.id, None)
+            self.finished[ep.id] = ep.key
         return ep.transcript
 
     # -- the HTTP side ---------------------------------------------------------------------------
@@ -169,11 +187,12 @@ class Endpoint:
         def episode_of(request: Request, eid: str) -> EpisodeSession:
             ep = self.episodes.get(eid)
             given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-            if ep is None or not secrets.compare_digest(given, ep.key):
+            key = ep.key if ep is not None else self.finished.get(eid)
+            if key is None or not secrets.compare_digest(given, key):
                 raise APIError(401, "Incorrect API key for this episode: use the OPENAI_API_KEY the run gave "
                                     "the agent, with its OPENAI_BASE_URL", "authentication_error",
                                code="invalid_api_key")
-            if ep.finished:
+            if ep is None or ep.finished:
                 raise APIError(403, "this episode is over: its requests were trained; a new episode gets a new base "
                                     "URL and key", "permission_error", code="episode_finished")
             return ep
@@ -207,7 +226,7 @@ class Endpoint:
                 where = ".".join(str(x) for x in first.get("loc", ()))
                 raise APIError(400, f"{first.get('msg', 'invalid request')} ({where or 'body'})",
                                param=where or None) from None
-            answer = await _in_thread(self._complete, ep, req)
+            answer = await asyncio.get_running_loop().run_in_executor(self.workers, self._complete, ep, req)
             if not req.stream:
                 return answer
             return StreamingResponse(_chunks(answer), media_type="text/event-stream")
@@ -225,22 +244,30 @@ class Endpoint:
         fmt = self.format_for(tools if req.tool_choice != "none" else [])
         messages = [_for_template(m.model_dump(exclude_none=True)) for m in req.messages]
         ids = fmt.conversation(messages, self.eos)
+        number = ep.transcript.requests
         branch = ep.transcript.request(ids)
         room = (self.context - len(ids)) if self.context else self.max_new_tokens
         budget = min(req.max_completion_tokens or req.max_tokens or self.max_new_tokens, self.max_new_tokens, room)
         if budget <= 0:
-            out = Answer([], [], [], "length")
+            out = Answer([], [], None, "length")
         else:
-            out = self.generate(ids, budget, req.seed if req.seed is not None else secrets.randbelow(2**31))
-        ep.transcript.answer(branch, out.ids, out.logprobs, out.versions)
+            seed = req.seed if req.seed is not None else (ep.seed * 1_000_003 + number) % 2**31
+            out = self.generate(ids, budget, seed)
+        if not ep.transcript.answer(branch, out.ids, out.logprobs, out.versions):
+            raise APIError(403, "this episode ended while its answer was sampled (env.agent_timeout_s); it is not "
+                                "trained", "permission_error", code="episode_finished")
         message, calls = fmt.parse(out.ids) if out.ids else ({"role": "assistant", "content": ""}, [])
+        calls = [c for c in calls if c.error is None]  # a malformed call is text the agent reads
         finish = "length" if out.reason == "length" else "tool_calls" if calls else "stop"
         reply: dict = {"role": "assistant", "content": message.get("content") or None}
         if calls and out.reason != "length":
             reply["tool_calls"] = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                                     "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}
                                    for c in calls]
-            reply["content"] = reply["content"] or None
+            ep.tool_calls += len(calls)
+        elif message.get("tool_calls") or not reply["content"]:  # a malformed call: its text as the agent's
+            reply["content"] = fmt.tok.decode(out.ids, skip_special_tokens=True)
+        ep.conversation = [*messages, {**reply, "finish_reason": finish}]
         return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
                 "model": self.served_name,
                 "choices": [{"index": 0, "message": reply, "finish_reason": finish, "logprobs": None}],
@@ -279,12 +306,6 @@ def _for_template(message: dict) -> dict:
             fixed.append({**c, "function": fn})
         message = {**message, "tool_calls": fixed}
     return message
-
-
-async def _in_thread(fn, *args):
-    import asyncio  # noqa: PLC0415
-
-    return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
 
 def _chunks(answer: dict):

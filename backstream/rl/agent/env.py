@@ -70,10 +70,22 @@ class EnvConfig:
     chat_template: str = ""
     """A chat template to use instead of the tokenizer's (a .jinja file, or the template itself): for
     a family whose stock template renders earlier turns differently once a conversation goes on
-    (Qwen3's drops earlier reasoning), which the start-up check refuses. "" = the tokenizer's."""
+    (Qwen3's drops earlier reasoning), which the start-up check refuses (an agent program's episodes
+    take any template: a rewritten history is a branch). "" = the tokenizer's."""
+    agent: str = ""
+    """An agent program to train, "file.py:function" or "module:function": called per episode as
+    function(base_url, api_key, model, row) (sync or async) against the run's OpenAI-compatible
+    endpoint; its return value (a number, or None) is the reward "env" (rl/agent/programs.py). "" = none."""
+    agent_command: str = ""
+    """An agent program to train, as a shell command started per episode with OPENAI_BASE_URL,
+    OPENAI_API_KEY and OPENAI_MODEL set and the task's row as JSON on stdin; its last line of output, if
+    a number, is the reward "env". "" = none."""
+    agent_timeout_s: float = 300.0
+    """Seconds an agent program's episode may take; past it the episode ends with reward 0 (counted:
+    episode/agent_timeouts) and a program is killed with its children."""
 
     def __post_init__(self):
-        for key in ("factory", "chat_template"):
+        for key in ("factory", "chat_template", "agent", "agent_command"):
             v = getattr(self, key)
             if not isinstance(v, str):
                 raise UserError(f"env.{key}: got {v!r}, expected a string (or \"\")")
@@ -82,13 +94,30 @@ class EnvConfig:
         at_least("env.max_turns", self.max_turns, 1)
         at_least("env.max_episode_tokens", self.max_episode_tokens, 0)
         at_least("env.max_result_tokens", self.max_result_tokens, 1)
-        if not (isinstance(self.tool_timeout_s, (int, float)) and self.tool_timeout_s > 0):
-            raise UserError(f"env.tool_timeout_s: got {self.tool_timeout_s!r}, expected a number of seconds > 0")
+        for key in ("tool_timeout_s", "agent_timeout_s"):
+            v = getattr(self, key)
+            if not (isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0):
+                raise UserError(f"env.{key}: got {v!r}, expected a number of seconds > 0")
+        if self.agent and self.agent_command:
+            raise UserError("env.agent and env.agent_command: both are set; an episode runs one agent program, "
+                            "give one of them")
+        if self.program and (self.factory or self.tools):
+            raise UserError(f"env.{'agent' if self.agent else 'agent_command'}: an agent program runs its own tools "
+                            "and calls the run's endpoint; env.factory / env.tools run tools inside the trainer's "
+                            "own episodes; set one or the other")
+        if self.agent and ":" not in self.agent:
+            raise UserError(f"env.agent: got {self.agent!r}, expected \"file.py:function\" or \"module:function\"")
         literals(self, "env")
 
     @property
     def enabled(self) -> bool:
+        """Whether the trainer plays episodes against an environment of its own (factory or tools)."""
         return bool(self.factory or self.tools)
+
+    @property
+    def program(self) -> bool:
+        """Whether episodes are an agent program's (env.agent or env.agent_command)."""
+        return bool(self.agent or self.agent_command)
 
 
 class EnvError(UserError):

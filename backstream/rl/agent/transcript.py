@@ -56,6 +56,8 @@ class Transcript:
         self.branches: list[Branch] = []
         self.requests = 0
         self.pending: set[int] = set()  # branches whose answer is being sampled
+        self.last: int | None = None  # the branch of the last answer (the agent's final conversation)
+        self.closed = False  # the episode is over: answers that arrive now are not recorded
         self.lock = threading.Lock()
 
     def request(self, ids: list[int]) -> int:
@@ -77,15 +79,26 @@ class Transcript:
             self.pending.add(i)
             return i
 
-    def answer(self, i: int, ids: list[int], logprobs: list[float], versions: list[int] | None = None) -> None:
-        """The tokens sampled on branch i after its request, with their log-probs (and weight versions)."""
+    def answer(self, i: int, ids: list[int], logprobs: list[float], versions: list[int] | None = None) -> bool:
+        """The tokens sampled on branch i after its request, with their log-probs (and weight versions;
+        None: sampled in process at the current weights, recorded as 0). False, and nothing recorded,
+        once the transcript is closed."""
         with self.lock:
+            if self.closed:
+                return False
             b = self.branches[i]
             b.ids += ids
             b.sampled += [True] * len(ids)
             b.logprobs += list(logprobs)
             b.versions += list(versions) if versions is not None else [0] * len(ids)
             self.pending.discard(i)
+            self.last = i
+            return True
+
+    def close(self) -> None:
+        """The episode is over: what it holds now is what is trained."""
+        with self.lock:
+            self.closed = True
 
     def divergences(self) -> int:
         """Branches after the first: how many times the agent's history extended none."""

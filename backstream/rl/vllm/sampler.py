@@ -627,3 +627,41 @@ class VLLMEpisodeSampler(EpisodeSampler):
         # episodes run concurrently: their tool seconds overlap the other episodes' turns, so they are
         # no slice of the step's wall time (episode/tool_seconds has their sum)
         return {"sync": self.sync_s}
+
+
+class ServerAnswers:
+    """The vLLM backend behind the agent endpoint (rl/agent/programs.py): each request one
+    /inference/v1/generate call after exactly its ids (the server batches concurrent requests and its
+    prefix cache keeps each episode's history), the weights published before a round (`begin`). A
+    request the server fails is the agent's error, and `end` raises the first, so a dead server stops
+    the step (naming vllm.log) instead of scoring every episode 0."""
+
+    in_process = False  # every token records the weight version the server sampled it with
+
+    def __init__(self, config: SamplingConfig, eos: list[int], publisher: WeightPublisher, context: int | None,
+                 why: str):
+        self.config, self.eos, self.publisher, self.failure = config, list(eos), publisher, None
+        if context:
+            publisher.need_context(context, why)
+
+    def begin(self, model, progress=None, n: int = 0) -> None:
+        self.failure = None
+        self.publisher.before_sampling(model, progress, n)
+
+    def end(self) -> None:
+        if self.failure is not None:
+            failure, self.failure = self.failure, None
+            raise failure
+
+    def __call__(self, ids: list[int], max_tokens: int, seed: int):
+        from backstream.rl.agent.endpoint import Answer  # noqa: PLC0415  (the endpoint's extra)
+
+        c = self.config
+        params = {"max_tokens": max_tokens, "temperature": c.temperature, "stop_token_ids": self.eos,
+                  **sampling_args(c)}
+        try:
+            (x,) = self.publisher.generate(list(ids), params, 1, seed, self.eos)
+        except Exception as e:
+            self.failure = self.failure or e
+            raise
+        return Answer(x.ids, x.logprobs.tolist(), x.versions.tolist(), x.reason)

@@ -1,0 +1,344 @@
+"""Agent programs as the run's episodes (`[env] agent` / `agent_command`, issue 34, docs/agentic.md).
+
+`AgentSampler` is the run's sampler (rl/sampling.py's protocol) when `[env]` names an agent program:
+for each task it opens G episodes on the run's OpenAI-compatible endpoint (rl/agent/endpoint.py), runs
+the program once per episode (rl/agent/runner.py), every episode of the round at once so that their
+requests batch, and turns each episode's transcript (rl/agent/transcript.py) into one sample: the
+branch of its last answer is the sample's own sequence, every other branch that sampled a token is
+one of its forks (rl/rollout.py `Fork`), trained with the episode's advantage. Behind the endpoint
+samples the run's backend: in process `LocalAnswers` (requests that arrive while the model decodes
+are decoded together next), or a vLLM server (rl/vllm/sampler.py `ServerAnswers`).
+
+Rewards: the program's own (a function's return value, a command's last line when it is a number) is
+the reward "env", read through each sample's `AgentOutcome` (TRL's `environments` contract); the
+run's reward functions score the final conversation (the last answered request's messages after its
+first system/user ones, and the answer, whose `finish_reason` says how it ended). A program that
+raised, exited non-zero or overran env.agent_timeout_s scores 0 as "env" and is counted
+(episode/agent_errors, episode/agent_timeouts); the run goes on.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import math
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from backstream.checks import UserError
+from backstream.log import log
+from backstream.rl.agent.endpoint import Answer, Endpoint, EpisodeSession
+from backstream.rl.agent.runner import AgentResult, run_command, run_function
+from backstream.rl.agent.transcript import Branch
+from backstream.rl.agent.turns import ChatFormat, PlainFormat
+from backstream.rl.decode import Rows, decode
+from backstream.rl.rollout import EpisodeInfo, Fork, Rollout, SamplingConfig
+from backstream.rl.specs import load_object
+from backstream.stream.hf import takes_logits_to_keep
+
+GATHER_S, GATHER_MAX_S = 0.003, 0.05  # LocalAnswers: how long a batch waits for requests still arriving
+METRIC_KEYS = ("episode/requests/mean", "episode/branches/mean", "episode/tool_calls/mean", "episode/truncated",
+               "episode/agent_errors", "episode/agent_timeouts", "episode/agent_seconds/mean")
+
+
+@dataclass
+class AgentOutcome:
+    """How an episode's program ended, as the reward functions get it (`environments`): `get_reward()`
+    is the program's reward (the built-in reward "env"; None: it gave none), 0 for a program that
+    failed (`discarded`)."""
+
+    reward: float | None
+    error: str | None
+    timed_out: bool
+
+    @property
+    def discarded(self) -> bool:
+        return self.error is not None
+
+    def get_reward(self) -> float | None:
+        return self.reward
+
+
+class AgentRewards:
+    """What the run's rewards see of the agent program (rewards.with_env_reward): its reward is "env"."""
+
+    has_reward = True
+
+    def __init__(self, name: str):
+        self.name = name
+        self.reward_source = f"what {name} returns"
+
+
+@dataclass
+class _Request:
+    ids: list[int]
+    max_tokens: int
+    seed: int
+    answer: Answer | None = None
+    error: BaseException | None = None
+
+
+class LocalAnswers:
+    """The in-process backend behind the endpoint: the learner's model, between `begin(model)` and
+    `end()`. A request that arrives while the model decodes waits; the requests that waited are then
+    decoded together (rl/decode.py, each request's whole ids prefilled), so the episodes of a round
+    batch. Every request draws with its own seeded generator: its tokens depend on its seed, not on
+    its batch-mates. Outside `begin`/`end` (a program still running after its episode ended) a request
+    is refused: the model is being trained."""
+
+    def __init__(self, config: SamplingConfig, eos: list[int], tokenizer):
+        self.config, self.eos, self.tok = config, set(eos), tokenizer
+        self.model = None
+        self.cond = threading.Condition()
+        self.queue: list[_Request] = []
+        self.decoding = False
+        self.batches: list[int] = []  # requests per decode batch, this round
+        self.in_process = True  # samples at the learner's current weights (no versions)
+        self.failure: BaseException | None = None  # the first decode that failed this round (`end` raises it)
+
+    def begin(self, model, progress=None, n: int = 0) -> None:
+        with self.cond:
+            self.model, self.batches, self.failure = model, [], None
+
+    def end(self) -> None:
+        with self.cond:
+            while self.decoding:
+                self.cond.wait()
+            self.model = None
+            for r in self.queue:
+                r.error = RuntimeError("the episode's round is over")
+            self.queue = []
+            self.cond.notify_all()
+            failure, self.failure = self.failure, None
+        if failure is not None:  # the sampler failed, not the agent: the step stops
+            raise failure
+
+    def __call__(self, ids: list[int], max_tokens: int, seed: int) -> Answer:
+        req = _Request(list(ids), max_tokens, seed)
+        with self.cond:
+            if self.model is None:
+                raise RuntimeError("no round is being sampled: this episode is over")
+            self.queue.append(req)
+            while req.answer is None and req.error is None:
+                if self.decoding:
+                    self.cond.wait()
+                    continue
+                self.decoding = True
+                self._gather()
+                batch, self.queue, model = self.queue, [], self.model
+                self.cond.release()
+                try:
+                    self._decode(model, batch)
+                except BaseException as e:  # noqa: BLE001  (each waiting request gets the error)
+                    self.failure = self.failure or e
+                    for r in batch:
+                        r.error = r.error or e
+                finally:
+                    self.cond.acquire()
+                    self.decoding = False
+                    self.cond.notify_all()
+        if req.error is not None:
+            raise req.error
+        return req.answer
+
+    def _gather(self) -> None:
+        """Before a batch: wait while requests keep arriving (each `GATHER_S` apart at most, `GATHER_MAX_S`
+        in all): episodes whose previous answers came in one batch send their next requests together."""
+        deadline = time.monotonic() + GATHER_MAX_S
+        while time.monotonic() < deadline:
+            n = len(self.queue)
+            self.cond.wait(GATHER_S)
+            if len(self.queue) == n:
+                return
+
+    @torch.no_grad()
+    def _decode(self, model, batch: list[_Request]) -> None:
+        self.batches.append(len(batch))
+        keep_last = takes_logits_to_keep(model)
+        rows = Rows.of_prompts(model, [r.ids for r in batch], keep_last, max(r.max_tokens for r in batch))
+        gens = [torch.Generator().manual_seed(r.seed) for r in batch]
+        out = decode(model, rows, self.config, self.eos, self.tok, gens, keep_last, [r.max_tokens for r in batch])
+        for r, ids, lp, reason in zip(batch, out.tokens, out.logprobs, out.reasons):
+            r.answer = Answer(ids, lp.tolist(), None, reason)
+
+
+def format_for(env_cfg, tokenizer, eos: list[int]):
+    """A request's turn format from its tools: the chat template (env.chat_template, else the
+    tokenizer's), or the plain format of a model without one (the built-in default)."""
+    kind = env_cfg.format
+    if kind == "auto":
+        kind = "chat" if env_cfg.chat_template or getattr(tokenizer, "chat_template", None) is not None else "plain"
+    if kind == "chat":
+        template = env_cfg.chat_template
+        ChatFormat(tokenizer, [], set(eos), template, check=False)  # no template: refused now, by name
+        return lambda tools: ChatFormat(tokenizer, tools, set(eos), template, check=False)
+    return lambda tools: PlainFormat(tokenizer, tools)
+
+
+class AgentSampler:
+    """The sampler of an agent program's episodes (see the module docstring). `answers`: the backend
+    (`LocalAnswers`, or rl/vllm's `ServerAnswers`): `begin(model, progress, n)`, `end()` and
+    `(ids, max_tokens, seed) -> Answer`."""
+
+    metric_keys = METRIC_KEYS
+
+    def __init__(self, config: SamplingConfig, env_cfg, tokenizer, eos: list[int], context: int | None, answers):
+        self.config, self.env_cfg, self.tok, self.eos, self.answers = config, env_cfg, tokenizer, eos, answers
+        if env_cfg.agent:
+            self.fn = load_object(env_cfg.agent, "env.agent")
+            if not callable(self.fn):
+                raise UserError(f"env.agent {env_cfg.agent!r}: not a function")
+        else:
+            self.fn = None
+        self.name = env_cfg.agent or env_cfg.agent_command
+        self.environment = AgentRewards(f"env.agent{'' if env_cfg.agent else '_command'} {self.name}")
+        self.format_for = format_for(env_cfg, tokenizer, eos)
+        limit = env_cfg.max_episode_tokens or context or 0
+        self.context = min(limit, context) if context else limit or None
+        self.endpoint: Endpoint | None = None
+        self.served_name = "policy"
+
+    def check_prompts(self, examples: list[dict]) -> int:
+        """Nothing to render: the program writes its own prompts (their length is checked per request)."""
+        return 0
+
+    def _serve(self) -> Endpoint:
+        if self.endpoint is None:
+            c = self.config
+            self.endpoint = Endpoint(self.format_for, self.answers, self.eos[0] if self.eos else None,
+                                     self.served_name, c.temperature, c.top_p, c.max_new_tokens, self.context,
+                                     self.env_cfg.max_turns)
+            url = self.endpoint.start()
+            log.info(f"env: agent episodes at {url}/episodes/<id>/v1 (127.0.0.1 only), one base URL and key each")
+        return self.endpoint
+
+    def sample(self, model, rows: list[dict], indices: list[int], generators: list, progress=None) -> Rollout:
+        G, endpoint = self.config.group_size, self._serve()
+        seeds = [int(torch.randint(0, 2**31 - 1, (1,), generator=gen)) for gen in generators for _ in range(G)]
+        sessions = [endpoint.open(seed) for seed in seeds]
+        results: list[AgentResult | None] = [None] * len(sessions)
+        done = [0] * len(rows)
+        self.answers.begin(model, progress, len(rows))
+        try:
+            with concurrent.futures.ThreadPoolExecutor(max_workers=min(256, max(1, len(sessions)))) as pool:
+                futures = {pool.submit(self._play, s, rows[k // G]): k for k, s in enumerate(sessions)}
+                for f in concurrent.futures.as_completed(futures):
+                    k = futures[f]
+                    results[k] = f.result()
+                    endpoint.finish(sessions[k])
+                    done[k // G] += 1
+                    if progress is not None and done[k // G] == G:
+                        progress(sum(d == G for d in done), len(rows))
+        finally:
+            for s in sessions:
+                endpoint.finish(s)
+            self.answers.end()
+        dtype = torch.float64 if model is not None and next(model.parameters()).dtype == torch.float64 else \
+            torch.float32
+        return self._rollout(sessions, results, rows, indices, dtype)
+
+    def _play(self, session: EpisodeSession, row: dict) -> AgentResult:
+        timeout = self.env_cfg.agent_timeout_s
+        if self.fn is not None:
+            return run_function(self.fn, session.base_url, session.key, self.served_name, row, timeout)
+        return run_command(self.env_cfg.agent_command, session.base_url, session.key, self.served_name, row, timeout)
+
+    def _rollout(self, sessions: list[EpisodeSession], results: list[AgentResult], rows: list[dict],
+                 indices: list[int], dtype: torch.dtype) -> Rollout:
+        G = self.config.group_size
+        out = Rollout(prompt_index=[], prompt_ids=[], completion_ids=[], logprobs=[], finish_reason=[],
+                      group_size=G, sampled=[], episodes=[], weight_version=[], forks=[])
+        for k, (s, res) in enumerate(zip(sessions, results)):
+            t = s.transcript
+            trained = [i for i, b in enumerate(t.branches) if any(b.sampled)]
+            main = t.last if t.last in trained else trained[-1] if trained else None
+            own = t.branches[main] if main is not None else Branch(ids=[self.eos[0] if self.eos else 0],
+                                                                   sampled=[False], logprobs=[math.nan],
+                                                                   versions=[-1])
+            first = own.sampled.index(True) if any(own.sampled) else len(own.ids)
+            out.prompt_index.append(indices[k // G])
+            out.prompt_ids.append(torch.tensor(own.ids[:first], dtype=torch.long))
+            out.completion_ids.append(torch.tensor(own.ids[first:], dtype=torch.long))
+            out.logprobs.append(torch.tensor(own.logprobs[first:], dtype=dtype))
+            out.sampled.append(torch.tensor(own.sampled[first:], dtype=torch.bool))
+            out.weight_version.append(_carried(own.versions[first:]))
+            out.forks.append([Fork(torch.tensor(b.ids, dtype=torch.long), torch.tensor(b.sampled, dtype=torch.bool),
+                                   torch.tensor(b.logprobs, dtype=dtype), torch.tensor(b.versions, dtype=torch.long))
+                              for i, b in enumerate(t.branches) if i in trained and i != main])
+            reason = ("timeout" if res.timed_out else "error" if res.error else
+                      s.conversation[-1]["finish_reason"] if s.conversation else "stop")
+            out.finish_reason.append({"stop": "eos", "tool_calls": "eos"}.get(reason, reason))
+            if res.error:
+                log.warning(f"env: an agent episode of row {indices[k // G]} ended with an error: {res.error}")
+            messages = _after_prompt(s.conversation) or [{"role": "assistant", "content": "", "finish_reason":
+                                                          out.finish_reason[-1]}]
+            out.episodes.append(AgentEpisodeInfo(
+                turns=t.requests, tool_calls=s.tool_calls, tool_errors=0, results_cut=0, timed_out=res.timed_out,
+                prompt=rows[k // G].get("prompt"), messages=messages,
+                env=AgentOutcome(res.reward if res.error is None else 0.0, res.error, res.timed_out),
+                branches=t.divergences(), agent_error=res.error is not None and not res.timed_out,
+                agent_seconds=res.seconds))
+        if self.answers.in_process:  # sampled at the current weights: no versions (rl/rollout.py)
+            out.weight_version = None
+            for fs in out.forks:
+                for f in fs:
+                    f.versions = None
+        return out
+
+    def reward_inputs(self, r: Rollout, rows: list[dict]) -> tuple[list, list, dict]:
+        """As TRL passes them with an environment: each episode's final conversation after its prompt,
+        the task's prompt, each episode's `AgentOutcome`, its completion's ids."""
+        return ([e.messages for e in r.episodes], [e.prompt for e in r.episodes],
+                {"completion_ids": [c.tolist() for c in r.completion_ids], "environments": [e.env for e in r.episodes]})
+
+    def metrics(self, r: Rollout) -> dict[str, float]:
+        n, e = max(1, len(r)), r.episodes or []
+        return {"episode/requests/mean": sum(x.turns for x in e) / n,
+                "episode/branches/mean": sum(x.branches for x in e) / n,
+                "episode/tool_calls/mean": sum(x.tool_calls for x in e) / n,
+                "episode/truncated": sum(x == "length" for x in r.finish_reason) / n,
+                "episode/agent_errors": sum(x.agent_error for x in e) / n,
+                "episode/agent_timeouts": sum(x.timed_out for x in e) / n,
+                "episode/agent_seconds/mean": sum(x.agent_seconds for x in e) / n}
+
+    def timings(self) -> dict[str, float]:
+        return {}
+
+    def release(self, r: Rollout | None = None) -> None:
+        """Nothing is held for the rewards (an episode's outcome is in its sample)."""
+
+    def close(self) -> None:
+        if self.endpoint is not None:
+            self.endpoint.stop()
+            self.endpoint = None
+
+
+@dataclass
+class AgentEpisodeInfo(EpisodeInfo):
+    """An agent program's episode: its requests are its `turns`; `branches`: how many times its history
+    extended none of its branches (divergences); whether its program failed, and its seconds."""
+
+    branches: int = 0
+    agent_error: bool = False
+    agent_seconds: float = 0.0
+
+
+def _carried(versions: list[int]) -> Tensor:
+    """Per-token versions with context tokens (-1) given the version of the sampled token before them
+    (the first sampled one's where none comes before): rl/rollout.py's `weight_version` convention."""
+    out, last = [], next((v for v in versions if v >= 0), 0)
+    for v in versions:
+        last = v if v >= 0 else last
+        out.append(last)
+    return torch.tensor(out, dtype=torch.long)
+
+
+def _after_prompt(conversation: list[dict]) -> list[dict]:
+    """The messages after the leading system/developer/user ones (the prompt as the program wrote it)."""
+    head = 0
+    while head < len(conversation) and conversation[head].get("role") in ("system", "developer", "user"):
+        head += 1
+    return [dict(m) for m in conversation[head:]]

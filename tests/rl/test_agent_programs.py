@@ -1,0 +1,141 @@
+"""Agent programs trained through the run's endpoint (rl/agent/programs.py): every sampled token is
+trained once, in exactly the context it was sampled in, across the branches a rewritten history makes
+(float64: the learner's log-probs of the trained sequences equal the sampler's); the whole loop with
+a thinking template, streamed = reference; agents that fail; the config's refusals."""
+
+import copy
+import json
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("openai")  # the extras `agent` and `agent-test` (.ci/run installs them)
+pytest.importorskip("fastapi")
+
+from helpers import rel, run_cfg, tiny, weights  # noqa: E402
+from test_endpoint import THINKING  # noqa: E402
+
+from backstream import config, trainer  # noqa: E402
+from backstream.checks import UserError  # noqa: E402
+from backstream.rl.agent.env import EnvConfig  # noqa: E402
+from backstream.rl.agent.programs import AgentSampler, LocalAnswers  # noqa: E402
+from backstream.rl.rollout import SamplingConfig  # noqa: E402
+from backstream.stream.engine import logprobs  # noqa: E402
+
+
+class Recorder:
+    """The local backend, recording what each request was fed and what it answered."""
+
+    def __init__(self, inner):
+        self.inner, self.calls, self.in_process = inner, [], True
+
+    def begin(self, model, progress=None, n=0):
+        self.inner.begin(model, progress, n)
+
+    def end(self):
+        self.inner.end()
+
+    def __call__(self, ids, max_tokens, seed):
+        out = self.inner(ids, max_tokens, seed)
+        self.calls.append((list(ids), list(out.ids)))
+        return out
+
+
+def _chat_tiny():
+    model, tok = tiny(torch.float64)
+    tok = copy.copy(tok)
+    tok.chat_template = THINKING
+    return model, tok
+
+
+def test_every_sampled_token_is_trained_once_in_the_context_it_was_sampled_in():
+    """4 episodes of an agent that rewrites its history (reasoning stripped by the template, a summary):
+    each request's answer appears in exactly one trained sequence, right after exactly the ids the
+    sampler was fed, with its loss there and nowhere else; the learner's float64 log-probs over every
+    trained sequence equal the sampler's at every trained token; branches are counted."""
+    model, tok = _chat_tiny()
+    cfg = SamplingConfig(group_size=2, max_new_tokens=5)
+    eos = [tok.eos_token_id]
+    answers = Recorder(LocalAnswers(cfg, eos, tok))
+    sampler = AgentSampler(cfg, EnvConfig(agent="agents_for_tests:rewriting_agent", format="chat"), tok, eos, 256,
+                           answers)
+    try:
+        gens = [torch.Generator().manual_seed(s) for s in (1, 2)]
+        r = sampler.sample(model, [{"prompt": "12+3="}, {"prompt": "7+70="}], [0, 1], gens)
+    finally:
+        sampler.close()
+    assert len(r) == 4 and len(answers.calls) == 12
+    assert all(e.turns == 3 and e.branches >= 1 for e in r.episodes)  # the summary at least diverges
+    assert sampler.metrics(r)["episode/branches/mean"] >= 1
+    view = r.training(0)
+    assert sum(int(m.sum()) for m in view.mask) == sum(len(a) for _, a in answers.calls)  # each token once
+    for fed, answer in answers.calls:
+        where = [(s, len(fed)) for s, seq in enumerate(view.seqs)
+                 if seq[:len(fed)].tolist() == fed and seq[len(fed):len(fed) + len(answer)].tolist() == answer
+                 and bool(view.mask[s][len(fed):len(fed) + len(answer)].all())]
+        assert len(where) == 1, (fed, answer, where)
+    learner = logprobs(model, view.seqs, view.mask)
+    for lp, mine, m in zip(view.logprobs, learner, view.mask):
+        assert torch.isnan(lp[~m]).all()
+        assert (lp[m] - mine[m]).abs().max() <= 1e-10
+    # what the rewards get: the final conversation after the prompt, the answer last with its finish_reason
+    completions, prompts, extra = sampler.reward_inputs(r, [])
+    assert prompts == ["12+3=", "12+3=", "7+70=", "7+70="]
+    assert all(c[-1]["role"] == "assistant" and "finish_reason" in c[-1] for c in completions)
+    assert [e.get_reward() for e in extra["environments"]] == [e.env.reward for e in r.episodes]
+
+
+def _agent_cfg(tmp_path, name, *extra):
+    return run_cfg(tmp_path, name, 'env.agent="agents_for_tests:rewriting_agent"', 'env.format="chat"',
+                   "env.max_turns=4", "reward.functions=['env']", "rollout.max_new_tokens=5", *extra)
+
+
+def test_the_loop_trains_an_agent_programs_branches_streamed_as_the_reference(tmp_path):
+    """Two steps of the whole loop on the rewriting agent with a thinking template: the streamed and the
+    reference backward make the same update (float64), the forks included; the metrics count requests
+    and branches, and the sampler/learner mismatch is float64 noise."""
+    results = {}
+    for backward in ("stream", "reference"):
+        model, tok = _chat_tiny()
+        trainer.train(_agent_cfg(tmp_path, backward, f'engine.backward="{backward}"', "engine.block_size=4",
+                                 "train.steps=2"), model=model, tokenizer=tok)
+        results[backward] = weights(model)
+    assert rel(results["stream"], weights(tiny()[0])) > 1e-4
+    assert rel(results["stream"], results["reference"]) <= 1e-10
+    rows = [json.loads(x) for x in open(os.path.join(str(tmp_path / "stream"), "metrics.jsonl"))]
+    for row in rows:
+        assert row["episode/requests/mean"] == 3 and row["episode/branches/mean"] >= 1
+        assert row["episode/agent_errors"] == 0 and row["mismatch/kl"] < 1e-12
+        assert 0 < row["tree/tokens_unique"] < row["tree/tokens_total"]
+
+
+def test_a_failing_agent_scores_zero_and_the_run_goes_on(tmp_path):
+    model, tok = _chat_tiny()
+    run = trainer.train(run_cfg(tmp_path, "fail", 'env.agent="agents_for_tests:failing_agent"', 'env.format="chat"',
+                                "reward.functions=['env']", "train.steps=1", "data.task=\"arith\""),
+                        model=model, tokenizer=tok)
+    (row,) = [json.loads(x) for x in open(os.path.join(run, "metrics.jsonl"))]
+    episodes = [json.loads(x) for x in open(os.path.join(run, "episodes.jsonl"))] if os.path.exists(
+        os.path.join(run, "episodes.jsonl")) else []
+    assert 0 < row["episode/agent_errors"] < 1 and row["episode/agent_timeouts"] == 0
+    assert row["reward/env"] == pytest.approx(1 - row["episode/agent_errors"])  # 0 for each failed one
+    assert all(e["reward"] in (0.0, 1.0) for e in episodes)
+
+
+@pytest.mark.parametrize("extra, words", [
+    (['env.agent="agents_for_tests:rewriting_agent"', 'env.agent_command="python a.py"'], "both are set"),
+    (['env.agent="agents_for_tests:rewriting_agent"', 'env.tools=["envs_for_tests:double"]'],
+     "runs its own tools"),
+    (['env.agent="agents_for_tests:rewriting_agent"', "engine.reuse_rollout_kv=true"], "hand no K/V"),
+    (['env.agent="agents_for_tests:rewriting_agent"', 'env.agent_timeout_s=0'], "env.agent_timeout_s: got 0"),
+    (['env.agent="rewriting_agent"'], "expected \"file.py:function\""),
+])
+def test_bad_agent_configs_are_refused_by_name(tmp_path, extra, words):
+    with pytest.raises(UserError, match=words):
+        run_cfg(tmp_path, "bad", *extra).validate()
+
+
+def test_toolcalc_with_an_agent_program_drops_the_tasks_own_environment():
+    cfg = config.load(None, ['data.task="toolcalc"', 'env.agent="examples/toolcalc_agent.py:agent"'])
+    assert cfg.env.factory == "" and cfg.env.max_turns == 4
