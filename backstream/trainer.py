@@ -121,7 +121,7 @@ class Trainer:
         self.dp = parallel.start(cfg.distributed, device=self.device, seed=tc.seed,
                                  minibatches=cfg.algorithm.minibatches, reuse_kv=cfg.engine.reuse_rollout_kv)
         self._build_policy(model, tokenizer)
-        self.examples = cfg.data.build(tc.seed, prompt_optional=bool(cfg.env.factory))
+        self.examples = cfg.data.build(tc.seed, prompt_optional=bool(cfg.env.factory or cfg.env.program))
         self.samplers = Samplers(cfg, self.tok, eos_ids(self.model, self.tok),
                                  getattr(self.model.config, "max_position_embeddings", None), self.run_dir, self.dp)
         self.sampler = self._sampler_for(self.examples, cfg.rollout.group_size, cfg.engine.reuse_rollout_kv)

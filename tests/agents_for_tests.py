@@ -88,3 +88,28 @@ def failing_agent(base_url, api_key, model, row):
     if "1" in row["prompt"]:
         raise RuntimeError("the agent's own bug")
     return 1.0
+
+
+async def sdk_agent(base_url, api_key, model, row):
+    """The OpenAI Agents SDK's agent loop (Runner) with one function tool, add, on the endpoint's chat
+    completions; returns None (the run's reward functions score the final answer)."""
+    from agents import Agent, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
+    from openai import AsyncOpenAI
+
+    set_tracing_disabled(True)  # no traces sent anywhere
+
+    @function_tool
+    def add(a: int, b: int) -> int:
+        """Add two integers.
+
+        Args:
+            a: The first number.
+            b: The second number.
+        """
+        return a + b
+
+    client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    agent = Agent(name="calc", tools=[add], model=OpenAIChatCompletionsModel(model=model, openai_client=client))
+    result = await Runner.run(agent, row["prompt"], max_turns=4)
+    assert isinstance(result.final_output, str)
+    return None

@@ -13,15 +13,15 @@ import torch
 pytest.importorskip("openai")  # the extras `agent` and `agent-test` (.ci/run installs them)
 pytest.importorskip("fastapi")
 
-from helpers import rel, run_cfg, tiny, weights  # noqa: E402
-from test_endpoint import THINKING  # noqa: E402
+from helpers import rel, run_cfg, tiny, weights
+from test_endpoint import THINKING
 
-from backstream import config, trainer  # noqa: E402
-from backstream.checks import UserError  # noqa: E402
-from backstream.rl.agent.env import EnvConfig  # noqa: E402
-from backstream.rl.agent.programs import AgentSampler, LocalAnswers  # noqa: E402
-from backstream.rl.rollout import SamplingConfig  # noqa: E402
-from backstream.stream.engine import logprobs  # noqa: E402
+from backstream import config, trainer
+from backstream.checks import UserError
+from backstream.rl.agent.env import EnvConfig
+from backstream.rl.agent.programs import AgentSampler, LocalAnswers
+from backstream.rl.rollout import SamplingConfig
+from backstream.stream.engine import logprobs
 
 
 class Recorder:
@@ -139,3 +139,17 @@ def test_bad_agent_configs_are_refused_by_name(tmp_path, extra, words):
 def test_toolcalc_with_an_agent_program_drops_the_tasks_own_environment():
     cfg = config.load(None, ['data.task="toolcalc"', 'env.agent="examples/toolcalc_agent.py:agent"'])
     assert cfg.env.factory == "" and cfg.env.max_turns == 4
+
+
+def test_an_agents_sdk_program_trains_on_toolcalc_with_the_default_model(tmp_path):
+    """One step of the built-in toolcalc task on the built-in model, played by an OpenAI Agents SDK
+    agent through the endpoint: requests and tool calls counted, no agent error, the sampler's and the
+    learner's log-probs agree (the trained contexts are the sampled ones)."""
+    pytest.importorskip("agents")
+    cfg = config.load(None, ['data.task="toolcalc"', 'env.agent="agents_for_tests:sdk_agent"', 'env.format="plain"',
+                             "train.steps=1", "train.prompts_per_step=4", "rollout.group_size=4",
+                             "train.progress=false", "train.plots=false", f'train.output_dir="{tmp_path / "sdk"}"'])
+    run = trainer.train(cfg)
+    (row,) = [json.loads(x) for x in open(os.path.join(run, "metrics.jsonl"))]
+    assert row["episode/requests/mean"] >= 1 and row["episode/agent_errors"] == 0
+    assert row["mismatch/kl"] < 1e-6 and row["reward/exact_match"] is not None

@@ -202,3 +202,23 @@ def test_a_template_that_strips_earlier_reasoning_trains_as_branches(tok):
     assert render[1] == "U:1+1=A:2<eos>U:2+2=A:<think>2+2</think>4<eos>"  # the stripped history, as context
     for fed, b in zip(policy.fed, t.branches):
         assert b.ids[:len(fed)] == fed and not any(b.sampled[:len(fed)]) and all(b.sampled[len(fed):])
+
+
+def test_an_openai_agents_sdk_agent_plays_a_tool_episode(tok):
+    """The OpenAI Agents SDK (its Runner, a function tool, chat completions) drives a three-request tool
+    episode: its calls come back as tool calls it runs, its history extends one branch."""
+    pytest.importorskip("agents")
+    import asyncio
+
+    from agents_for_tests import sdk_agent
+
+    ep, policy = _endpoint(tok, ["[add 12 34]", "[add 46 56]", "102"])
+    try:
+        s = ep.open()
+        asyncio.run(sdk_agent(s.base_url, s.key, "policy", {"prompt": "12+34+56="}))
+        t = ep.finish(s)
+    finally:
+        ep.stop()
+    assert t.requests == 3 and t.divergences() == 0 and s.tool_calls == 2
+    assert tok.decode(t.branches[0].ids).endswith("=102\n102<eos>")
+    assert s.conversation[-1] == {"role": "assistant", "content": "102", "finish_reason": "stop"}

@@ -339,6 +339,39 @@ def test_episodes_through_the_server(served):
     s.close()
 
 
+def test_an_agent_program_through_the_server(served):
+    """toolcalc played by the shipped agent program (examples/toolcalc_agent.py, the `openai` client)
+    through the run's endpoint, the server sampling behind it: every trained token's sampler log-prob is
+    the learner's on the sequence it is trained in (the contexts are the ones the server was fed), every
+    sampled token records the published version, the agent's calls are answered."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("openai")
+    from backstream.rl.agent.env import EnvConfig
+    from backstream.rl.agent.programs import AgentSampler
+    from backstream.rl.tasks import make_dataset
+    from backstream.rl.vllm.sampler import ServerAnswers
+
+    model, tok, pub, _ = served
+    fresh, _ = load_default()
+    model.load_state_dict(fresh.state_dict())  # the shipped weights, which call the tool
+    cfg = SamplingConfig(group_size=4, max_new_tokens=32)
+    example = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "toolcalc_agent.py")
+    s = AgentSampler(cfg, EnvConfig(agent=f"{os.path.abspath(example)}:agent", max_turns=4, format="plain"), tok,
+                     [tok.eos_token_id], 512, ServerAnswers(cfg, [tok.eos_token_id], pub, 512, "the test"))
+    try:
+        rows = make_dataset("toolcalc", 4, seed=3)
+        r = s.sample(model, rows, [0, 1, 2, 3], [torch.Generator().manual_seed(i) for i in range(4)])
+    finally:
+        s.close()
+    assert len(r) == 16 and sum(e.tool_calls for e in r.episodes) > 0
+    assert all(e.turns >= 1 and not e.agent_error for e in r.episodes)
+    view = r.training(pub.version)
+    learner = logprobs(model, view.seqs, view.mask)
+    assert max(float((a[m].double() - b[m].double()).abs().max())
+               for a, b, m in zip(learner, view.logprobs, view.mask) if m.any()) <= 1e-4
+    assert all(int(b[m].max()) == 0 for b, m in zip(view.behind, view.mask) if m.any())  # the published version
+
+
 def _vllm_run(tmp_path, name, *extra):
     return run_cfg(tmp_path, name, 'model.name="default"', 'model.dtype="float32"', 'rollout.backend="vllm"',
                    'data.task="arith"', "data.num_examples=64", "rollout.max_new_tokens=6", *extra)
