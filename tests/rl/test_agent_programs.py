@@ -153,3 +153,29 @@ def test_an_agents_sdk_program_trains_on_toolcalc_with_the_default_model(tmp_pat
     (row,) = [json.loads(x) for x in open(os.path.join(run, "metrics.jsonl"))]
     assert row["episode/requests/mean"] >= 1 and row["episode/agent_errors"] == 0
     assert row["mismatch/kl"] < 1e-6 and row["reward/exact_match"] is not None
+
+
+@pytest.mark.parametrize("env_kw, counted", [
+    ({"agent": "agents_for_tests:sleeping_agent", "agent_timeout_s": 1}, "episode/agent_timeouts"),
+    ({"agent_command": "python -c 'import sys; sys.exit(3)'"}, "episode/agent_errors"),
+    ({"agent_command": "echo no number; echo 0.25"}, None),
+])
+def test_programs_that_fail_or_hang_end_their_episode_with_reward_zero(env_kw, counted):
+    """A function that overruns env.agent_timeout_s, a command that exits non-zero: reward 0 as "env",
+    counted, the round ends; a command's last line is its reward."""
+    model, tok = _chat_tiny()
+    cfg = SamplingConfig(group_size=2, max_new_tokens=4)
+    sampler = AgentSampler(cfg, EnvConfig(format="chat", **env_kw), tok, [tok.eos_token_id], 256,
+                           LocalAnswers(cfg, [tok.eos_token_id], tok))
+    try:
+        r = sampler.sample(model, [{"prompt": "1+1="}], [0], [torch.Generator().manual_seed(0)])
+    finally:
+        sampler.close()
+    m = sampler.metrics(r)
+    rewards = [e.env.get_reward() for e in r.episodes]
+    if counted is None:
+        assert rewards == [0.25, 0.25] and m["episode/agent_errors"] == m["episode/agent_timeouts"] == 0
+    else:
+        assert rewards == [0.0, 0.0] and m[counted] == 1.0 and all(e.env.discarded for e in r.episodes)
+        assert r.finish_reason == ["timeout" if "timeout" in counted else "error"] * 2
+    assert len(r) == 2 and all(len(c) == 0 for c in r.completion_ids)  # no request: nothing to train

@@ -82,3 +82,33 @@ def test_a_hung_command_is_killed_with_its_children(tmp_path):
         time.sleep(0.05)
     else:
         pytest.fail("the agent's child outlived it")
+
+
+def test_a_command_does_not_outlive_a_trainer_killed_outright(tmp_path):
+    """kill -9 of the process that started an agent command (no clean-up runs): its guard ends the
+    command's process group, its children too."""
+    import signal
+    import subprocess
+
+    pids = tmp_path / "pids"
+    command = f"sleep 60 & echo $! > {pids}; sleep 60"
+    script = (f"import sys; sys.path[:0] = {sys.path!r}\n"
+              "from backstream.rl.agent.runner import run_command\n"
+              f"run_command({command!r}, 'http://127.0.0.1:9/v1', 'k', 'policy', {{}}, 300)\n")
+    trainer = subprocess.Popen([sys.executable, "-c", script])
+    for _ in range(200):
+        if pids.exists() and pids.read_text().strip():
+            break
+        time.sleep(0.05)
+    child = int(pids.read_text())
+    os.kill(trainer.pid, signal.SIGKILL)
+    trainer.wait()
+    for _ in range(200):
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(child, signal.SIGKILL)
+        pytest.fail("the agent's child outlived the killed trainer")

@@ -8,7 +8,8 @@ number.
 An agent that raises, exits non-zero or overruns its time ends its episode with an error (its reward
 0, counted by the caller); a program that overran is killed with its whole process group (its
 children too), and a function's thread is left to fail on its next request, which the endpoint
-refuses once the episode is finished.
+refuses once the episode is finished. A program runs under the guard of rl/vllm/guard.py, which ends
+its process group once the trainer is gone however it ended (kill -9 included).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import math
 import os
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 
@@ -62,9 +64,11 @@ def run_command(command: str, base_url: str, api_key: str, model: str, row: dict
     """`command` (a shell command line) with the episode's OPENAI_* variables and `row` as JSON on stdin,
     at most `timeout` seconds; past it its process group is killed."""
     t0 = time.monotonic()
+    from backstream.rl.vllm.server import guarded  # noqa: PLC0415  (the guard: the standard library alone)
+
     env = {**os.environ, "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": api_key, "OPENAI_MODEL": model}
-    proc = subprocess.Popen(command, shell=True, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc, lifeline = guarded(sys.executable, ["/bin/sh", "-c", command], env=env, stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         out, err = proc.communicate(json.dumps(row, default=str), timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -73,9 +77,10 @@ def run_command(command: str, base_url: str, api_key: str, model: str, row: dict
                                  "process group was killed", True, time.monotonic() - t0)
     finally:
         _kill_group(proc)  # children it left behind
+        os.close(lifeline)
     seconds = time.monotonic() - t0
     if proc.returncode != 0:
-        tail = (err or "").strip().splitlines()[-3:]
+        tail = [line for line in (err or "").strip().splitlines() if not line.startswith("backstream guard:")][-3:]
         return AgentResult(None, f"env.agent_command exited with code {proc.returncode}"
                                  f"{': ' + ' / '.join(tail) if tail else ''}", False, seconds)
     lines = [line.strip() for line in (out or "").splitlines() if line.strip()]

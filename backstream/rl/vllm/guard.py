@@ -92,7 +92,10 @@ def main(argv: list[str]) -> int:
         if ready and not os.read(fd, 1):
             why = "the trainer is gone"  # every copy of the pipe's write end is closed
             break
-    print(f"backstream guard: {why}; ending the server's process group", file=sys.stderr, flush=True)
+    try:
+        print(f"backstream guard: {why}; ending the server's process group", file=sys.stderr, flush=True)
+    except OSError:  # its output was a pipe to the trainer, now gone: the group is ended all the same
+        pass
     end_group()
     code = child.wait()
     return code if code >= 0 else 128 - code  # killed by signal N: 128 + N, as a shell says

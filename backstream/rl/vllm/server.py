@@ -196,9 +196,10 @@ def guarded(python: str, command: list[str], **popen) -> tuple[subprocess.Popen,
     (closing it ends the group too). `popen`: Popen's other arguments (output, environment, with
     `ext_path()` on its PYTHONPATH)."""
     read, write = os.pipe()  # neither end inheritable: only the guard gets `read`, nothing else `write`
+    popen.setdefault("stdin", subprocess.DEVNULL)
     try:
         proc = subprocess.Popen([python, "-m", "backstream.rl.vllm.guard", str(read), *command], pass_fds=(read,),
-                                start_new_session=True, stdin=subprocess.DEVNULL, **popen)
+                                start_new_session=True, **popen)
     except BaseException:
         os.close(write)
         raise
