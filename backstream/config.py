@@ -290,9 +290,6 @@ class RunConfig:
             what = "engine.reuse_rollout_kv: an agent's requests hand no K/V to the engine; set it to false"
         elif world_size is not None:
             what = "torchrun: the endpoint serves one process's episodes, not every rank's yet; run one process"
-        elif self.rollout.max_staleness:
-            what = (f"rollout.max_staleness = {self.rollout.max_staleness}: agent episodes are sampled with the "
-                    "synchronous loop only, yet; set rollout.max_staleness = 0")
         else:
             try:
                 import fastapi  # noqa: F401, PLC0415  (the endpoint's extra)

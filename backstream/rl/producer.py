@@ -122,7 +122,7 @@ class Producer:
         return r
 
     def _check_bound(self, r: Rollout) -> None:
-        oldest = min((int(v.min()) for v in r.weight_version or [] if len(v)), default=self.step)
+        oldest = min((int(v.min()) for v in r.sampled_versions() if len(v)), default=self.step)
         if oldest < self.step - self.k:
             raise RuntimeError(f"a sample trained after step {self.step} holds tokens of weight version {oldest}, "
                                f"more than rollout.max_staleness = {self.k} behind (a bug of the producer)")

@@ -174,6 +174,15 @@ class Rollout:
         return [int(m.sum()) + sum(int(f.sampled.sum()) for f in (self.forks[i] if self.forks else ()))
                 for i, m in enumerate(self.sampled)]
 
+    def sampled_versions(self) -> list[Tensor]:
+        """The weight version of every token the policy sampled, per sequence (forks included); none
+        without versions (sampled in process, at the current weights)."""
+        if self.weight_version is None:
+            return []
+        own = [v if self.sampled is None else v[m] for v, m in
+               zip(self.weight_version, self.sampled or [None] * len(self))]
+        return own + [f.versions[f.sampled] for fs in self.forks or [] for f in fs if f.versions is not None]
+
     def tokens_total(self) -> int:
         """Tokens of every sequence the update trains, each counted in each (shared prefixes as often as
         they are held)."""

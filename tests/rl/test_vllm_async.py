@@ -142,3 +142,23 @@ def test_episodes_one_step_ahead_with_requests_kept_across_publishes(tmp_path, v
     P, G = 4, 4
     order = PromptStream(64, cfg.train.seed).take(3 * P)
     assert _trained_prompts(run) == [[i for i in order[s * P:(s + 1) * P] for _ in range(G)] for s in range(3)]
+
+
+def test_an_agent_program_one_step_ahead(tmp_path, vllm_python):
+    """toolcalc played by the shipped agent program (the `openai` client, through the run's endpoint)
+    with the server sampling a step ahead: every trained token within one version, the trained prompts
+    the stream's in order, no agent error."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("openai")
+    example = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "toolcalc_agent.py")
+    cfg = _async_run(tmp_path, "run", f'vllm.python="{vllm_python}"', 'data.task="toolcalc"', "train.steps=3",
+                     f'env.agent="{os.path.abspath(example)}:agent"', 'env.format="plain"', "env.max_turns=4",
+                     "rollout.max_new_tokens=32", "train.prompts_per_step=4", "rollout.group_size=4")
+    run = trainer.train(cfg)
+    rows = [json.loads(x) for x in open(os.path.join(run, "metrics.jsonl"))]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["rollout/staleness_max"] <= 1 and r["episode/agent_errors"] == 0 for r in rows)
+    assert all(r["episode/requests/mean"] >= 1 for r in rows)
+    P, G = 4, 4
+    order = PromptStream(64, cfg.train.seed).take(3 * P)
+    assert _trained_prompts(run) == [[i for i in order[s * P:(s + 1) * P] for _ in range(G)] for s in range(3)]

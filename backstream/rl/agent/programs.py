@@ -199,6 +199,7 @@ class AgentSampler:
         limit = env_cfg.max_episode_tokens or context or 0
         self.context = min(limit, context) if context else limit or None
         self.endpoint: Endpoint | None = None
+        self.serving = threading.Lock()  # an asynchronous run's producer samples groups from threads
         self.served_name = "policy"
 
     def check_prompts(self, examples: list[dict]) -> int:
@@ -206,14 +207,17 @@ class AgentSampler:
         return 0
 
     def _serve(self) -> Endpoint:
-        if self.endpoint is None:
-            c = self.config
-            self.endpoint = Endpoint(self.format_for, self.answers, self.eos[0] if self.eos else None,
-                                     self.served_name, c.temperature, c.top_p, c.max_new_tokens, self.context,
-                                     self.env_cfg.max_turns)
-            url = self.endpoint.start()
-            log.info(f"env: agent episodes at {url}/episodes/<id>/v1 (127.0.0.1 only), one base URL and key each")
-        return self.endpoint
+        """The endpoint, started at the first round."""
+        with self.serving:
+            if self.endpoint is None:
+                c = self.config
+                self.endpoint = Endpoint(self.format_for, self.answers, self.eos[0] if self.eos else None,
+                                         self.served_name, c.temperature, c.top_p, c.max_new_tokens, self.context,
+                                         self.env_cfg.max_turns)
+                url = self.endpoint.start()
+                log.info(f"env: agent episodes at {url}/episodes/<id>/v1 (127.0.0.1 only), one base URL and key "
+                         "each")
+            return self.endpoint
 
     def sample(self, model, rows: list[dict], indices: list[int], generators: list, progress=None) -> Rollout:
         G, endpoint = self.config.group_size, self._serve()
@@ -311,9 +315,10 @@ class AgentSampler:
         """Nothing is held for the rewards (an episode's outcome is in its sample)."""
 
     def close(self) -> None:
-        if self.endpoint is not None:
-            self.endpoint.stop()
-            self.endpoint = None
+        with self.serving:
+            if self.endpoint is not None:
+                self.endpoint.stop()
+                self.endpoint = None
 
 
 @dataclass

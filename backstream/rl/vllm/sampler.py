@@ -634,7 +634,8 @@ class ServerAnswers:
     /inference/v1/generate call after exactly its ids (the server batches concurrent requests and its
     prefix cache keeps each episode's history), the weights published before a round (`begin`). A
     request the server fails is the agent's error, and `end` raises the first, so a dead server stops
-    the step (naming vllm.log) instead of scoring every episode 0."""
+    the step (naming vllm.log) instead of scoring every episode 0. `begin`/`end` bracket a round; an
+    asynchronous run's producer runs several at once (its rounds publish nothing: `model` None)."""
 
     in_process = False  # every token records the weight version the server sampled it with
 
@@ -645,7 +646,6 @@ class ServerAnswers:
             publisher.need_context(context, why)
 
     def begin(self, model, progress=None, n: int = 0) -> None:
-        self.failure = None
         self.publisher.before_sampling(model, progress, n)
 
     def end(self) -> None:
