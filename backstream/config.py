@@ -288,8 +288,6 @@ class RunConfig:
         what = None
         if self.engine.reuse_rollout_kv:
             what = "engine.reuse_rollout_kv: an agent's requests hand no K/V to the engine; set it to false"
-        elif world_size is not None:
-            what = "torchrun: the endpoint serves one process's episodes, not every rank's yet; run one process"
         else:
             try:
                 import fastapi  # noqa: F401, PLC0415  (the endpoint's extra)

@@ -56,6 +56,10 @@ CASES = {
     "episodes": ['engine.backward="stream"', 'env.factory="envs_for_tests:Game"', "engine.reuse_rollout_kv=true",
                  "rollout.max_new_tokens=8", 'rollout.stop=["a", "e", "i", "o", "u", "1", "2", "3", "4", "5"]',
                  "reward.functions=['rewards_for_tests:ones_in_turns']"],
+    # an agent program through each rank's own endpoint: its rewritten history as forks of its samples,
+    # every rank's forks in the global batch, the agent's return value the reward
+    "agent": ['engine.backward="stream"', 'env.agent="agents_for_tests:rewriting_agent"', 'env.format="plain"',
+              "reward.functions=['env']", "env.max_turns=4"],
 }
 
 

@@ -68,7 +68,7 @@ def test_two_ranks_give_the_single_process_update(job):
     # process's (rewards of the global batch; loss terms, ratios, clip and TBPO shares summed over ranks).
     # tree/tokens_unique too is not: each rank's tree holds its own groups, and a prompt two groups
     # share is held once per rank that trains one of them. A null (undefined on a step) is null in both.
-    per_rank = ("time/", "throughput/", "memory/", "tree/tokens_unique")
+    per_rank = ("time/", "throughput/", "memory/", "tree/tokens_unique", "episode/agent_seconds")
     for name in workers.CASES:
         rows = [json.loads(x) for x in open(tmp / name / "metrics.jsonl")]
         ref = [json.loads(x) for x in open(tmp / f"one-{name}" / "metrics.jsonl")]
@@ -84,6 +84,9 @@ def test_two_ranks_give_the_single_process_update(job):
                         continue
                     tol = 1e-4 if name == "float32" else 1e-9
                     assert a[k] == pytest.approx(b[k], rel=tol, abs=tol * 1e-3), (name, k)
+    # the agent program's episodes branched, and each rank's forks were trained (the update is the one
+    # process's, above)
+    assert all(json.loads(x)["episode/branches/mean"] >= 1 for x in open(tmp / "agent" / "metrics.jsonl"))
     # full fine-tuning with KL: the frozen reference is sharded as the policy is (2 layers + root), and
     # the KL term is live (the policy moved away from it)
     assert ranks[0]["kl_full"]["ref_units"] == 3 and ranks[0]["stream"]["ref_units"] == 0
