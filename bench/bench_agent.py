@@ -108,6 +108,9 @@ class Scripted:
     def end(self) -> None:
         pass
 
+    def playing(self, n: int) -> None:
+        pass
+
     def __call__(self, ids: list[int], max_tokens: int, seed: int) -> Answer:
         g = torch.Generator().manual_seed(seed)
         k = self.tok.decode(ids).count("<tool_response>")

@@ -36,6 +36,9 @@ class Recorder:
     def end(self):
         self.inner.end()
 
+    def playing(self, n):
+        self.inner.playing(n)
+
     def __call__(self, ids, max_tokens, seed):
         out = self.inner(ids, max_tokens, seed)
         self.calls.append((list(ids), list(out.ids)))

@@ -39,7 +39,9 @@ from backstream.rl.rollout import EpisodeInfo, Fork, Rollout, SamplingConfig
 from backstream.rl.specs import load_object
 from backstream.stream.hf import takes_logits_to_keep
 
-GATHER_S, GATHER_MAX_S = 0.003, 0.05  # LocalAnswers: how long a batch waits for requests still arriving
+# LocalAnswers: how long a batch waits for the requests of episodes still playing: until every one has
+# sent its request, no request came for GATHER_S, or GATHER_MAX_S in all
+GATHER_S, GATHER_MAX_S = 0.02, 0.25
 METRIC_KEYS = ("episode/requests/mean", "episode/branches/mean", "episode/tool_calls/mean", "episode/truncated",
                "episode/agent_errors", "episode/agent_timeouts", "episode/agent_seconds/mean")
 
@@ -96,6 +98,7 @@ class LocalAnswers:
         self.queue: list[_Request] = []
         self.decoding = False
         self.batches: list[int] = []  # requests per decode batch, this round
+        self.live = 0  # episodes playing: each may send a request
         self.in_process = True  # samples at the learner's current weights (no versions)
         self.failure: BaseException | None = None  # the first decode that failed this round (`end` raises it)
 
@@ -107,7 +110,7 @@ class LocalAnswers:
         with self.cond:
             while self.decoding:
                 self.cond.wait()
-            self.model = None
+            self.model, self.live = None, 0
             for r in self.queue:
                 r.error = RuntimeError("the episode's round is over")
             self.queue = []
@@ -144,11 +147,19 @@ class LocalAnswers:
             raise req.error
         return req.answer
 
+    def playing(self, n: int) -> None:
+        """n more episodes are playing (n < 0: fewer): a batch waits for their requests (`_gather`)."""
+        with self.cond:
+            self.live += n
+            self.cond.notify_all()
+
     def _gather(self) -> None:
-        """Before a batch: wait while requests keep arriving (each `GATHER_S` apart at most, `GATHER_MAX_S`
-        in all): episodes whose previous answers came in one batch send their next requests together."""
+        """Before a batch: wait for the requests of the episodes still playing, while they keep coming
+        (`GATHER_S` apart at most, `GATHER_MAX_S` in all): episodes whose previous answers came in one
+        batch send their next requests together, and a batch of one is not decoded while the others'
+        requests are on their way."""
         deadline = time.monotonic() + GATHER_MAX_S
-        while time.monotonic() < deadline:
+        while len(self.queue) < self.live and time.monotonic() < deadline:
             n = len(self.queue)
             self.cond.wait(GATHER_S)
             if len(self.queue) == n:
@@ -180,8 +191,8 @@ def format_for(env_cfg, tokenizer, eos: list[int]):
 
 class AgentSampler:
     """The sampler of an agent program's episodes (see the module docstring). `answers`: the backend
-    (`LocalAnswers`, or rl/vllm's `ServerAnswers`): `begin(model, progress, n)`, `end()` and
-    `(ids, max_tokens, seed) -> Answer`."""
+    (`LocalAnswers`, or rl/vllm's `ServerAnswers`): `begin(model, progress, n)`, `end()`,
+    `playing(n)` (episodes started or ended) and `(ids, max_tokens, seed) -> Answer`."""
 
     metric_keys = METRIC_KEYS
 
@@ -226,6 +237,7 @@ class AgentSampler:
         results: list[AgentResult | None] = [None] * len(sessions)
         done = [0] * len(rows)
         self.answers.begin(model, progress, len(rows))
+        self.answers.playing(len(sessions))
         try:
             with concurrent.futures.ThreadPoolExecutor(max_workers=min(256, max(1, len(sessions)))) as pool:
                 futures = {pool.submit(self._play, s, rows[k // G]): k for k, s in enumerate(sessions)}
@@ -233,6 +245,7 @@ class AgentSampler:
                     k = futures[f]
                     results[k] = f.result()
                     endpoint.finish(sessions[k])
+                    self.answers.playing(-1)
                     done[k // G] += 1
                     if progress is not None and done[k // G] == G:
                         progress(sum(d == G for d in done), len(rows))

@@ -653,6 +653,9 @@ class ServerAnswers:
             failure, self.failure = self.failure, None
             raise failure
 
+    def playing(self, n: int) -> None:
+        """Episodes started or ended: nothing to do (the server batches what is in flight)."""
+
     def __call__(self, ids: list[int], max_tokens: int, seed: int):
         from backstream.rl.agent.endpoint import Answer  # noqa: PLC0415  (the endpoint's extra)
 
