@@ -32,12 +32,19 @@ turns, one round whose times include the first call's warm-up) is a smoke test o
 Results: results/agent.json (not with --quick).
 
     python -m bench.bench_agent [--layers 2] [--vocab 32768] [--rounds 2] [--quick]
+
+`--reuse` measures something else: the in-process backend (rl/agent/programs.py `LocalAnswers`) with
+and without continuing a request's K/V, on the built-in model, 8 episodes of an agent that appends
+to its conversation (4 requests) on a ~2.3K-token prompt. Results: results/agent_reuse.json.
+
+    python -m bench.bench_agent --reuse [--rounds 2]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import time
 
@@ -71,6 +78,7 @@ TEMPLATE = ("{%- for m in messages -%}"
 ADD = {"type": "function", "function": {"name": "add", "description": "a + b", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}
 LETTERS = "abcdefghijklmnopqrstuvwxyz     ,."  # reasoning text: no markup the parser would read
+HTTP = None  # `--reuse`'s agents share one HTTP client (OpenAI() builds a TLS context per client, ~20 ms)
 
 
 def tool_agent(base_url, api_key, model, row):
@@ -299,11 +307,58 @@ def main(layers=2, vocab=32768, rounds=2, quick=False):
     return res
 
 
+def appending_agent(base_url, api_key, model, row):
+    """`--reuse`'s agent: four requests, each the conversation so far plus a user note (each extends
+    the last one's ids)."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=base_url, api_key=api_key, max_retries=0, http_client=HTTP)
+    messages = [{"role": "user", "content": row["prompt"]}]
+    for _ in range(4):
+        answer = client.chat.completions.create(model=model, messages=messages).choices[0]
+        messages += [{"role": "assistant", "content": answer.message.content or ""},
+                     {"role": "user", "content": "go on"}]
+
+
+def reuse(rounds: int = 2) -> dict:
+    """The in-process backend with and without continuing a request's K/V: the built-in model, 8
+    episodes of `appending_agent` on a ~2.3K-token prompt (key=value pairs), 16 tokens an answer; the
+    rollout's seconds, best of `rounds` alternating rounds."""
+    from openai import DefaultHttpxClient
+
+    from backstream.default_model import load_default
+    from backstream.rl.agent.programs import LocalAnswers
+
+    global HTTP
+    HTTP = DefaultHttpxClient()
+    torch.set_num_threads(2)
+    model, tok = load_default()
+    cfg = SamplingConfig(group_size=8, max_new_tokens=16)
+    prompt = "".join(f"k{i}={i * 7 % 100};" for i in range(300)) + " 12+34="
+    best: dict[str, float] = {}
+    for _ in range(rounds):
+        for name, reuse_min in (("prefill whole", 10**9), ("continue the K/V", 256)):
+            answers = LocalAnswers(cfg, [tok.eos_token_id], tok)
+            answers.reuse_min = reuse_min
+            s = AgentSampler(cfg, EnvConfig(agent="bench.bench_agent:appending_agent", format="plain"), tok,
+                             [tok.eos_token_id], 4096, answers)
+            t = time.perf_counter()
+            s.sample(model, [{"prompt": prompt}], [0], [torch.Generator().manual_seed(0)])
+            best[name] = min(best.get(name, math.inf), time.perf_counter() - t)
+            s.close()
+    res = {"prompt_tokens": len(tok(prompt)["input_ids"]), "episodes": 8, "requests": 32, "rollout_s": best,
+           "speedup": best["prefill whole"] / best["continue the K/V"]}
+    print(json.dumps(res, indent=1))
+    common.save("agent_reuse", res)
+    return res
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--vocab", type=int, default=32768)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--reuse", action="store_true", help="the in-process backend's K/V reuse across requests")
     a = ap.parse_args()
-    main(a.layers, a.vocab, a.rounds, a.quick)
+    reuse(a.rounds) if a.reuse else main(a.layers, a.vocab, a.rounds, a.quick)

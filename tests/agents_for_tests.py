@@ -113,3 +113,17 @@ async def sdk_agent(base_url, api_key, model, row):
     result = await Runner.run(agent, row["prompt"], max_turns=4)
     assert isinstance(result.final_output, str)
     return None
+
+
+def appending_agent(base_url, api_key, model, row):
+    """Four requests, each the whole conversation so far plus a user note: every request extends the
+    last one's ids (in the plain format)."""
+    import openai
+
+    client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    messages = [{"role": "user", "content": row["prompt"]}]
+    for _ in range(4):
+        answer = client.chat.completions.create(model=model, messages=messages).choices[0]
+        messages += [{"role": "assistant", "content": answer.message.content or ""},
+                     {"role": "user", "content": "go on"}]
+    return 0.0

@@ -189,9 +189,16 @@ class Rows:
         """One row per prompt of `prompts`: one prefill per distinct prompt (a group's G rows share
         one), prompts of one length as one batch, each prompt's K/V then copied to its rows; `room`:
         the positions the decode will add."""
+        return Rows.stack(Rows.prefilled(model, prompts, keep_last), len(prompts), room)
+
+    @staticmethod
+    def prefilled(model, prompts: list[list[int]], keep_last: bool, rows: list[int] | None = None) -> list:
+        """`stack`'s parts for `prompts` (one prefill per distinct prompt, prompts of one length as one
+        batch), prompt k filling row `rows[k]` (default k)."""
         device = next(model.parameters()).device
+        rows = list(range(len(prompts))) if rows is None else rows
         rows_of: dict[tuple, list[int]] = {}
-        for i, p in enumerate(prompts):
+        for i, p in zip(rows, prompts):
             rows_of.setdefault(tuple(p), []).append(i)
         by_length: dict[int, list[tuple]] = {}
         for p in rows_of:
@@ -202,7 +209,7 @@ class Rows:
             which = torch.tensor([k for k, p in enumerate(same) for _ in rows_of[p]], device=logits.device)
             cache.batch_select_indices(which)
             parts.append(([i for p in same for i in rows_of[p]], cache, logits[which]))
-        return Rows.stack(parts, len(prompts), room)
+        return parts
 
     @staticmethod
     def stack(parts: list[tuple[list[int], DynamicCache, Tensor]], n: int, room: int) -> Rows:

@@ -182,3 +182,25 @@ def test_programs_that_fail_or_hang_end_their_episode_with_reward_zero(env_kw, c
         assert rewards == [0.0, 0.0] and m[counted] == 1.0 and all(e.env.discarded for e in r.episodes)
         assert r.finish_reason == ["timeout" if "timeout" in counted else "error"] * 2
     assert len(r) == 2 and all(len(c) == 0 for c in r.completion_ids)  # no request: nothing to train
+
+
+def test_a_request_that_extends_the_last_one_continues_its_kv_exactly():
+    """An agent that appends (the calculator agent, four requests): each later request prefills only its
+    new tokens after the K/V of the one before (reuse on, from 1 token); the sampler's float64 log-probs
+    still equal the learner's on the trained sequence, and nothing branches."""
+    model, tok = tiny(torch.float64)
+    cfg = SamplingConfig(group_size=2, max_new_tokens=6)
+    answers = LocalAnswers(cfg, [tok.eos_token_id], tok)
+    answers.reuse_min = 1
+    sampler = AgentSampler(cfg, EnvConfig(agent="agents_for_tests:appending_agent", format="plain"), tok,
+                           [tok.eos_token_id], 256, answers)
+    try:
+        r = sampler.sample(model, [{"prompt": "12+34="}], [0], [torch.Generator().manual_seed(3)])
+    finally:
+        sampler.close()
+    assert answers.reused > 0 and all(e.turns == 4 and e.branches == 0 for e in r.episodes)
+    view = r.training(0)
+    assert len(view.seqs) == 2  # one sequence per episode: no fork
+    learner = logprobs(model, view.seqs, view.mask)
+    for lp, mine, m in zip(view.logprobs, learner, view.mask):
+        assert (lp[m] - mine[m]).abs().max() <= 1e-10

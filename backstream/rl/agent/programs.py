@@ -34,7 +34,7 @@ from backstream.rl.agent.endpoint import Answer, Endpoint, EpisodeSession
 from backstream.rl.agent.runner import AgentResult, run_command, run_function
 from backstream.rl.agent.transcript import Branch
 from backstream.rl.agent.turns import ChatFormat, PlainFormat
-from backstream.rl.decode import Rows, decode
+from backstream.rl.decode import Rows, decode, prefill
 from backstream.rl.rollout import EpisodeInfo, Fork, Rollout, SamplingConfig
 from backstream.rl.specs import load_object
 from backstream.stream.hf import takes_logits_to_keep
@@ -42,6 +42,7 @@ from backstream.stream.hf import takes_logits_to_keep
 # LocalAnswers: how long a batch waits for the requests of episodes still playing: until every one has
 # sent its request, no request came for GATHER_S, or GATHER_MAX_S in all
 GATHER_S, GATHER_MAX_S = 0.02, 0.25
+REUSE_MIN = 256  # LocalAnswers: the shortest history whose K/V a request continues instead of prefilling it
 METRIC_KEYS = ("episode/requests/mean", "episode/branches/mean", "episode/tool_calls/mean", "episode/truncated",
                "episode/agent_errors", "episode/agent_timeouts", "episode/agent_seconds/mean")
 
@@ -86,10 +87,14 @@ class _Request:
 class LocalAnswers:
     """The in-process backend behind the endpoint: the learner's model, between `begin(model)` and
     `end()`. A request that arrives while the model decodes waits; the requests that waited are then
-    decoded together (rl/decode.py, each request's whole ids prefilled), so the episodes of a round
-    batch. Every request draws with its own seeded generator: its tokens depend on its seed, not on
-    its batch-mates. Outside `begin`/`end` (a program still running after its episode ended) a request
-    is refused: the model is being trained."""
+    decoded together (rl/decode.py), so the episodes of a round batch. A request whose ids extend at
+    least `reuse_min` tokens that an earlier request of the round was fed and sampled (an agent that
+    appends to its conversation) prefills only its new tokens after that request's K/V, which it takes
+    over; any other request is prefilled whole, requests of one length as one batch (a row prefilled
+    after its own history is a forward of its own: for short histories the batched prefill is faster).
+    Every request draws with its own seeded generator: its tokens depend on its seed, not on its
+    batch-mates. Outside `begin`/`end` (a program still running after its episode ended) a request is
+    refused: the model is being trained."""
 
     def __init__(self, config: SamplingConfig, eos: list[int], tokenizer):
         self.config, self.eos, self.tok = config, set(eos), tokenizer
@@ -99,18 +104,21 @@ class LocalAnswers:
         self.decoding = False
         self.batches: list[int] = []  # requests per decode batch, this round
         self.live = 0  # episodes playing: each may send a request
+        self.prefixes: list[tuple[list[int], list]] = []  # this round's (ids fed, their K/V), each taken once
+        self.reused = 0  # tokens of this round's requests not prefilled again
+        self.reuse_min = REUSE_MIN
         self.in_process = True  # samples at the learner's current weights (no versions)
         self.failure: BaseException | None = None  # the first decode that failed this round (`end` raises it)
 
     def begin(self, model, progress=None, n: int = 0) -> None:
         with self.cond:
-            self.model, self.batches, self.failure = model, [], None
+            self.model, self.batches, self.failure, self.prefixes, self.reused = model, [], None, [], 0
 
     def end(self) -> None:
         with self.cond:
             while self.decoding:
                 self.cond.wait()
-            self.model, self.live = None, 0
+            self.model, self.live, self.prefixes = None, 0, []
             for r in self.queue:
                 r.error = RuntimeError("the episode's round is over")
             self.queue = []
@@ -169,11 +177,36 @@ class LocalAnswers:
     def _decode(self, model, batch: list[_Request]) -> None:
         self.batches.append(len(batch))
         keep_last = takes_logits_to_keep(model)
-        rows = Rows.of_prompts(model, [r.ids for r in batch], keep_last, max(r.max_tokens for r in batch))
+        device = next(model.parameters()).device
+        parts, fresh = [], []
+        for i, r in enumerate(batch):
+            fed, kv = self._prefix(r.ids)
+            if kv is None:
+                fresh.append(i)
+                continue
+            self.reused += len(fed)
+            cache, logits = prefill(model, [r.ids[len(fed):]], device, keep_last, history=kv)
+            parts.append(([i], cache, logits))
+        if fresh:
+            parts += Rows.prefilled(model, [batch[i].ids for i in fresh], keep_last, fresh)
+        rows = Rows.stack(parts, len(batch), max(r.max_tokens for r in batch))
+        del parts
         gens = [torch.Generator().manual_seed(r.seed) for r in batch]
-        out = decode(model, rows, self.config, self.eos, self.tok, gens, keep_last, [r.max_tokens for r in batch])
-        for r, ids, lp, reason in zip(batch, out.tokens, out.logprobs, out.reasons):
+        out = decode(model, rows, self.config, self.eos, self.tok, gens, keep_last, [r.max_tokens for r in batch],
+                     keep_kv=True)
+        for r, ids, lp, reason, kv in zip(batch, out.tokens, out.logprobs, out.reasons, out.kv):
             r.answer = Answer(ids, lp.tolist(), None, reason)
+            with self.cond:
+                self.prefixes.append((r.ids + ids[:-1], kv))
+
+    def _prefix(self, ids: list[int]) -> tuple[list[int], list | None]:
+        """The longest ids fed this round that `ids` extend by at least one token, and their K/V, taken
+        (a branch that starts there later is prefilled whole); ([], None) if none."""
+        with self.cond:
+            best = max((k for k, (fed, _) in enumerate(self.prefixes) if self.reuse_min <= len(fed) < len(ids)
+                        and ids[len(fed) - 1] == fed[-1] and ids[:len(fed)] == fed),
+                       key=lambda k: len(self.prefixes[k][0]), default=None)
+            return self.prefixes.pop(best) if best is not None else ([], None)
 
 
 def format_for(env_cfg, tokenizer, eos: list[int]):
