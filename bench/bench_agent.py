@@ -33,7 +33,7 @@ Results: results/agent.json (not with --quick).
 
     python -m bench.bench_agent [--layers 2] [--vocab 32768] [--rounds 2] [--quick]
 
-`--reuse` measures something else: the in-process backend (rl/agent/programs.py `LocalAnswers`) with
+`--reuse` measures something else: the in-process backend (rl/agent/answers.py `LocalAnswers`) with
 and without continuing a request's K/V, on the built-in model, 8 episodes of an agent that appends
 to its conversation (4 requests) on a ~2.3K-token prompt. Results: results/agent_reuse.json.
 
@@ -327,7 +327,7 @@ def reuse(rounds: int = 2) -> dict:
     from openai import DefaultHttpxClient
 
     from backstream.default_model import load_default
-    from backstream.rl.agent.programs import LocalAnswers
+    from backstream.rl.agent.answers import LocalAnswers
 
     global HTTP
     HTTP = DefaultHttpxClient()

@@ -102,7 +102,8 @@ class Samplers:
 
     def _agent_sampler(self, config: SamplingConfig) -> RolloutSampler:
         """An agent program's episodes through the run's endpoint, the backend's answers behind it."""
-        from backstream.rl.agent.programs import AgentSampler, LocalAnswers  # noqa: PLC0415  (the agent room)
+        from backstream.rl.agent.answers import LocalAnswers  # noqa: PLC0415  (the agent room)
+        from backstream.rl.agent.programs import AgentSampler  # noqa: PLC0415
 
         env = self.cfg.env
         limit = min(filter(None, (env.max_episode_tokens, self.context)), default=None)

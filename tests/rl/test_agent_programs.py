@@ -18,8 +18,9 @@ from test_endpoint import THINKING
 
 from backstream import config, trainer
 from backstream.checks import UserError
+from backstream.rl.agent.answers import LocalAnswers
 from backstream.rl.agent.env import EnvConfig
-from backstream.rl.agent.programs import AgentSampler, LocalAnswers
+from backstream.rl.agent.programs import AgentSampler
 from backstream.rl.rollout import SamplingConfig
 from backstream.stream.engine import logprobs
 
