@@ -11,7 +11,8 @@ recorded with its log-probs. Tool calls in the answer are parsed (the formats th
 OpenAI `tool_calls`, with `finish_reason` "tool_calls".
 
 Honoured: `model` (the served name), `messages`, `tools`, `tool_choice` ("auto", "none": no call is
-parsed), `stream`, `max_tokens` / `max_completion_tokens` (at most rollout.max_new_tokens), `seed`.
+parsed; "required" or a named function are taken as "auto": the policy samples freely, nothing forces
+a call), `stream`, `max_tokens` / `max_completion_tokens` (at most rollout.max_new_tokens), `seed`.
 Refused with an OpenAI-shaped error the client reads: malformed JSON or fields (400), another key
 (401), a finished episode (403), an unknown model (404), a body over `MAX_BODY` bytes (413), `n` > 1,
 `temperature` / `top_p` other than the run's (the policy is trained at its own sampling settings),
