@@ -433,7 +433,7 @@ class Trainer:
                   for k, v in logged.items()})
         m.update(mismatch)
         m["mismatch/error_token_share"] = error_token_share(ro.sampled_ids())
-        tokens = ro.tokens_total()
+        tokens = m["tree/tokens_total"]
         m["optim/skipped_nonfinite"] = self.stepper.skipped
         m.update({f"time/{k}": v for k, v in self.times.items()})  # rank 0's, under torchrun
         m.update(self.rounds.metrics())

@@ -472,10 +472,12 @@ class DataParallel:
         return UpdatePlan(mine=mine, batch_rows=glob, own=own, local=[[at[r] for r in rows] for rows in own])
 
     def gather_rows(self, rows: list[int], values: list, n: int) -> list:
-        """Per-sample `values` of this rank's `rows`, gathered into the order of the n-sample batch."""
+        """Per-sample `values` of this rank's `rows`, gathered from every rank (`gather`) into the order of
+        the n-sample batch."""
         out = [None] * n
-        for r, v in zip(rows, values):
-            out[r] = v
+        for part_rows, part in self.gather((rows, values)):
+            for r, v in zip(part_rows, part):
+                out[r] = v
         return out
 
 
@@ -580,12 +582,6 @@ class Torchrun(DataParallel):
             return [g for g in range(n_groups) if kv[g * G] is not None]
         return rank_groups(n_groups, self.minibatches, self.world, self.rank)
 
-    def gather_rows(self, rows: list[int], values: list, n: int) -> list:
-        out = [None] * n
-        for part_rows, part in self.gather((rows, values)):
-            for r, v in zip(part_rows, part):
-                out[r] = v
-        return out
 
 
 def start(cfg: DistributedConfig, *, device: torch.device, seed: int, minibatches: int,

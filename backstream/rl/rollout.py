@@ -171,8 +171,7 @@ class Rollout:
         """Per sample, how many tokens the policy sampled."""
         if self.sampled is None:
             return [len(c) for c in self.completion_ids]
-        return [int(m.sum()) + sum(int(f.sampled.sum()) for f in (self.forks[i] if self.forks else ()))
-                for i, m in enumerate(self.sampled)]
+        return [len(x) for x in self.sampled_ids()]
 
     def sampled_versions(self) -> list[Tensor]:
         """The weight version of every token the policy sampled, per sequence (forks included); none

@@ -106,7 +106,7 @@ class Samplers:
         from backstream.rl.agent.programs import AgentSampler  # noqa: PLC0415
 
         env = self.cfg.env
-        limit = min(filter(None, (env.max_episode_tokens, self.context)), default=None)
+        limit = env.token_limit(self.context)
         if self.publisher is not None:
             from backstream.rl.vllm.sampler import ServerAnswers  # noqa: PLC0415
 

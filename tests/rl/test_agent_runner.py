@@ -73,15 +73,20 @@ def test_a_hung_command_is_killed_with_its_children(tmp_path):
     out = run_command(f"sleep 60 & echo $! > {pids}; sleep 60", "http://127.0.0.1:9/v1", "k", "policy", ROW,
                       timeout=1)
     assert out.timed_out and "process group was killed" in out.error
-    child = int(pids.read_text())
-    for _ in range(100):
-        try:
-            os.kill(child, 0)
-        except ProcessLookupError:
-            break
-        time.sleep(0.05)
-    else:
+    if not _gone(int(pids.read_text()), seconds=5):
         pytest.fail("the agent's child outlived it")
+
+
+def _gone(pid: int, seconds: float) -> bool:
+    """Whether process `pid` ends within `seconds` (it is killed if it does not)."""
+    for _ in range(int(seconds / 0.05)):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    os.kill(pid, 9)
+    return False
 
 
 def test_a_command_does_not_outlive_a_trainer_killed_outright(tmp_path):
@@ -103,12 +108,5 @@ def test_a_command_does_not_outlive_a_trainer_killed_outright(tmp_path):
     child = int(pids.read_text())
     os.kill(trainer.pid, signal.SIGKILL)
     trainer.wait()
-    for _ in range(200):
-        try:
-            os.kill(child, 0)
-        except ProcessLookupError:
-            break
-        time.sleep(0.05)
-    else:
-        os.kill(child, signal.SIGKILL)
+    if not _gone(child, seconds=10):
         pytest.fail("the agent's child outlived the killed trainer")

@@ -114,6 +114,11 @@ class EnvConfig:
         """Whether the trainer plays episodes against an environment of its own (factory or tools)."""
         return bool(self.factory or self.tools)
 
+    def token_limit(self, context: int | None) -> int | None:
+        """An episode's most tokens, prompt included: the lower of env.max_episode_tokens and the model's
+        `context` (0 / None: no limit from it); None without either."""
+        return min(filter(None, (self.max_episode_tokens, context)), default=None)
+
     @property
     def program(self) -> bool:
         """Whether episodes are an agent program's (env.agent or env.agent_command)."""

@@ -96,8 +96,7 @@ class EpisodeSampler:
         self.env_cfg, self.env = env_cfg, Environment.load(env_cfg)
         self.environment = self.env
         self.format = make_format(env_cfg.format, tokenizer, self.env.schemas, set(eos), env_cfg.chat_template)
-        limit = env_cfg.max_episode_tokens or context or 10**9
-        self.max_tokens = min(limit, context or limit)
+        self.max_tokens = env_cfg.token_limit(context) or 10**9
         self.fed: list[list[int]] = []  # of the last `sample`, per episode
         self.live: list = []  # the environments of the episodes not released yet (`release`)
         self.starting = threading.Lock()  # episodes of concurrent `sample` calls start one at a time

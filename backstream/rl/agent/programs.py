@@ -32,7 +32,7 @@ from backstream.log import log
 from backstream.rl.agent.endpoint import Endpoint, EpisodeSession
 from backstream.rl.agent.runner import AgentResult, run_command, run_function
 from backstream.rl.agent.transcript import Branch
-from backstream.rl.agent.turns import ChatFormat, PlainFormat
+from backstream.rl.agent.turns import make_format, prompt_head
 from backstream.rl.rollout import EpisodeInfo, Fork, Rollout, SamplingConfig
 from backstream.rl.specs import load_object
 
@@ -70,15 +70,13 @@ class AgentRewards:
 
 def format_for(env_cfg, tokenizer, eos: list[int]):
     """A request's turn format from its tools: the chat template (env.chat_template, else the
-    tokenizer's), or the plain format of a model without one (the built-in default)."""
-    kind = env_cfg.format
-    if kind == "auto":
-        kind = "chat" if env_cfg.chat_template or getattr(tokenizer, "chat_template", None) is not None else "plain"
-    if kind == "chat":
-        template = env_cfg.chat_template
-        ChatFormat(tokenizer, [], set(eos), template, check=False)  # no template: refused now, by name
-        return lambda tools: ChatFormat(tokenizer, tools, set(eos), template, check=False)
-    return lambda tools: PlainFormat(tokenizer, tools)
+    tokenizer's), or the plain format of a model without one (the built-in default); a template that
+    renders earlier turns differently later is taken (a rewritten history is a branch)."""
+    def fmt(tools: list[dict]):
+        return make_format(env_cfg.format, tokenizer, tools, set(eos), env_cfg.chat_template, check=False)
+
+    fmt([])  # env.format = "chat" without a template: refused now, by name
+    return fmt
 
 
 class AgentSampler:
@@ -99,8 +97,7 @@ class AgentSampler:
         self.name = env_cfg.agent or env_cfg.agent_command
         self.environment = AgentRewards(f"env.agent{'' if env_cfg.agent else '_command'} {self.name}")
         self.format_for = format_for(env_cfg, tokenizer, eos)
-        limit = env_cfg.max_episode_tokens or context or 0
-        self.context = min(limit, context) if context else limit or None
+        self.context = env_cfg.token_limit(context)
         self.endpoint: Endpoint | None = None
         self.serving = threading.Lock()  # an asynchronous run's producer samples groups from threads
         self.served_name = "policy"
@@ -158,8 +155,9 @@ class AgentSampler:
     def _rollout(self, sessions: list[EpisodeSession], results: list[AgentResult], rows: list[dict],
                  indices: list[int], dtype: torch.dtype) -> Rollout:
         G = self.config.group_size
+        versioned = not self.answers.in_process  # in process: sampled at the current weights, no versions
         out = Rollout(prompt_index=[], prompt_ids=[], completion_ids=[], logprobs=[], finish_reason=[],
-                      group_size=G, sampled=[], episodes=[], weight_version=[], forks=[])
+                      group_size=G, sampled=[], episodes=[], weight_version=[] if versioned else None, forks=[])
         for k, (s, res) in enumerate(zip(sessions, results)):
             t = s.transcript
             trained = [i for i, b in enumerate(t.branches) if any(b.sampled)]
@@ -173,28 +171,25 @@ class AgentSampler:
             out.completion_ids.append(torch.tensor(own.ids[first:], dtype=torch.long))
             out.logprobs.append(torch.tensor(own.logprobs[first:], dtype=dtype))
             out.sampled.append(torch.tensor(own.sampled[first:], dtype=torch.bool))
-            out.weight_version.append(_carried(own.versions[first:]))
+            if versioned:
+                out.weight_version.append(_carried(own.versions[first:]))
             out.forks.append([Fork(torch.tensor(b.ids, dtype=torch.long), torch.tensor(b.sampled, dtype=torch.bool),
-                                   torch.tensor(b.logprobs, dtype=dtype), torch.tensor(b.versions, dtype=torch.long))
+                                   torch.tensor(b.logprobs, dtype=dtype),
+                                   torch.tensor(b.versions, dtype=torch.long) if versioned else None)
                               for i, b in enumerate(t.branches) if i in trained and i != main])
             reason = ("timeout" if res.timed_out else "error" if res.error else
                       s.conversation[-1]["finish_reason"] if s.conversation else "stop")
             out.finish_reason.append({"stop": "eos", "tool_calls": "eos"}.get(reason, reason))
             if res.error:
                 log.warning(f"env: an agent episode of row {indices[k // G]} ended with an error: {res.error}")
-            messages = _after_prompt(s.conversation) or [{"role": "assistant", "content": "", "finish_reason":
-                                                          out.finish_reason[-1]}]
+            after = [dict(m) for m in s.conversation[prompt_head(s.conversation):]]
+            messages = after or [{"role": "assistant", "content": "", "finish_reason": out.finish_reason[-1]}]
             out.episodes.append(AgentEpisodeInfo(
                 turns=t.requests, tool_calls=s.tool_calls, tool_errors=0, results_cut=0, timed_out=res.timed_out,
                 prompt=rows[k // G].get("prompt"), messages=messages,
                 env=AgentOutcome(res.reward if res.error is None else 0.0, res.error, res.timed_out),
                 branches=t.divergences(), agent_error=res.error is not None and not res.timed_out,
                 agent_seconds=res.seconds))
-        if self.answers.in_process:  # sampled at the current weights: no versions (rl/rollout.py)
-            out.weight_version = None
-            for fs in out.forks:
-                for f in fs:
-                    f.versions = None
         return out
 
     def reward_inputs(self, r: Rollout, rows: list[dict]) -> tuple[list, list, dict]:
@@ -245,10 +240,3 @@ def _carried(versions: list[int]) -> Tensor:
         out.append(last)
     return torch.tensor(out, dtype=torch.long)
 
-
-def _after_prompt(conversation: list[dict]) -> list[dict]:
-    """The messages after the leading system/developer/user ones (the prompt as the program wrote it)."""
-    head = 0
-    while head < len(conversation) and conversation[head].get("role") in ("system", "developer", "user"):
-        head += 1
-    return [dict(m) for m in conversation[head:]]

@@ -87,9 +87,7 @@ class PlainFormat:
         episode: the first system/user messages' text as the prompt, then each assistant turn (a call as
         `[name arg ...]`, arguments in the order of the tool's parameters) ended by `eos`, a tool result as
         "\n=result\n", a later user message as "\n" + text + "\n"."""
-        head = 0
-        while head < len(messages) and messages[head]["role"] in ("system", "developer", "user"):
-            head += 1
+        head = prompt_head(messages)
         ids = self.tok("".join(_text(m) for m in messages[:head]), add_special_tokens=True)["input_ids"]
         for m in messages[head:]:
             if m["role"] == "assistant":
@@ -223,12 +221,23 @@ class ChatFormat:
         return self._suffix([{"role": "user", "content": text}], None)
 
 
-def make_format(kind: str, tokenizer, schemas: list[dict], end_of_turn: set[int], template: str = ""):
+def make_format(kind: str, tokenizer, schemas: list[dict], end_of_turn: set[int], template: str = "",
+                check: bool = True):
     """env.format → the format object ("auto": chat when the tokenizer has a chat template or
-    env.chat_template gives one)."""
+    env.chat_template gives one); `check`: ChatFormat's start-up check."""
     if kind == "auto":
         kind = "chat" if template or getattr(tokenizer, "chat_template", None) is not None else "plain"
-    return ChatFormat(tokenizer, schemas, end_of_turn, template) if kind == "chat" else PlainFormat(tokenizer, schemas)
+    if kind == "chat":
+        return ChatFormat(tokenizer, schemas, end_of_turn, template, check)
+    return PlainFormat(tokenizer, schemas)
+
+
+def prompt_head(messages: list[dict]) -> int:
+    """How many leading messages are the prompt (system, developer and user ones, before any turn)."""
+    head = 0
+    while head < len(messages) and messages[head].get("role") in ("system", "developer", "user"):
+        head += 1
+    return head
 
 
 def _read_template(template: str) -> str:

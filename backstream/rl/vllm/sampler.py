@@ -578,7 +578,7 @@ class VLLMEpisodeSampler(EpisodeSampler):
                  publisher: WeightPublisher):
         super().__init__(config, env_cfg, tokenizer, eos, False, context)
         self.publisher, self.sync_s = publisher, 0.0
-        if env_cfg.max_episode_tokens or context:  # an episode's budget (max_tokens: the lower of the two)
+        if env_cfg.token_limit(context):  # an episode's budget (max_tokens)
             publisher.need_context(self.max_tokens, f"env.max_episode_tokens = {env_cfg.max_episode_tokens}" if
                                    self.max_tokens == env_cfg.max_episode_tokens else
                                    f"env.max_episode_tokens = {env_cfg.max_episode_tokens}: the model's context")
