@@ -61,7 +61,11 @@ class EpisodeSession:
     finished: bool = False
     errors: int = 0  # requests refused
     tool_calls: int = 0  # calls answered
-    conversation: list[dict] = field(default_factory=list)  # the last answered request's, with its answer
+
+    @property
+    def conversation(self) -> list[dict]:
+        """The last answered request's messages and its answer (what the reward functions see)."""
+        return self.transcript.conversation
 
 
 class APIError(Exception):
@@ -254,9 +258,6 @@ class Endpoint:
         else:
             seed = req.seed if req.seed is not None else (ep.seed * 1_000_003 + number) % 2**31
             out = self.generate(ids, budget, seed)
-        if not ep.transcript.answer(branch, out.ids, out.logprobs, out.versions):
-            raise APIError(403, "this episode ended while its answer was sampled (env.agent_timeout_s); it is not "
-                                "trained", "permission_error", code="episode_finished")
         message, calls = fmt.parse(out.ids) if out.ids else ({"role": "assistant", "content": ""}, [])
         calls = [c for c in calls if c.error is None]  # a malformed call is text the agent reads
         finish = "length" if out.reason == "length" else "tool_calls" if calls else "stop"
@@ -265,10 +266,14 @@ class Endpoint:
             reply["tool_calls"] = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                                     "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}
                                    for c in calls]
-            ep.tool_calls += len(calls)
         elif message.get("tool_calls") or not reply["content"]:  # a malformed call: its text as the agent's
             reply["content"] = fmt.tok.decode(out.ids, skip_special_tokens=True)
-        ep.conversation = [*messages, {**reply, "finish_reason": finish}]
+        # the answer and the conversation the rewards will see, recorded together (or neither, once over)
+        if not ep.transcript.answer(branch, out.ids, out.logprobs, out.versions,
+                                    [*messages, {**reply, "finish_reason": finish}]):
+            raise APIError(403, "this episode ended while its answer was sampled (env.agent_timeout_s); it is not "
+                                "trained", "permission_error", code="episode_finished")
+        ep.tool_calls += len(reply.get("tool_calls", []))
         return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
                 "model": self.served_name,
                 "choices": [{"index": 0, "message": reply, "finish_reason": finish, "logprobs": None}],

@@ -57,6 +57,7 @@ class Transcript:
         self.requests = 0
         self.pending: set[int] = set()  # branches whose answer is being sampled
         self.last: int | None = None  # the branch of the last answer (the agent's final conversation)
+        self.conversation: list[dict] = []  # the last answer's request messages and the answer, as given
         self.closed = False  # the episode is over: answers that arrive now are not recorded
         self.lock = threading.Lock()
 
@@ -79,10 +80,11 @@ class Transcript:
             self.pending.add(i)
             return i
 
-    def answer(self, i: int, ids: list[int], logprobs: list[float], versions: list[int] | None = None) -> bool:
+    def answer(self, i: int, ids: list[int], logprobs: list[float], versions: list[int] | None = None,
+               conversation: list[dict] | None = None) -> bool:
         """The tokens sampled on branch i after its request, with their log-probs (and weight versions;
-        None: sampled in process at the current weights, recorded as 0). False, and nothing recorded,
-        once the transcript is closed."""
+        None: sampled in process at the current weights, recorded as 0) and, as the rewards will see it,
+        the conversation they end. False, and nothing recorded, once the transcript is closed."""
         with self.lock:
             if self.closed:
                 return False
@@ -93,6 +95,8 @@ class Transcript:
             b.versions += list(versions) if versions is not None else [0] * len(ids)
             self.pending.discard(i)
             self.last = i
+            if conversation is not None:
+                self.conversation = conversation
             return True
 
     def close(self) -> None:
