@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import weakref
 
+import torch
 from torch import Tensor, nn
 from transformers import AttentionInterface, PretrainedConfig
 from transformers.cache_utils import Cache
@@ -21,6 +22,7 @@ from transformers.cache_utils import Cache
 from backstream.stream import family
 from backstream.stream.attention import Part, merged_attention
 from backstream.stream.hf import base_model, cache_arg
+from backstream.stream.state import ConvState, RecurrentState, StateLayout
 
 ATTN_NAME = family.MASK_NAME  # the attention function and the mask function share the name
 
@@ -32,13 +34,20 @@ def check_model(model) -> nn.Module:
     if not isinstance(model, nn.Module) or not hasattr(base, "config"):
         raise family.ModelTypeError("model: expected a transformers causal LM (or a PEFT model around one), "
                                     f"got {type(model).__name__}")
-    if not getattr(base, "_supports_attention_backend", False) or cache_arg(base) is None:
+    # attention through the AttentionInterface, or a stateful model (hybrids and state-space models do
+    # not declare `_supports_attention_backend`: each forward checks that every layer with K/V attended
+    # through the engine's function, and that every layer kept K/V or state through the Cache)
+    routed = getattr(base, "_supports_attention_backend", False) or getattr(base, "_is_stateful", False)
+    if not routed or cache_arg(base) is None:
         raise family.ModelTypeError(
             f"model: {type(base).__name__} does not support transformers' Cache and AttentionInterface "
-            "(needs `_supports_attention_backend` and a `cache` or `past_key_values` argument); stream_backward "
-            "cannot drive it"
+            "(needs `_supports_attention_backend` or `_is_stateful`, and a `cache` or `past_key_values` argument); "
+            "stream_backward cannot drive it"
         )
     return base
+
+
+
 
 
 class BlockCache(Cache):
@@ -57,6 +66,56 @@ class BlockCache(Cache):
         self.new: dict[int, tuple[Tensor, Tensor]] = {}
         self.kpos: dict[int, Tensor] = {}  # concat layers: absolute positions of the returned keys
         self.last_layer = -1
+        self.attended: set[int] = set()  # layers whose K/V the engine's attention function read
+        # layer state that is not K/V (docs/design.md §2b): kind → (layer, index) → the state after
+        # the block ([B, ...]); until the model updates it, the start state it was handed
+        self.ends: dict[str, dict[tuple[int, int], Tensor]] = {}
+        self.read: set[tuple[str, int, int]] = set()  # states the model asked for
+
+    # -- layer state that is not K/V: transformers' linear-attention Cache API --------------------
+    # The model gets fresh tensors (the stored boundaries are leaves that must stay untouched) and
+    # what it hands back is recorded, never written into a buffer: `ends` holds the block's final
+    # states, the roots of the backward (backstream.stream.state).
+
+    def _state(self, kind: str, layer_idx: int, state_idx: int) -> Tensor | None:
+        slot = (layer_idx, state_idx)
+        ends = self.ends.setdefault(kind, {})
+        if slot in ends or (kind, *slot) in self.read:
+            return ends.get(slot)
+        self.read.add((kind, *slot))
+        start = self.batch.state_start(kind, slot)
+        if start is not None:
+            ends[slot] = self.batch.guard.hand(start)  # an in-place write by the model makes it the end state
+        return start
+
+    def _update(self, kind: str, new: Tensor, layer_idx: int, state_idx: int, kernel: int | None) -> Tensor:
+        prev = self._state(kind, layer_idx, state_idx)
+        out, end = self.batch.state_class(kind).update(prev, new, kernel)
+        self.ends[kind][(layer_idx, state_idx)] = end
+        return out
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> Tensor | None:
+        return self._state("conv", layer_idx, state_idx)
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> Tensor | None:
+        return self._state("recurrent", layer_idx, state_idx)
+
+    def update_conv_state(self, conv_states: Tensor, layer_idx: int, state_idx: int = 0,
+                          conv_kernel_size: int | None = None, **kwargs) -> Tensor:
+        return self._update("conv", conv_states, layer_idx, state_idx, conv_kernel_size)
+
+    def update_recurrent_state(self, recurrent_states: Tensor, layer_idx: int, state_idx: int = 0,
+                               **kwargs) -> Tensor:
+        return self._update("recurrent", recurrent_states, layer_idx, state_idx, None)
+
+    def is_recording_past(self, layer_idx: int) -> bool:
+        """True: the models that ask then take their multi-token path (`update_conv_state`) for a
+        one-token block too, instead of writing the conv state in place."""
+        return True
+
+    def state_layers(self) -> set[int]:
+        """Layers that read or updated a state in this forward (`update_*` reads it first)."""
+        return {layer for _, layer, _ in self.read}
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         self.new[layer_idx] = (key_states, value_states)
@@ -80,6 +139,132 @@ class BlockCache(Cache):
             if k is key and v is value:
                 return layer
         return None
+
+
+class _ProbeCache(Cache):
+    """An ordinary cache for a few short forwards under the model's own attention (the whole K/V
+    history per layer, the states replaced): it records which layers store K/V and which keep
+    recurrent or convolution state, with its shape."""
+
+    def __init__(self):
+        super().__init__(layers=[])
+        self.kv: dict[int, tuple[Tensor, Tensor]] = {}
+        self.state: dict[tuple[str, int, int], Tensor] = {}
+        self.shapes: dict[str, dict[tuple[int, int], tuple]] = {}
+        self.past = 0
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        if layer_idx in self.kv:
+            k, v = self.kv[layer_idx]
+            key_states, value_states = torch.cat([k, key_states], -2), torch.cat([v, value_states], -2)
+        self.kv[layer_idx] = key_states, value_states
+        return key_states, value_states
+
+    def _update(self, kind: str, new: Tensor, layer_idx: int, state_idx: int, kernel: int | None = None):
+        prev = self.state.get((kind, layer_idx, state_idx))
+        out, end = (ConvState if kind == "conv" else RecurrentState).update(prev, new, kernel)
+        self.state[(kind, layer_idx, state_idx)] = end
+        self.shapes.setdefault(kind, {})[(layer_idx, state_idx)] = (tuple(end.shape[1:]), end.dtype)
+        return out
+
+    def update_conv_state(self, conv_states, layer_idx, state_idx=0, conv_kernel_size=None, **kwargs):
+        return self._update("conv", conv_states, layer_idx, state_idx, conv_kernel_size)
+
+    def update_recurrent_state(self, recurrent_states, layer_idx, state_idx=0, **kwargs):
+        return self._update("recurrent", recurrent_states, layer_idx, state_idx)
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0):
+        return self.state.get(("conv", layer_idx, state_idx))
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0):
+        return self.state.get(("recurrent", layer_idx, state_idx))
+
+    def is_recording_past(self, layer_idx: int) -> bool:
+        return True  # as BlockCache: the multi-token path also for one token
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.past
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return self.past
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self.past + query_length, 0
+
+
+_LAYOUTS: weakref.WeakKeyDictionary[nn.Module, dict] = weakref.WeakKeyDictionary()
+CONTINUATION_CUTS = (0, 37, 38, 80)  # 37 tokens, then 1, then 42: one-token and multi-token paths, across a 64-chunk
+
+
+def _forward_in_parts(model: nn.Module, ids: Tensor, cuts) -> tuple[Tensor, _ProbeCache]:
+    """Logits [L, V] of `ids` [1, L] forwarded in the parts `cuts` delimit, each continuing the cache."""
+    base, cache, out = base_model(model), _ProbeCache(), []
+    with torch.no_grad():
+        for a, b in zip(cuts, cuts[1:]):
+            cache.past = a
+            out.append(model(input_ids=ids[:, a:b], position_ids=torch.arange(a, b, device=ids.device)[None],
+                             use_cache=True, **{cache_arg(base): cache}).logits[0])
+    return torch.cat(out), cache
+
+
+def probe_layout(model: nn.Module) -> StateLayout:
+    """Which layers of `model` keep K/V and which keep another state (`state.StateLayout`), learnt once
+    per model and dtype from a two-token forward without gradient.
+
+    A model with such state must also keep the contract the engine's blocks rest on (docs/design.md
+    §6b (f)): a forward continued from the cache's states gives the logits of the full forward (which
+    also shows that its layers with neither K/V nor state mix no tokens: `local_layers`).
+    That is a property of the architecture's code, checked on its float64 miniature (80 tokens
+    forwarded as 37 + 1 + 42, against one forward, to 1e-9); a model whose miniature cannot be built
+    is checked on itself, to its dtype's rounding. A multi-token path that ignores the state it is
+    handed (Mamba 1's) is refused here."""
+    base = base_model(model)
+    dtype = next(model.parameters()).dtype
+    known = _LAYOUTS.setdefault(base, {})
+    if dtype in known:
+        return known[dtype]
+    device = next(model.parameters()).device
+    vocab = base.get_input_embeddings().num_embeddings
+    try:
+        _, cache = _forward_in_parts(model, torch.ones((1, 2), dtype=torch.long, device=device), (0, 2))
+        layout = StateLayout(frozenset(cache.kv), cache.shapes)
+        if layout.states:
+            _check_continuation(model, base, vocab, device, layout)
+            # layers with neither (Nemotron-H's MLP and MoE layers): token-local, as the continuation shows
+            every = set(range(base.config.get_text_config().num_hidden_layers))
+            layout = StateLayout(layout.kv_layers, layout.states,
+                                 frozenset(every - layout.kv_layers - layout.state_layers))
+    except family.ModelContractError:
+        raise
+    except Exception as e:
+        raise family.Unsupported(
+            f"model: {type(base).__name__} failed inside transformers on a short forward over the engine's "
+            f"Cache ({type(e).__name__}: {e}); {family.ENGINE_HINT}") from e
+    known[dtype] = layout
+    return layout
+
+
+def _check_continuation(model, base, vocab: int, device, layout: StateLayout) -> None:
+    from backstream.stream.miniature import VOCAB, keep_float64, miniature  # noqa: PLC0415  (miniature is heavy)
+
+    with torch.random.fork_rng(devices=[]):  # the miniature's random weights leave the caller's RNG alone
+        try:
+            mini = miniature(base.config)
+        except Exception:  # noqa: BLE001  (no miniature of this config: the model itself is checked)
+            mini = None
+    layers = sorted(layout.state_layers)
+    if mini is not None:
+        ids = (torch.arange(CONTINUATION_CUTS[-1]) * 7 % (VOCAB - 8) + 7)[None]
+        with keep_float64():
+            full = mini(input_ids=ids, use_cache=False).logits[0]
+            parts, _ = _forward_in_parts(mini, ids, CONTINUATION_CUTS)
+        family.check_continuation(base, full, parts, layers, tol=1e-9)
+    else:
+        cuts = (0, 3, 4, 6)
+        ids = (torch.arange(cuts[-1], device=device) % max(1, vocab - 1) + 1)[None]
+        with torch.no_grad():
+            full = model(input_ids=ids, use_cache=False).logits[0]
+        family.check_continuation(base, full, _forward_in_parts(model, ids, cuts)[0], layers)
 
 
 class NeedsConcat(Exception):
@@ -135,6 +320,7 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
         parts = batch.history_parts(layer, key, value, window)
         parts.append(Part(key, value, batch.qpos, causal=True, start=batch.p0))
     batch.attn_calls += 1
+    batch.cache.attended.add(last if last in batch.concat_layers else layer)
     out = merged_attention(query, parts, batch.qpos, scale, window, batch.kernel, softcap=softcap, sinks_H=s_aux,
                            q_start=batch.p0)
     return out.transpose(1, 2).contiguous(), None

@@ -41,6 +41,7 @@ from backstream.stream.adapter import (
     BlockCache,
     check_model,
     concat_layers,
+    probe_layout,
     run_model,
     use_backstream_attention,
 )
@@ -50,6 +51,7 @@ from backstream.stream.kvstore import KVStore
 from backstream.stream.objective import BlockView, Objective, Terms, TokenWeights, flat_offsets
 from backstream.stream.router import router_term
 from backstream.stream.schedule import Row, batches, has_targets, read_extent, read_later
+from backstream.stream.state import STATE_KINDS, GuardSaved, LayerState
 from backstream.stream.tree import TokenTree
 
 __all__ = ["ATTN_NAME", "StreamResult", "StreamStats", "check_model", "logprobs", "stream_backward"]
@@ -96,10 +98,13 @@ class _Batch:
         self.base = tree.nodes[rows[0].node].start  # same for all siblings
         lo = rows[0].lo
         self.Q = max(r.hi - r.lo for r in rows)
+        if self.Q == 1 and engine.stateful and (parent >= 0 or lo > 0):
+            self.Q = 2  # one padded position: a one-token forward from a state would take the decode path
         self.p0 = self.base + lo
         self.qpos = torch.arange(self.p0, self.p0 + self.Q, device=engine.device)
         self.shared_nodes = (tree.ancestors(rows[0].node)) if parent >= 0 else []
         self.cache = BlockCache(self)
+        self.guard = GuardSaved()
         self.attn_calls = 0
         self.hooks = []
 
@@ -108,6 +113,21 @@ class _Batch:
         self.release()
         self.cache = BlockCache(self)
         self.attn_calls = 0
+
+    # -- layer state that is not K/V (backstream.stream.state), asked for by the cache ----------
+
+    def state_class(self, kind: str):
+        return type(self.engine.state[kind])
+
+    def state_start(self, kind: str, slot: tuple[int, int]) -> Tensor | None:
+        """The state of `kind` at `slot` the rows start from ([B, ...], fresh; None at a root)."""
+        if self.engine.store.given:
+            raise family.ModelContractError(
+                f"kv: {type(self.engine.base).__name__} keeps {kind} state in layer {slot[0]} besides K/V, and "
+                "caller-given K/V do not hold it at each block boundary; let the prefill compute it: do not pass "
+                "kv= (trainer: engine.reuse_rollout_kv = false)")
+        with memory.label("history"):
+            return self.engine.state[kind].start(self.parent, self.rows, slot, self.hooks)
 
     def history_parts(self, layer: int, key_BHQD: Tensor, value_BHQD: Tensor, window: int | None) -> list[Part]:
         """The history this batch reads at `layer`, as leaves whose gradients go to the store, every
@@ -179,6 +199,8 @@ class _Batch:
             h.remove()
         self.hooks.clear()
         self.cache.new.clear()
+        self.cache.ends.clear()
+        self.guard.handed.clear()
         self.cache.batch = None
 
     def forward(self, with_logits: bool):
@@ -202,14 +224,20 @@ class _Batch:
             kwargs["logits_to_keep"] = keep
         if eng.every_token:
             kwargs["output_router_logits"] = True
-        out = run_model(self, kwargs)
+        with self.guard:
+            out = run_model(self, kwargs)
         logits = out.logits if eng.has_logits_to_keep else out.logits[keep]
-        if self.attn_calls == 0 or len(self.cache.new) == 0:
+        kv_layers, state_layers = set(self.cache.new), self.cache.state_layers()
+        if kv_layers - self.cache.attended or not (kv_layers or state_layers):
             raise family.ModelTypeError(
                 f"model: {type(eng.model).__name__} did not route attention through transformers' "
                 "AttentionInterface and the Cache it was passed; stream_backward needs both"
             )
-        missing = sorted(set(range(eng.num_layers)) - set(self.cache.new))
+        if state_layers and not eng.layout.states:
+            raise family.Unsupported(
+                f"model: {type(eng.base).__name__} kept layer state through the Cache in layers {sorted(state_layers)} "
+                f"although its probe forward did not; {family.ENGINE_HINT}")
+        missing = sorted(set(range(eng.num_layers)) - kv_layers - state_layers - eng.layout.local_layers)
         if missing:
             layer_types = getattr(eng.text_config, "layer_types", None)
             raise family.layers_without_kv(type(eng.base).__name__, missing, layer_types)
@@ -355,7 +383,7 @@ class GradAccumulator:
 class _Engine:
     """The two passes over one token tree: the prefill (forward order) and the backward (reverse)."""
 
-    def __init__(self, model, sequences, tree: TokenTree, block_size, batch_tokens, kernel, pad_id):
+    def __init__(self, model, sequences, tree: TokenTree, block_size, batch_tokens, kernel, pad_id, layout):
         self.model = model
         self.base = base_model(model)
         self.device = next(model.parameters()).device
@@ -363,8 +391,13 @@ class _Engine:
         self.kernel = kernel  # attention.select_kernel reads it
         self.pad_id = pad_id
         self.tree = tree
-        self.schedule = batches(tree, block_size, batch_tokens)
-        self.store = KVStore(tree, read_extent(tree, block_size))  # only the positions a later block reads
+        self.layout = layout  # which layers keep K/V, which keep recurrent or conv state (adapter.probe_layout)
+        self.stateful = bool(layout.states)
+        self.schedule = batches(tree, block_size, batch_tokens, stateful=self.stateful)
+        # only the positions a later block reads
+        self.store = KVStore(tree, read_extent(tree, block_size, stateful=self.stateful))
+        self.state = {cls.kind: cls(tree) for cls in STATE_KINDS}  # fixed-size state at block boundaries
+        self.states: list[LayerState] = [self.store, *self.state.values()]
         self.has_logits_to_keep = takes_logits_mask(model)  # a [B, Q] mask: each row keeps its own
         self.text_config = self.base.config.get_text_config()
         self.num_layers = self.text_config.num_hidden_layers
@@ -376,7 +409,7 @@ class _Engine:
 
     def needs_work(self, row: Row) -> bool:
         """The zero-reward shortcut: a chunk with no target and no pending K/V gradient does nothing."""
-        return self.every_token or has_targets(self.tree, row) or self.store.pending(row)
+        return self.every_token or has_targets(self.tree, row) or any(s.pending(row) for s in self.states)
 
     def prefill(self, objective: Objective, logprobs: list[Tensor], stats: StreamStats, all_logprobs: bool) -> None:
         """K/V of every chunk a later block reads, and the log-probs of the targets. A chunk nobody
@@ -391,7 +424,8 @@ class _Engine:
                 batch = _Batch(self, parent, rows)
                 with memory.label("prefill"):
                     logits, keep, router = batch.forward(with_logits=True)
-                self.store.store(batch.rows, batch.cache.new)
+                for s in self.states:
+                    s.store(batch.rows, batch.cache)
                 view = batch.view(logits, keep, router)
                 if view is not None:
                     objective.observe(view)
@@ -419,7 +453,8 @@ class _Engine:
                 stats.blocks_run += len(work)
                 stats.batches_run += 1
                 stats.backward_tokens += sum(r.hi - r.lo for r in work)
-            self.store.spent(rows)  # every block that reads these chunks has run (skipped ones too)
+            for s in self.states:  # every block that reads these chunks has run (skipped ones too)
+                s.spent(rows)
 
     def _backward_batch(self, parent: int, work: list[Row], objective: Objective, logprobs: list[Tensor],
                         record: bool) -> None:
@@ -444,15 +479,10 @@ class _Engine:
         # the [positions × vocab] logits (and the view's log-softmax) are not needed past this
         # point unless autograd saved them: free them before the backward allocates its own
         del view, logits, loss, router
-        for layer, kv in batch.cache.new.items():
-            for j, x_BHQD in enumerate(kv):
-                if not x_BHQD.requires_grad:
-                    continue  # frozen below this layer: no gradient can flow into history
-                with memory.label("seed"):
-                    seed = self.store.seed(work, layer, j, x_BHQD)
-                if seed is not None:
-                    roots.append(x_BHQD)
-                    seeds.append(seed)
+        for s in self.states:  # what this batch produced (K/V, final states), seeded by its readers
+            for x, seed in s.roots(work, batch.cache):
+                roots.append(x)
+                seeds.append(seed)
         if roots:
             with memory.label("backward"):
                 torch.autograd.backward(roots, seeds)
@@ -567,15 +597,24 @@ def _run_local(model, sequences, obj, *, block_size, batch_tokens, memory_budget
     family.check_positions(model, max(len(s) for s in sequences))
     family.check_default_positions(model, max(sequences, key=len))
 
+    layout = probe_layout(model)  # layers that keep recurrent or convolution state change the tree's rules
+    if kv is not None and layout.states:
+        layers = sorted(layout.state_layers)
+        raise family.ModelContractError(
+            f"kv: {type(base_model(model)).__name__} keeps recurrent or convolution state in layers {layers} besides "
+            "K/V, and caller-given K/V do not hold it at each block boundary; let the prefill compute it: do not pass "
+            "kv= (trainer: engine.reuse_rollout_kv = false)")
     seqs_cpu = [s.detach().to("cpu", torch.long) for s in sequences]
-    inputs, tree = _tree(seqs_cpu, [a.detach().to("cpu", torch.bool) for a in active], obj.needs_router_logits)
+    inputs, tree = _tree(seqs_cpu, [a.detach().to("cpu", torch.bool) for a in active], obj.needs_router_logits,
+                         stateful=bool(layout.states))
 
     stats = StreamStats(sequences=len(sequences), active_sequences=sum(1 for x in inputs if x),
                         input_tokens=sum(len(x) for x in inputs), tree_tokens=tree.num_tokens())
-    p = plan(model, tree, block_size=block_size, batch_tokens=batch_tokens, memory_budget=memory_budget)
+    p = plan(model, tree, block_size=block_size, batch_tokens=batch_tokens, memory_budget=memory_budget,
+             layout=layout)
     stats.block_size, stats.batch_tokens, stats.peak_bytes_predicted = p.block_size, p.batch_tokens, p.peak_bytes
 
-    eng = _Engine(model, seqs_cpu, tree, p.block_size, p.batch_tokens, kernel, pad_id=0)
+    eng = _Engine(model, seqs_cpu, tree, p.block_size, p.batch_tokens, kernel, pad_id=0, layout=layout)
     eng.progress = progress
     if obj.needs_router_logits:
         eng.every_token, eng.mult = True, _multiplicities(tree, inputs)
@@ -602,7 +641,8 @@ def _run_local(model, sequences, obj, *, block_size, batch_tokens, memory_budget
     return StreamResult(logprobs=lps, stats=stats)
 
 
-def _tree(seqs: list[Tensor], active: list[Tensor], every_token: bool) -> tuple[list[list[int]], TokenTree]:
+def _tree(seqs: list[Tensor], active: list[Tensor], every_token: bool,
+          stateful: bool = False) -> tuple[list[list[int]], TokenTree]:
     """The inputs each sequence needs (up to its last active target, or all of it when the
     objective reads every token) merged into the token tree, with the targets placed."""
     inputs = []
@@ -612,7 +652,7 @@ def _tree(seqs: list[Tensor], active: list[Tensor], every_token: bool) -> tuple[
             inputs.append(s.tolist())  # the router loss reads every token of every sequence
         else:
             inputs.append(s[: int(nz[-1])].tolist() if len(nz) else [])
-    tree = TokenTree(inputs)
+    tree = TokenTree(inputs, stateful=stateful)
     tree.add_targets(seqs, active)
     return inputs, tree
 

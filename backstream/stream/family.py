@@ -193,6 +193,24 @@ def layers_without_kv(model_name: str, missing: list[int], layer_types) -> Unsup
         f"cannot be streamed block by block; {ENGINE_HINT}")
 
 
+def check_continuation(base: nn.Module, full_LV: Tensor, continued_LV: Tensor, state_layers: list[int],
+                       tol: float | None = None) -> None:
+    """(f) A model whose layers keep recurrent or convolution state: a forward continued from the
+    cache's states must give the logits of the full forward (the blocks rest on it, as they rest on
+    (c) for K/V). `tol`, relative to the largest logit: by default 1e-4 (such layers compute in
+    float32 whatever the model's dtype), 5e-2 in a 16-bit model."""
+    scale = float(full_LV.abs().max()) or 1.0
+    err = float((full_LV.double() - continued_LV.double()).abs().max()) / scale
+    if tol is None:
+        tol = 1e-4 if torch.finfo(full_LV.dtype).bits >= 32 else 5e-2
+    if not err <= tol:
+        raise Unsupported(
+            f"model: {type(base).__name__}'s layers {state_layers} keep recurrent or convolution state, and a forward "
+            f"continued from that state does not give the logits of the full forward (relative error {err:.1e}): its "
+            "multi-token path ignores or mishandles the state it is handed, so its blocks cannot be streamed; "
+            f"{ENGINE_HINT}")
+
+
 # -- (d) positions, (e) determinism: checked once per call ----------------------------------------
 
 _STATIC_ROPE = (set(ROPE_INIT_FUNCTIONS) | {"default"}) - {"dynamic", "longrope"}

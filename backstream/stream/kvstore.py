@@ -1,4 +1,5 @@
-"""The K/V store of the streamed backward and its gradient accumulators (docs/design.md §2, §5).
+"""The K/V store of the streamed backward and its gradient accumulators (docs/design.md §2, §5): the
+attention layers' implementation of `backstream.stream.state.LayerState`.
 
 Per tree node and layer: the K and V of its tokens, from the prefill or the caller; the gradient
 that later blocks left for them (gK/gV, fp32 or wider, allocated on first deposit); and a bool
@@ -39,10 +40,10 @@ class KVStore:
         """K (j = 0) or V (j = 1) of a node at a layer, [Hkv, extent, D] (a view)."""
         return self.kv[node][layer][j].transpose(0, 1)
 
-    def store(self, rows: list[Row], new: dict[int, tuple[Tensor, Tensor]]) -> None:
-        """Keep the K/V a batch's forward produced ([B, Hkv, Q, D] per layer) at its rows' positions
-        that a later block reads."""
-        for layer, (k_BHQD, v_BHQD) in new.items():
+    def store(self, rows: list[Row], cache) -> None:
+        """Keep the K/V a batch's forward produced (`cache.new`: [B, Hkv, Q, D] per layer) at its rows'
+        positions that a later block reads."""
+        for layer, (k_BHQD, v_BHQD) in cache.new.items():
             for r, row in enumerate(rows):
                 hi = min(row.hi, self.extent[row.node])
                 if hi <= row.lo:
@@ -74,6 +75,19 @@ class KVStore:
         per_node = self.touched.get(row.node, {})
         masks = per_node.values() if layer is None else [per_node[layer]] if layer in per_node else []
         return any(bool(t[row.lo:row.hi].any()) for t in masks)
+
+    def roots(self, rows: list[Row], cache) -> list[tuple[Tensor, Tensor]]:
+        """(K or V the batch produced at a layer, its pending gradient) wherever a reader left one."""
+        out = []
+        for layer, kv in cache.new.items():
+            for j, x_BHQD in enumerate(kv):
+                if not x_BHQD.requires_grad:
+                    continue  # frozen below this layer: no gradient can flow into history
+                with memory.label("seed"):
+                    seed = self.seed(rows, layer, j, x_BHQD)
+                if seed is not None:
+                    out.append((x_BHQD, seed))
+        return out
 
     def seed(self, rows: list[Row], layer: int, j: int, x_BHQD: Tensor) -> Tensor | None:
         """The backward seed of a batch's own K or V at a layer: the pending gradients of its rows'

@@ -38,7 +38,7 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["LiveBytes", "label", "tag"]
+__all__ = ["LiveBytes", "label", "saved", "tag"]
 
 _ACTIVE: list[LiveBytes] = []  # trackers in force (innermost last)
 _LABELS: list[str] = []  # the phase stack the code under measurement pushes
@@ -68,6 +68,13 @@ def tag(t: Tensor | None, category: str) -> None:
     if t is not None and _ACTIVE:
         for m in _ACTIVE:
             m.tag(t, category)
+
+
+def saved(t: Tensor) -> None:
+    """Autograd saved `t` for a backward: for a `saved_tensors_hooks` pack hook set inside a tracker's
+    own (which the innermost hook replaces)."""
+    for m in _ACTIVE:
+        m._pack(t)
 
 
 def _key(t: Tensor):

@@ -295,8 +295,11 @@ RULES = (
     Rule(_in(*_KV_HEADS), _kv_heads),
     Rule(_in(*_FFN), _ffn, value=_any),
     Rule(_ends("intermediate_size"), _ffn),
-    # state-space / linear-attention heads (mamba_n_heads, linear_num_heads)
-    Rule(_ends("n_heads", "num_heads"), HEADS, value=_above(1)),
+    # state-space / linear-attention heads (mamba_n_heads, linear_num_heads, n_mamba_heads); their
+    # groups must divide them; chunked scans get chunks the test sequences cross
+    Rule(lambda k: k.endswith(("n_heads", "num_heads")) or k == "n_mamba_heads", HEADS, value=_above(1)),
+    Rule(_in("n_groups", "mamba_n_groups", "mamba_ngroups", "ngroups"), lambda name, v, heads: min(v, 2)),
+    Rule(_in("chunk_size", "mamba_chunk_size"), 8, value=_above(8)),
     Rule(_ends("d_head", "d_state", "state_size"), HEAD_DIM, value=_above(1)),
     # MLA: a query/key head is nope 8 + rope 4
     Rule(_ends("head_dim"), lambda name, v, heads: {"qk_rope_head_dim": 4, "qk_head_dim": 12}.get(name, HEAD_DIM)),
@@ -374,8 +377,9 @@ def _mla_head_dims(d: dict) -> None:
 def _tile_state_space_heads(d: dict) -> None:
     """State-space heads (Mamba 2, Bamba, Granite hybrids) must tile expand × hidden exactly."""
     for pre in ("", "mamba_"):
-        expand, heads = d.get(pre + "expand"), d.get(pre + "n_heads", d.get(pre + "num_heads"))
-        head_key = next((pre + k for k in ("d_head", "head_dim") if _is_int(d.get(pre + k))), None)
+        expand = d.get(pre + "expand")
+        heads = d.get(pre + "n_heads", d.get(pre + "num_heads", d.get("n_mamba_heads") if pre else None))
+        head_key = next((pre + k for k in ("d_head", "head_dim", "headdim") if _is_int(d.get(pre + k))), None)
         width = next((d[k] for k in _WIDTH if _is_int(d.get(k))), WIDTH)
         if _is_int(expand) and _is_int(heads) and head_key and (width * expand) % heads == 0:
             d[head_key] = width * expand // heads
@@ -409,6 +413,7 @@ def _shrink(d: dict) -> dict:
     d = dict(d)
     L0 = next((d[k] for k in _LAYER_COUNT if _is_int(d.get(k))), None)
     heads = next((d[k] for k in _HEADS if _is_int(d.get(k))), None)
+    width0 = next((d[k] for k in _WIDTH if _is_int(d.get(k))), None)
     if L0:
         _follow_kept_layers(d, L0)
     _fill_unset(d)
@@ -418,6 +423,9 @@ def _shrink(d: dict) -> dict:
         rule = next((r for r in RULES if r.key(k) and r.value(v)), None)
         if rule is not None:
             d[k] = rule.resize(k, v, heads)
+    for k, v in list(d.items()):  # derived widths (Zamba 2's attention_hidden_size = 2 × hidden) keep their ratio
+        if k.endswith("_hidden_size") and _is_int(v) and width0 and v % width0 == 0 and k not in _WIDTH:
+            d[k] = WIDTH * (v // width0)
     _fill_unset_experts(d)
     _mla_head_dims(d)
     _keep_rotary_dims(d)

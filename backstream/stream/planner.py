@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from backstream.checks import UserError
 from backstream.stream.family import Unsupported
 from backstream.stream.hf import base_model, num_experts
-from backstream.stream.schedule import read_extent
+from backstream.stream.schedule import chunks, read_extent
 
 DEFAULT_BLOCK = 512
 DEFAULT_ROWS = 8
@@ -97,10 +97,18 @@ def _read_dims(c) -> _Dims:
     return _Dims(c.num_hidden_layers, c.hidden_size, H, Hkv, D, c.vocab_size, mlp, router)
 
 
+def boundaries(tree, block_size: int) -> int:
+    """Block boundaries whose state a later block reads (a model with recurrent or convolution state):
+    the end of every chunk but a leaf's last."""
+    return sum(len(chunks(len(n.tokens), block_size, True)) - (0 if n.children else 1) for n in tree.nodes)
+
+
 def estimate(model, *, tree_tokens: int, longest_path: int, block_size: int, rows: int,
-             stored_tokens: int | None = None) -> Plan:
+             stored_tokens: int | None = None, boundaries: int = 0, layout=None) -> Plan:
     """The peak live bytes of a streamed call (weights included). stored_tokens: tree tokens whose
-    K/V a later block reads (default: all of them; `plan` counts them for the block size)."""
+    K/V a later block reads (default: all of them; `plan` counts them for the block size).
+    boundaries, layout: the block boundaries whose recurrent / convolution states are kept, and the
+    states' sizes (`adapter.probe_layout`)."""
     d = _dims(model)
     params = list(model.parameters())
     elt = params[0].element_size()
@@ -113,26 +121,38 @@ def estimate(model, *, tree_tokens: int, longest_path: int, block_size: int, row
                  + 2 + 2 * d.heads + d.kv_heads)
     act_tok = d.layers * per_layer + 3 * d.hidden + 2 * d.head_dim
     history = min(tree_tokens, rows * longest_path)  # keys one batch reads (shared once, private per row)
+    stateful = layout is not None and bool(layout.states)
+    kv_tok = (len(layout.kv_layers) * 2 * d.kv_heads * d.head_dim) if stateful else d.kv_per_token
     b = {
         "weights": weights,
         "grads": grads,
-        "kv_store": stored * d.kv_per_token * elt,
-        "kv_grads": stored * d.kv_per_token * acc,
+        "kv_store": stored * kv_tok * elt,
+        "kv_grads": stored * kv_tok * acc,
         # RMSNorms compute in float32 whatever the model's dtype: their saved input and normalised
         # copies (two per norm) are float32
         "block_activations": tokens * (act_tok * elt + d.layers * d.router
                                        + (acc - elt) * (4 * d.layers + 2) * d.hidden),
-        "block_seeds": tokens * d.kv_per_token * elt,
+        "block_seeds": tokens * kv_tok * elt,
         "block_transient": max(3 * tokens * d.vocab * acc, 2 * history * d.kv_heads * d.head_dim * elt),
         # per tree token: the returned log-probs and their copy for `setup`, the loss mask, the
         # per-layer pending-gradient masks
         "bookkeeping": tree_tokens * (16 + d.layers),
     }
+    if stateful:  # the states at the kept boundaries and their gradients; a batch's start states
+        # (handed to the model as copies), their gradients and its end states' seeds
+        b["state_store"] = boundaries * layout.bytes_per_row()
+        b["state_grads"] = boundaries * layout.bytes_per_row(acc=True)
+        b["block_states"] = rows * 3 * layout.bytes_per_row(acc=True)
     return Plan(block_size, tokens, sum(b.values()), b)
 
 
-def plan(model, tree, *, block_size=None, batch_tokens=None, memory_budget=None) -> Plan:
-    """Resolve block size and batch tokens; with `memory_budget`, the largest that fit."""
+def plan(model, tree, *, block_size=None, batch_tokens=None, memory_budget=None, layout=None) -> Plan:
+    """Resolve block size and batch tokens; with `memory_budget`, the largest that fit. `layout`
+    (`adapter.probe_layout`): a model whose layers keep recurrent or convolution state runs blocks
+    of at least 2 tokens, and its states at the block boundaries are counted."""
+    stateful = bool(layout is not None and layout.states)
+    if stateful and block_size is not None:
+        block_size = max(block_size, 2)
     longest_node = max((len(n.tokens) for n in tree.nodes), default=1)
     longest_path = max((tree.nodes[p[-1]].end for p in tree.paths if p), default=1)
     siblings = max([len(tree.roots)] + [len(n.children) for n in tree.nodes])
@@ -140,7 +160,9 @@ def plan(model, tree, *, block_size=None, batch_tokens=None, memory_budget=None)
     def est(T, rows):
         # a batch never holds more rows than there are siblings, whatever batch_tokens allows
         return estimate(model, tree_tokens=tree.num_tokens(), longest_path=longest_path, block_size=T,
-                        rows=max(1, min(rows, siblings)), stored_tokens=sum(read_extent(tree, T).values()))
+                        rows=max(1, min(rows, siblings)),
+                        stored_tokens=sum(read_extent(tree, T, stateful).values()),
+                        boundaries=boundaries(tree, T) if stateful else 0, layout=layout)
 
     if memory_budget is None:
         T = block_size or DEFAULT_BLOCK

@@ -79,7 +79,7 @@ def _reference(model, sequences, obj, across_ranks: bool = False) -> StreamResul
             if grad and router:
                 kw["output_router_logits"] = True
             with torch.set_grad_enabled(grad):
-                out = model(input_ids=seq.to(device)[None], **kw)
+                out = model(input_ids=seq.to(device)[None], use_cache=False, **kw)
             if grad and router:
                 router_logits.append(tuple(out.router_logits))
             if act.any():

@@ -23,25 +23,44 @@ class Row:
     hi: int
 
 
-def batches(tree: TokenTree, block_size: int, batch_tokens: int) -> list[tuple[int, list[Row]]]:
+def chunks(length: int, block_size: int, stateful: bool = False) -> list[tuple[int, int]]:
+    """A node's chunks [lo, hi): `block_size` tokens each, the last one what remains. `stateful` (a
+    model with recurrent or convolution state, docs/design.md §2b): the last chunk takes a one-token
+    remainder (block_size + 1 tokens), so that no chunk after the first is one token long (see
+    `TokenTree`: a one-token block continuing a state would run the model's decode path)."""
+    cuts = list(range(0, length, block_size))
+    if stateful and len(cuts) > 1 and length - cuts[-1] == 1:
+        cuts.pop()
+    return [(lo, min(hi, length)) for lo, hi in zip(cuts, cuts[1:] + [length])]
+
+
+def batches(tree: TokenTree, block_size: int, batch_tokens: int,
+            stateful: bool = False) -> list[tuple[int, list[Row]]]:
     """Forward order: (parent, rows) with parents before children; siblings at the same chunk offset
-    together, as many rows as fit in `batch_tokens` (counting the longest row's chunk)."""
-    T = block_size
+    together, as many rows as fit in `batch_tokens` (counting the longest row's chunk).
+
+    `stateful` (a model with recurrent or convolution state, docs/design.md §2b): chunks as `chunks`
+    cuts them, and since the state after a padded row is the state after its padding, not its own, a
+    shorter row whose final state a later block reads (`read_later`) only shares a batch with rows of
+    its own length; the tails of responses, which nothing reads, still fill any batch."""
     out, queue = [], [-1]
     while queue:
         p = queue.pop(0)
         kids = tree.roots if p < 0 else tree.nodes[p].children
         if not kids:
             continue
-        longest = max(len(tree.nodes[c].tokens) for c in kids)
-        for lo in range(0, longest, T):
-            rows = [Row(c, lo, min(lo + T, len(tree.nodes[c].tokens))) for c in kids if len(tree.nodes[c].tokens) > lo]
-            rows.sort(key=lambda r: r.lo - r.hi)  # longest first: rows of a batch pad less
-            k = 0
-            while k < len(rows):
-                cap = max(1, batch_tokens // (rows[k].hi - rows[k].lo))
-                out.append((p, rows[k:k + cap]))
-                k += cap
+        at: dict[int, list[Row]] = {}  # chunk offset → the kids' chunks starting there
+        for c in kids:
+            for lo, hi in chunks(len(tree.nodes[c].tokens), block_size, stateful):
+                at.setdefault(lo, []).append(Row(c, lo, hi))
+        for lo in sorted(at):
+            rows = sorted(at[lo], key=lambda r: r.lo - r.hi)  # longest first: rows of a batch pad less
+            while rows:
+                Q = rows[0].hi - rows[0].lo
+                fits = [r for r in rows if not stateful or r.hi - r.lo == Q or not read_later(tree, r)]
+                take = fits[:max(1, batch_tokens // Q)]
+                out.append((p, take))
+                rows = [r for r in rows if r not in take]
         queue.extend(kids)
     return out
 
@@ -53,11 +72,11 @@ def read_later(tree: TokenTree, row: Row) -> bool:
     return row.hi < len(node.tokens) or bool(node.children)
 
 
-def read_extent(tree: TokenTree, block_size: int) -> dict[int, int]:
+def read_extent(tree: TokenTree, block_size: int, stateful: bool = False) -> dict[int, int]:
     """Per node, how many of its first positions some later block reads (`read_later` over its
     chunks): all of a node with children, a leaf's up to the start of its last chunk. The K/V store
     keeps exactly these, and the planner counts them."""
-    return {n.id: len(n.tokens) if n.children else (len(n.tokens) - 1) // block_size * block_size
+    return {n.id: len(n.tokens) if n.children else chunks(len(n.tokens), block_size, stateful)[-1][0]
             for n in tree.nodes}
 
 

@@ -43,14 +43,23 @@ class TokenTree:
 
     `inputs[i]` is the part of sequence i the model must read (up to its last active target);
     sequences with no active target have empty inputs and no node.
+
+    `stateful` (a model whose layers keep recurrent or convolution state, docs/design.md §2b): no
+    node below a root holds a single token while it has children. Such a node's token goes into each
+    of its children instead (computed once per child rather than once), so that no block with a
+    state to continue is one token long: the models' one-token paths are their decode paths, which
+    may compute otherwise than the multi-token path of the full forward (Zamba 2 clamps Δt in one
+    and not in the other).
     """
 
-    def __init__(self, inputs: list[list[int]]):
+    def __init__(self, inputs: list[list[int]], stateful: bool = False):
         self.nodes: list[Node] = []
         self.roots: list[int] = []
         for toks in inputs:
             if toks:
                 self._insert(toks)
+        if stateful:
+            self._push_down_singletons()
         # the path of each sequence: nodes from the root to the node holding its last input
         self.paths: list[list[int]] = [self._walk(toks) for toks in inputs]
         self.targets: dict[int, Targets] = {}
@@ -93,11 +102,46 @@ class TokenTree:
             self.nodes[gc].parent = tail.id
         node.tokens, node.children = node.tokens[:n], [tail.id]
 
+    def _push_down_singletons(self) -> None:
+        """Give every one-token node below a root that has children to its children (see the class
+        docstring), then renumber the nodes in forward order."""
+        for node in self.nodes:
+            if node.parent >= 0 and len(node.tokens) == 1 and node.children:
+                siblings = self.nodes[node.parent].children
+                i = siblings.index(node.id)
+                for c in node.children:
+                    child = self.nodes[c]
+                    child.tokens, child.start, child.parent = node.tokens + child.tokens, node.start, node.parent
+                siblings[i:i + 1] = node.children
+                node.children, node.parent = [], -2  # gone
+        old, order, queue = self.nodes, [], list(self.roots)
+        while queue:
+            n = queue.pop(0)
+            order.append(n)
+            queue.extend(old[n].children)
+        new_id = {n: i for i, n in enumerate(order)}
+        self.nodes = [Node(new_id[n], new_id.get(old[n].parent, -1), old[n].start, old[n].tokens,
+                           [new_id[c] for c in old[n].children]) for n in order]
+        self.roots = [new_id[r] for r in self.roots]
+
+    def _child_matching(self, siblings: list[int], toks: list[int], pos: int) -> int | None:
+        """The child whose tokens agree longest with toks[pos:] (children may share a first token
+        once singletons were pushed down)."""
+        best, best_n = None, 0
+        for c in siblings:
+            t = self.nodes[c].tokens
+            n, lim = 0, min(len(t), len(toks) - pos)
+            while n < lim and t[n] == toks[pos + n]:
+                n += 1
+            if n > best_n:
+                best, best_n = c, n
+        return best
+
     def _walk(self, toks: list[int]) -> list[int]:
         path, parent, pos = [], -1, 0
         while pos < len(toks):
             siblings = self.nodes[parent].children if parent >= 0 else self.roots
-            c = self._child_starting(siblings, toks[pos])
+            c = self._child_matching(siblings, toks, pos)
             assert c is not None, "sequence lost in its own tree"
             path.append(c)
             parent, pos = c, pos + len(self.nodes[c].tokens)

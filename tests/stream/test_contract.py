@@ -274,11 +274,12 @@ def test_gradient_checkpointing_in_training_mode_refused():
 # -- state that is not K/V, crashes inside transformers --------------------------------------------
 
 
-def test_conv_attention_hybrid_refused():
-    """LFM2 (short convolutions beside attention): a clear refusal, not an IndexError from inside
-    transformers."""
-    model = build("lfm2", layer_types=["conv", "full_attention"])
-    check_refused(model, "Layers whose state is not K/V|stored no K/V")
+def test_state_dropped_by_the_multi_token_path_refused():
+    """Mamba 1 (transformers' `mamba_selective_scan` takes no initial state): a forward continued
+    from the cache's state differs from the full forward, so the family is refused by name rather
+    than streamed wrong (the continuation contract, docs/design.md §6b (f))."""
+    model = build("mamba")
+    check_refused(model, "ignores or mishandles the state it is handed")
 
 
 # -- kv= and the planner -------------------------------------------------------------------------------

@@ -116,9 +116,11 @@ def test_random_trees(tree, family, block_size, batch_tokens):
 
 
 class CountTokens:
-    """Counts the tokens the model forwards (all passes of stream_backward)."""
+    """Counts the tokens the model forwards (all passes of stream_backward), after its once-per-model
+    layout probe (`adapter.probe_layout`)."""
 
     def __init__(self, model):
+        adapter.probe_layout(model)
         self.tokens = 0
         self.calls = 0
         model.get_input_embeddings().register_forward_hook(self.hook)
@@ -218,7 +220,8 @@ def test_logits_only_for_predicting_positions():
         w[30:] = 1.0
         weights.append(w)
     rows = []
-    family.check_default_positions(model, seqs[0])  # the once-per-model probe, before counting
+    family.check_default_positions(model, seqs[0])  # the once-per-model probes, before counting
+    adapter.probe_layout(model)
     model.lm_head.register_forward_hook(lambda m, i, o: rows.append(o.reshape(-1, o.shape[-1]).shape[0]))
     stream_backward(model, seqs, weights, block_size=8, batch_tokens=8)
     assert max(rows) <= 8  # one row × one block
