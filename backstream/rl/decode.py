@@ -8,6 +8,11 @@ copied out when asked for; finished rows leave the batch together once they are 
 and columns that only they needed are cut.
 A batch whose rows have one length needs no mask and computes exactly what one row alone would.
 
+A model whose layers keep recurrent or convolution state (Qwen3.5's Gated DeltaNet, Mamba 2, LFM2's
+short convolutions; `stream.adapter.probe_layout`) gets a cache whose layers fit it (`new_cache`):
+transformers' own state layers beside the K/V ones, one state per row, never padded (a state has no
+positions: a row's is what its own tokens left), and shared by a prompt's G rows as its K/V are.
+
 Sampling draws one uniform number per row per step from the row's generator and inverts the CDF of
 its probabilities (float64): a generator draws for every row it started with, finished or not, so a
 row's samples never depend on when the others finished, nor on which other rows share the batch.
@@ -26,12 +31,14 @@ import torch
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DummyLayer, DynamicLayer, LinearAttentionLayer
 
 from backstream.checks import UserError
-from backstream.stream.hf import cache_arg
+from backstream.stream.adapter import probe_layout
+from backstream.stream.hf import cache_arg, text_config
 
 KV = list[tuple[Tensor, Tensor]]  # per layer, (K, V) [Hkv, L, D] of one row
+StateKey = tuple[str, int]  # ("conv" | "recurrent", state index) within a layer
 # cuDNN's attention builds a graph per new key length, i.e. at every decode step: 2.3 ms of CPU per
 # call on an H200 (61% of a Qwen3-0.6B-shaped rollout's time); the others take any length as it comes
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -97,6 +104,108 @@ def sample_tokens(logits_BV: Tensor, temperature: float, top_k: int, top_p: floa
     return tok_B, logp_B
 
 
+# -- caches that fit the model -------------------------------------------------------------------
+
+
+class StateLayer(LinearAttentionLayer):
+    """A decode batch's recurrent and convolution states of one layer: transformers' own layer (the
+    model's decode steps update it in place), with the batch operations the decoder uses."""
+
+    def items(self) -> dict[StateKey, Tensor]:
+        out = {}
+        for i in range(self.number_of_states):
+            if self.is_conv_states_initialized[i]:
+                out[("conv", i)] = self.conv_states[i]
+            if self.is_recurrent_states_initialized[i]:
+                out[("recurrent", i)] = self.recurrent_states[i]
+        return out
+
+    def load(self, states: dict[StateKey, Tensor]) -> None:
+        """Continue from `states` ([B, ...] each): as if a prefill had left them."""
+        for (kind, i), t in states.items():
+            if kind == "conv":
+                self.conv_states[i], self.conv_kernel_size[i] = t, t.shape[-1]
+                self.is_conv_states_initialized[i] = True
+            else:
+                self.recurrent_states[i] = t
+                self.is_recurrent_states_initialized[i] = True
+            self.has_previous_state[i] = True
+            self.device = self.device or t.device
+            self.dtype = self.dtype or t.dtype
+
+    def batch_select_indices(self, indices: Tensor) -> None:
+        self.reorder_cache(indices)
+
+    def drop_front(self, cut: int) -> None:
+        pass  # a state has no positions
+
+
+class HybridLayer(StateLayer, DynamicLayer):
+    """A layer with both K/V and states (Falcon-H1, Zamba 2: attention and Mamba side by side)."""
+
+    def __init__(self, number_of_states: int = 1):
+        StateLayer.__init__(self, number_of_states=number_of_states)
+        DynamicLayer.__init__(self)
+
+    def batch_select_indices(self, indices: Tensor) -> None:
+        StateLayer.batch_select_indices(self, indices)
+        DynamicLayer.batch_select_indices(self, indices)
+
+
+def _states_per_layer(model) -> dict[int, int]:
+    """Layer → how many states of a kind it keeps (state indices 0..n−1)."""
+    out: dict[int, int] = {}
+    for per_kind in probe_layout(model).states.values():
+        for layer, i in per_kind:
+            out[layer] = max(out.get(layer, 0), i + 1)
+    return out
+
+
+def new_cache(model) -> DynamicCache:
+    """An empty cache for `model`: transformers' DynamicCache that grows a full-history K/V layer per
+    layer (no config: a sliding-window layer would drop history, see row_kv), and in a model with
+    recurrent or convolution state, the layers that fit each of its layers."""
+    cache = DynamicCache()
+    layout = probe_layout(model)
+    if layout.states:
+        n_states = _states_per_layer(model)
+        layers = []
+        for i in range(text_config(model).num_hidden_layers):
+            if i in n_states:
+                layers.append(HybridLayer(n_states[i]) if i in layout.kv_layers else StateLayer(n_states[i]))
+            else:
+                layers.append(DynamicLayer() if i in layout.kv_layers else DummyLayer())
+        cache.layers = layers
+    cache.fed = 0  # positions per row, pads included (the K/V's columns; a state-only model has none)
+    return cache
+
+
+def has_layer_state(model) -> bool:
+    """Does `model` keep recurrent or convolution state besides K/V (`stream.adapter.probe_layout`)?"""
+    return bool(probe_layout(model).states)
+
+
+@dataclass
+class RowCache:
+    """One row's cache over its fed positions, what a later prefill continues (`prefill(history=)`):
+    per layer its K and V [Hkv, L, D] (None for a layer without K/V) and, in a model whose layers keep
+    recurrent or convolution state, those states [1, ...] by layer and (kind, index)."""
+
+    kv: list[tuple[Tensor, Tensor] | None]
+    states: dict[int, dict[StateKey, Tensor]]
+    length: int
+
+    @property
+    def dtype(self) -> torch.dtype:
+        first = next((x[0] for x in self.kv if x is not None), None)
+        return first.dtype if first is not None else next(iter(next(iter(self.states.values())).values())).dtype
+
+    def as_kv(self) -> KV:
+        """The K/V of every layer, for `stream_backward(kv=)` (an attention-only model)."""
+        assert not self.states and all(x is not None for x in self.kv), "as_kv: a model with layer state"
+        return self.kv
+
+
 def forward_last(model, ids_BL: Tensor, start: int | Tensor, cache: DynamicCache, keep_last: bool,
                  mask_BT: Tensor | None = None) -> Tensor:
     """Logits [B, V] of the last position of `ids_BL`, which sit at positions start.. (an int shared by
@@ -114,25 +223,43 @@ def forward_last(model, ids_BL: Tensor, start: int | Tensor, cache: DynamicCache
     return out.logits[:, -1]
 
 
-def prefill(model, ids: list[list[int]], device, keep_last: bool, history: KV | None = None):
+def prefill(model, ids: list[list[int]], device, keep_last: bool, history: RowCache | None = None):
     """The cache and next-token logits [n, V] of `ids` (sequences of one length, as one batch), after
-    `history` (one row's K/V; its sequences then continue it)."""
-    cache = DynamicCache()  # without a config every layer keeps its whole history (see row_kv)
+    `history` (one row's cache; its sequences then continue it)."""
+    cache = new_cache(model)
     start = 0
     if history is not None:
-        for layer, (k, v) in enumerate(history):
-            cache.update(k[None], v[None], layer)
-        start = history[0][0].shape[-2]
+        for layer, kv in enumerate(history.kv):
+            if kv is not None:
+                cache.update(kv[0][None], kv[1][None], layer)
+        for layer, states in history.states.items():
+            cache.layers[layer].load(states)
+        start = history.length
     logits = forward_last(model, torch.tensor(ids, dtype=torch.long, device=device), start, cache, keep_last)
+    cache.fed = start + len(ids[0])
     return cache, logits
 
 
-def row_kv(cache: DynamicCache, row: int, begin: int, end: int) -> KV:
-    """Positions begin..end of row `row` of every layer of a cache, as views [Hkv, L, D]."""
+def row_kv(cache: DynamicCache, row: int, begin: int, end: int) -> list[tuple[Tensor, Tensor] | None]:
+    """Positions begin..end of row `row` of every K/V layer of a cache, as views [Hkv, L, D] (None for
+    a layer without K/V)."""
+    out = []
     for layer in cache.layers:
-        if type(layer) not in (DynamicLayer, GrowingLayer):
+        if isinstance(layer, (DummyLayer, StateLayer)) and not isinstance(layer, DynamicLayer):
+            out.append(None)
+        elif not isinstance(layer, (DynamicLayer, GrowingLayer)) or type(layer).__name__.startswith("DynamicSliding"):
             raise UserError(f"return_kv: cache layer {type(layer).__name__} does not keep the full K/V history")
-    return [(layer.keys[row, :, begin:end], layer.values[row, :, begin:end]) for layer in cache.layers]
+        else:
+            out.append((layer.keys[row, :, begin:end], layer.values[row, :, begin:end]))
+    return out
+
+
+def row_cache(cache: DynamicCache, row: int, begin: int, end: int) -> RowCache:
+    """Row `row` of a decode batch's cache over its fed positions begin..end, copied out."""
+    kv = [None if x is None else (x[0].clone(), x[1].clone()) for x in row_kv(cache, row, begin, end)]
+    states = {i: {k: t[row:row + 1].clone() for k, t in layer.items().items()}
+              for i, layer in enumerate(cache.layers) if isinstance(layer, StateLayer)}
+    return RowCache(kv, states, end - begin)
 
 
 class GrowingLayer(DynamicLayer):
@@ -172,6 +299,22 @@ class GrowingLayer(DynamicLayer):
 
     def _views(self) -> None:
         self.keys, self.values = self.bufs[0][:, :, :self.n], self.bufs[1][:, :, :self.n]
+
+
+class HybridGrowingLayer(StateLayer, GrowingLayer):
+    """A decode batch's layer with both K/V (in growing buffers) and states."""
+
+    def __init__(self, keys: Tensor, values: Tensor, room: int, states: dict[StateKey, Tensor]):
+        StateLayer.__init__(self, number_of_states=1 + max(i for _, i in states))
+        GrowingLayer.__init__(self, keys, values, room)
+        self.load(states)
+
+    def batch_select_indices(self, indices: Tensor) -> None:
+        StateLayer.batch_select_indices(self, indices)
+        GrowingLayer.batch_select_indices(self, indices)
+
+    def drop_front(self, cut: int) -> None:
+        GrowingLayer.drop_front(self, cut)
 
 
 @dataclass
@@ -214,27 +357,44 @@ class Rows:
     @staticmethod
     def stack(parts: list[tuple[list[int], DynamicCache, Tensor]], n: int, room: int) -> Rows:
         """`n` rows gathered from prefilled parts: (the rows it fills, its cache (all of one length, one
-        batch row per filled row), its logits); `room`: the positions the decode will add."""
-        longest = max(c.get_seq_length() for _, c, _ in parts)
+        batch row per filled row), its logits); `room`: the positions the decode will add. K/V are
+        left-padded to the longest part; states are not (one per row, whatever its length)."""
+        longest = max(c.fed for _, c, _ in parts)
         lengths, pads = [0] * n, [0] * n
         first = parts[0][1]
         logits = parts[0][2].new_empty((n, parts[0][2].shape[-1]))
         cache = DynamicCache()
         for layer in range(len(first.layers)):
+            like_layer = first.layers[layer]
             padded = []
-            for name in ("keys", "values"):  # their head sizes may differ (MLA)
-                like = getattr(first.layers[layer], name)
-                out = like.new_zeros((n, like.shape[1], longest, like.shape[3]))
-                for rows, c, _ in parts:
-                    L = c.get_seq_length()
-                    out[torch.tensor(rows, device=out.device), :, longest - L:] = getattr(c.layers[layer], name)
-                padded.append(out)
-            cache.layers.append(GrowingLayer(*padded, room))
+            if getattr(like_layer, "keys", None) is not None:
+                for name in ("keys", "values"):  # their head sizes may differ (MLA)
+                    like = getattr(like_layer, name)
+                    out = like.new_zeros((n, like.shape[1], longest, like.shape[3]))
+                    for rows, c, _ in parts:
+                        out[torch.tensor(rows, device=out.device), :, longest - c.fed:] = getattr(c.layers[layer], name)
+                    padded.append(out)
+            states = {}
+            if isinstance(like_layer, StateLayer):
+                for key, like in like_layer.items().items():
+                    out = like.new_empty((n, *like.shape[1:]))
+                    for rows, c, _ in parts:
+                        out[torch.tensor(rows, device=out.device)] = c.layers[layer].items()[key]
+                    states[key] = out
+            if padded and states:
+                cache.layers.append(HybridGrowingLayer(*padded, room, states))
+            elif padded:
+                cache.layers.append(GrowingLayer(*padded, room))
+            elif states:
+                cache.layers.append(StateLayer(number_of_states=1 + max(i for _, i in states)))
+                cache.layers[-1].load(states)
+            else:
+                cache.layers.append(DummyLayer())
+        cache.fed = longest
         for rows, c, part_logits in parts:
-            L = c.get_seq_length()
             logits[torch.tensor(rows, device=logits.device)] = part_logits
             for r in rows:
-                lengths[r], pads[r] = L, longest - L
+                lengths[r], pads[r] = c.fed, longest - c.fed
         return Rows(cache, lengths, pads, logits)
 
 
@@ -248,12 +408,12 @@ def _stop_hit(tokenizer, ids: list[int], stop: list[str], window: int) -> bool:
 @dataclass
 class Decoded:
     """Per row: the sampled ids, their log-probs [n], how it ended ("eos", "stop" or "length"), and
-    with `keep_kv` its K/V over every fed position (its length, then all but its last sampled token)."""
+    with `keep_kv` its cache over every fed position (its length, then all but its last sampled token)."""
 
     tokens: list[list[int]]
     logprobs: list[Tensor]
     reasons: list[str]
-    kv: list[KV] | None
+    caches: list[RowCache] | None
 
 
 def decode(model, rows: Rows, config, eos: set[int], tokenizer, generators: list, keep_last: bool,
@@ -273,13 +433,13 @@ def decode(model, rows: Rows, config, eos: set[int], tokenizer, generators: list
     pos_B = torch.tensor(rows.lengths, device=device)  # the next position of each batch row
     mask_BT = None
     if any(pads):
-        mask_BT = torch.ones((B, cache.get_seq_length()), dtype=torch.long, device=device)
+        mask_BT = torch.ones((B, cache.fed), dtype=torch.long, device=device)
         for b, p in enumerate(pads):
             mask_BT[b, :p] = 0
     tokens: list[list[int]] = [[] for _ in range(B)]
     logps: list[list[float]] = [[] for _ in range(B)]
     reasons: list[str] = [""] * B
-    kv: list[KV] | None = [[] for _ in range(B)] if keep_kv else None
+    kept: list[RowCache] | None = [None] * B if keep_kv else None
     tok_B: Tensor | None = None
     for t in range(max(budgets)):
         if t > 0:
@@ -310,8 +470,7 @@ def decode(model, rows: Rows, config, eos: set[int], tokenizer, generators: list
                 reasons[i] = "length"
             if reasons[i]:
                 if keep_kv:  # the row's fed positions: its length, then t sampled tokens
-                    kv[i] = [(k.clone(), v.clone())
-                             for k, v in row_kv(cache, b, pads[b], pads[b] + rows.lengths[i] + t)]
+                    kept[i] = row_cache(cache, b, pads[b], pads[b] + rows.lengths[i] + t)
                 slots[b] = None
                 if finished is not None:
                     finished(i)
@@ -328,9 +487,10 @@ def decode(model, rows: Rows, config, eos: set[int], tokenizer, generators: list
             cut = min(pads)  # columns that only finished rows needed
             if cut:
                 for layer in cache.layers:
-                    layer.drop_front(cut)
+                    if hasattr(layer, "drop_front"):
+                        layer.drop_front(cut)
                 mask_BT, pads = mask_BT[:, cut:], [p - cut for p in pads]
             if not any(pads):
                 mask_BT = None  # every row real again: the unmasked path
     lp_dtype = torch.promote_types(logits_BV.dtype, torch.float32)
-    return Decoded(tokens, [torch.tensor(lp, dtype=lp_dtype) for lp in logps], reasons, kv)
+    return Decoded(tokens, [torch.tensor(lp, dtype=lp_dtype) for lp in logps], reasons, kept)

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from backstream.checks import UserError, literals
-from backstream.rl.decode import Rows, decode
+from backstream.rl.decode import Rows, decode, has_layer_state
 from backstream.stream.hf import takes_logits_to_keep
 
 
@@ -317,6 +317,9 @@ def generate(
 
     G, n = config.group_size, len(prompts) * config.group_size
     prompts = [p.detach().to("cpu", torch.long) for p in prompts]
+    if return_kv and has_layer_state(model):
+        raise UserError(f"return_kv: {type(model).__name__} keeps recurrent or convolution state besides K/V, which "
+                        "the streamed backward cannot take from a rollout (trainer: engine.reuse_rollout_kv = false)")
     if not prompts:  # a rank's share of a round too small to reach it
         return Rollout(prompt_index=[], prompt_ids=[], completion_ids=[], logprobs=[], finish_reason=[],
                        kv=[] if return_kv else None, group_size=G)
@@ -332,7 +335,8 @@ def generate(
                  [config.max_new_tokens] * n, keep_kv=return_kv, finished=finished)
     return Rollout(prompt_index=[i // G for i in range(n)], prompt_ids=[prompts[i // G] for i in range(n)],
                    completion_ids=[torch.tensor(ids, dtype=torch.long) for ids in out.tokens],
-                   logprobs=out.logprobs, finish_reason=out.reasons, kv=out.kv, group_size=G)
+                   logprobs=out.logprobs, finish_reason=out.reasons,
+                   kv=[c.as_kv() for c in out.caches] if return_kv else None, group_size=G)
 
 
 class Sampler:

@@ -255,7 +255,7 @@ def _check_continuation(model, base, vocab: int, device, layout: StateLayout) ->
     layers = sorted(layout.state_layers)
     if mini is not None:
         ids = (torch.arange(CONTINUATION_CUTS[-1]) * 7 % (VOCAB - 8) + 7)[None]
-        with keep_float64():
+        with keep_float64(), torch.no_grad():
             full = mini(input_ids=ids, use_cache=False).logits[0]
             parts, _ = _forward_in_parts(mini, ids, CONTINUATION_CUTS)
         family.check_continuation(base, full, parts, layers, tol=1e-9)

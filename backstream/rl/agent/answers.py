@@ -139,7 +139,7 @@ class LocalAnswers:
         gens = [torch.Generator().manual_seed(r.seed) for r in batch]
         out = decode(model, rows, self.config, self.eos, self.tok, gens, keep_last, [r.max_tokens for r in batch],
                      keep_kv=True)
-        for r, ids, lp, reason, kv in zip(batch, out.tokens, out.logprobs, out.reasons, out.kv):
+        for r, ids, lp, reason, kv in zip(batch, out.tokens, out.logprobs, out.reasons, out.caches):
             r.answer = Answer(ids, lp.tolist(), None, reason)
             with self.cond:
                 self.prefixes.append((r.ids + ids[:-1], kv))

@@ -33,7 +33,7 @@ from torch import Tensor
 from backstream.checks import UserError
 from backstream.rl.agent.env import EnvConfig, EnvError, Environment, ToolResult
 from backstream.rl.agent.turns import make_format
-from backstream.rl.decode import KV, Rows, decode, prefill
+from backstream.rl.decode import RowCache, Rows, decode, prefill
 from backstream.rl.rollout import EpisodeInfo, Rollout, SamplingConfig
 from backstream.stream.hf import takes_logits_to_keep
 
@@ -61,7 +61,7 @@ class _Episode:
     tool_errors: int = 0
     results_cut: int = 0
     reason: str | None = None
-    kv: KV | None = None  # per layer (K, V) [Hkv, L, D] of every fed position
+    cache: RowCache | None = None  # its cache over every fed position (K/V, and states in a hybrid model)
     fed: list[int] = field(default_factory=list)  # every token fed to the model, in order (fidelity test)
     # per completion token, the weight version it was sampled with (a server's turns; None in process):
     # an inserted token carries the version of the turn before it
@@ -182,7 +182,7 @@ class EpisodeSampler:
         out = decode(model, batch, self.config, set(self.eos), self.tok, gens, keep_last,
                      [self._budget(len(ep.prompt)) for ep in episodes], keep_kv=True)
         for k, ep in enumerate(episodes):
-            ep.kv = out.kv[k]
+            ep.cache = out.caches[k]
             ep.fed = list(ep.prompt) + out.tokens[k][:-1]
             self._took_turn(ep, out.tokens[k], out.logprobs[k], out.reasons[k])
 
@@ -280,8 +280,8 @@ class EpisodeSampler:
         parts = []
         for r, ep in enumerate(eps):
             new = ep.pending + ep.inserted
-            cache, logits = prefill(model, [new], device, keep_last, history=ep.kv)
-            ep.kv = None  # the cache holds them now
+            cache, logits = prefill(model, [new], device, keep_last, history=ep.cache)
+            ep.cache = None  # the batch's cache holds it now
             ep.fed += new
             ep.add(ep.inserted, None)
             parts.append(([r], cache, logits))
@@ -290,18 +290,18 @@ class EpisodeSampler:
         out = decode(model, batch, self.config, set(self.eos), self.tok, gens, keep_last,
                      [self._budget(ep.length()) for ep in eps], keep_kv=True)
         for r, ep in enumerate(eps):
-            ep.kv = out.kv[r]
+            ep.cache = out.caches[r]
             ep.fed += out.tokens[r][:-1]
             self._took_turn(ep, out.tokens[r], out.logprobs[r], out.reasons[r])
 
     def _rollout(self, episodes: list[_Episode], indices: list[int]) -> Rollout:
         G = self.config.group_size
-        dtype = episodes[0].kv[0][0].dtype if episodes and episodes[0].kv else torch.float32
+        dtype = episodes[0].cache.dtype if episodes and episodes[0].cache else torch.float32
         lp_dtype = torch.promote_types(dtype, torch.float32)
         self.fed = [ep.fed for ep in episodes]
-        kv = [ep.kv for ep in episodes] if self.return_kv else None
+        kv = [ep.cache.as_kv() for ep in episodes] if self.return_kv else None
         for ep in episodes:
-            ep.kv = None
+            ep.cache = None
         infos = [EpisodeInfo(turns=ep.turns, tool_calls=ep.tool_calls, tool_errors=ep.tool_errors,
                              results_cut=ep.results_cut, timed_out=ep.reason == "timeout", tool_seconds=ep.tool_s,
                              prompt=ep.prompt_for_rewards, messages=ep.messages, env=ep.env) for ep in episodes]
