@@ -186,6 +186,7 @@ class Trainer:
         self.quantized_layers = list(quant_linears(self.model).values())
         if cfg.loss.router_aux_coef > 0:
             moe_spec(self.model, "loss.router_aux_coef")
+        cfg.engine.check_model(self.model)
         if cfg.engine.verify and cfg.engine.streamed:
             verify_engine(self.model)
 

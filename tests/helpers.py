@@ -450,3 +450,21 @@ def grads_of(model, fn, seqs, obj, **kw):
     model.zero_grad(set_to_none=True)
     fn(model, seqs, objective=obj, **kw)
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def tiny_hybrid(dtype=torch.float64, seed=0):
+    """A tiny Qwen3.5 (Gated DeltaNet, Gated DeltaNet, attention) with the default model's tokenizer: a
+    hybrid with the states of issue 39. Float64 needs `keep_float64` around its calls (the Gated
+    DeltaNet kernels compute in float32)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    tok = build_tokenizer()
+    torch.manual_seed(seed)
+    cfg = AutoConfig.for_model(
+        "qwen3_5_text", vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+        layer_types=["linear_attention", "linear_attention", "full_attention"], tie_word_embeddings=True,
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    model = AutoModelForCausalLM.from_config(cfg).to(dtype).eval()
+    return (exact_norms(model) if dtype == torch.float64 else model), tok

@@ -41,3 +41,9 @@ def ones_in_turns(completions, **kwargs):
     texts = [c if isinstance(c, str) else "".join(m["content"] for m in c if m["role"] == "assistant")
              for c in completions]
     return count_ones(texts)
+
+
+def count_digits_any(completions, **kwargs):
+    """count_digits over a completion's text, or over the contents of an episode's messages."""
+    texts = [c if isinstance(c, str) else "".join(str(m.get("content") or "") for m in c) for c in completions]
+    return count_digits(texts)

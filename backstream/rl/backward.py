@@ -15,6 +15,7 @@ from torch import Tensor
 
 from backstream.checks import UserError, at_least, literals
 from backstream.stream import fsdp
+from backstream.stream.adapter import probe_layout
 from backstream.stream.attention import KERNELS
 from backstream.stream.engine import StreamResult, logprobs, stream_backward
 from backstream.stream.hf import base_model
@@ -59,7 +60,7 @@ class ReferenceBackward:
         out = []
         with torch.no_grad(), fsdp.gathered(model):  # no per-forward all-gather under FSDP
             for s, m in zip(sequences, mask):
-                logits = model(input_ids=s[None].to(self.device)).logits[0, :-1]
+                logits = model(input_ids=s[None].to(self.device), use_cache=False).logits[0, :-1]
                 logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
                 lp = torch.full((len(s),), math.nan, dtype=logits.dtype)
                 lp[1:] = torch.log_softmax(logits, -1).gather(-1, s[1:, None].to(self.device))[:, 0].cpu()
@@ -108,6 +109,15 @@ class EngineConfig:
 
     def build(self, device: torch.device) -> StreamedBackward | ReferenceBackward:
         return BACKWARDS[self.backward](self, device)
+
+    def check_model(self, model) -> None:
+        """What the model itself rules out: a model whose layers keep recurrent or convolution state has
+        no rollout K/V that holds it at each block boundary (docs/design.md §2b)."""
+        if self.reuse_rollout_kv and probe_layout(model).states:
+            layers = sorted(probe_layout(model).state_layers)
+            raise UserError(f"engine.reuse_rollout_kv: {type(base_model(model)).__name__} keeps recurrent or "
+                             f"convolution state in layers {layers}, which the rollout's K/V do not hold at each "
+                             "block boundary (the engine's prefill computes it); set it to false")
 
 
 _VERIFIED: dict = {}  # architecture → VerifyReport: a process checks each architecture once

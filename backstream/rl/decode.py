@@ -180,9 +180,13 @@ def new_cache(model) -> DynamicCache:
     return cache
 
 
-def has_layer_state(model) -> bool:
-    """Does `model` keep recurrent or convolution state besides K/V (`stream.adapter.probe_layout`)?"""
-    return bool(probe_layout(model).states)
+def check_return_kv(model, return_kv: bool) -> None:
+    """A rollout's K/V can stand in for the engine's prefill only in a model that keeps nothing else
+    (`stream.adapter.probe_layout`): a recurrent or convolution state at each block boundary is not
+    in them."""
+    if return_kv and probe_layout(model).states:
+        raise UserError(f"return_kv: {type(model).__name__} keeps recurrent or convolution state besides K/V, which "
+                        "the streamed backward cannot take from a rollout (trainer: engine.reuse_rollout_kv = false)")
 
 
 @dataclass

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from backstream.checks import UserError, literals
-from backstream.rl.decode import Rows, decode, has_layer_state
+from backstream.rl.decode import Rows, check_return_kv, decode
 from backstream.stream.hf import takes_logits_to_keep
 
 
@@ -317,9 +317,7 @@ def generate(
 
     G, n = config.group_size, len(prompts) * config.group_size
     prompts = [p.detach().to("cpu", torch.long) for p in prompts]
-    if return_kv and has_layer_state(model):
-        raise UserError(f"return_kv: {type(model).__name__} keeps recurrent or convolution state besides K/V, which "
-                        "the streamed backward cannot take from a rollout (trainer: engine.reuse_rollout_kv = false)")
+    check_return_kv(model, return_kv)
     if not prompts:  # a rank's share of a round too small to reach it
         return Rollout(prompt_index=[], prompt_ids=[], completion_ids=[], logprobs=[], finish_reason=[],
                        kv=[] if return_kv else None, group_size=G)

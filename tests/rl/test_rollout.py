@@ -11,6 +11,7 @@ from transformers import DynamicCache
 
 from backstream.rl.decode import NonFiniteLogits
 from backstream.rl.rollout import Rollout, SamplingConfig, generate
+from backstream.stream.adapter import probe_layout
 from backstream.stream.hf import cache_arg, returned_cache
 
 PROMPTS = [torch.tensor([3, 14, 15, 9, 26]), torch.tensor([5, 35, 8, 9, 7, 9, 3])]
@@ -134,7 +135,9 @@ def test_stop_strings_cut_after_completing_token():
 
 
 def spy_shapes(model) -> list:
-    """The input_ids shape of every forward call `model` makes from now on (`del model.forward` stops it)."""
+    """The input_ids shape of every forward call `model` makes from now on (`del model.forward` stops it),
+    after its once-per-model layout probe (`probe_layout`)."""
+    probe_layout(model)
     shapes, forward = [], model.forward
 
     def spy(*args, **kw):

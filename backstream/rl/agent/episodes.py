@@ -33,7 +33,7 @@ from torch import Tensor
 from backstream.checks import UserError
 from backstream.rl.agent.env import EnvConfig, EnvError, Environment, ToolResult
 from backstream.rl.agent.turns import make_format
-from backstream.rl.decode import RowCache, Rows, decode, prefill
+from backstream.rl.decode import RowCache, Rows, check_return_kv, decode, prefill
 from backstream.rl.rollout import EpisodeInfo, Rollout, SamplingConfig
 from backstream.stream.hf import takes_logits_to_keep
 
@@ -113,6 +113,7 @@ class EpisodeSampler:
     @torch.no_grad()
     def sample(self, model, rows: list[dict], indices: list[int], generators: list, progress=None) -> Rollout:
         G, keep_last = self.config.group_size, takes_logits_to_keep(model)
+        check_return_kv(model, self.return_kv)
         episodes = self._start_groups(rows, indices)
         gens = [gen for gen in generators for _ in range(G)]  # an episode draws from its group's generator
         left = [G] * len(rows)  # live episodes per group
