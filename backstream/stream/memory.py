@@ -78,7 +78,7 @@ def saved(t: Tensor) -> None:
 
 
 def _key(t: Tensor):
-    st = t.untyped_storage()
+    st = (t._values() if t.is_sparse else t).untyped_storage()  # a sparse gradient: its values (rows)
     return st._cdata, st
 
 

@@ -7,7 +7,7 @@ import torch
 from helpers import make
 from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from backstream import stream_backward
+from backstream import reference_backward, stream_backward
 from backstream.stream import planner
 from backstream.stream.memory import LiveBytes, label, tag
 from backstream.stream.tree import TokenTree
@@ -141,3 +141,47 @@ def test_planner_estimate_within_20_percent_for_a_group_and_a_budget():
     m, r = counted(model, seqs, weights, memory_budget=budget)
     assert r.stats.peak_bytes_predicted <= budget
     assert abs(r.stats.peak_bytes_predicted / m.peak - 1) <= 0.2, (r.stats.peak_bytes_predicted, m.peak)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_embedding_gradient_is_its_rows_not_a_table_per_block(tied):
+    """A large vocabulary: each block batch's backward hands the input embedding the rows of its tokens,
+    not a dense [vocab × hidden] gradient (nor, with a tied LM head, a sum of two): at the peak at most one
+    such table (the LM head's gradient) is in flight besides `.grad`; `.grad` ends dense and exact."""
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=50000, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=tied)
+    model = Qwen3ForCausalLM(cfg).double().eval()
+    table = 50000 * 32 * 8
+    seq = torch.randint(0, 50000, (64,), generator=torch.Generator().manual_seed(1))
+    w = torch.randn(64, dtype=torch.float64)
+    w[0] = 0
+    m, _ = counted(model, [seq], [w], block_size=8)
+    logits = 8 * 50000 * 8  # one block's [8 × vocab] float64 logits gradient
+    assert m.at_peak.get("backward", 0) <= table + 2 * logits  # two tables or more before
+    model.zero_grad(set_to_none=True)
+    stream_backward(model, [seq], [w], block_size=8)
+    g = {n: p.grad.clone() for n, p in model.named_parameters()}
+    assert not any(x.is_sparse for x in g.values())
+    model.zero_grad(set_to_none=True)
+    reference_backward(model, [seq], [w])
+    for n, p in model.named_parameters():
+        assert torch.allclose(g[n], p.grad, rtol=1e-10, atol=1e-14), n
+    assert model.get_input_embeddings().weight is model.model.embed_tokens.weight  # restored
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+
+
+def test_a_bfloat16_embedding_gathers_its_rows_in_float32():
+    """bf16 with the float32 gradient buffer (GradAccumulator): the sparse rows start a dense buffer."""
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=3000, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=False)
+    model = Qwen3ForCausalLM(cfg).to(torch.bfloat16).eval()
+    seq = torch.randint(0, 3000, (40,), generator=torch.Generator().manual_seed(1))
+    w = torch.randn(40)
+    w[0] = 0
+    stream_backward(model, [seq], [w], block_size=8)
+    g = model.model.embed_tokens.weight.grad
+    assert g is not None and not g.is_sparse and g.dtype == torch.bfloat16
+    rows = torch.unique(seq[:-1])
+    assert (g[rows].abs().sum(-1) > 0).all() and int((g.abs().sum(-1) > 0).sum()) == len(rows)
