@@ -687,6 +687,25 @@ def _run_local(model, sequences, obj, *, block_size, batch_tokens, memory_budget
     return StreamResult(logprobs=lps, stats=stats)
 
 
+def measure_block(model, layout, tokens: int) -> int:
+    """Bytes a forward of one block of `tokens` tokens leaves alive for its backward (its activations,
+    its K/V and final states; no logits), counted by `LiveBytes`; the graph is dropped, no backward runs
+    (`planner.measured_activations`)."""
+    vocab = base_model(model).get_input_embeddings().num_embeddings
+    ids = torch.arange(tokens + 1) % vocab
+    tree = TokenTree([ids[:-1].tolist()], stateful=bool(layout.states))
+    eng = _Engine(model, [ids], tree, tokens, tokens, "auto", pad_id=0, layout=layout)
+    parent, rows = eng.schedule[0]
+    batch = _Batch(eng, parent, rows)
+    with use_backstream_attention(model), torch.enable_grad(), memory.LiveBytes() as counter:
+        start = counter.live
+        out = batch.forward(with_logits=False)
+        kept = counter.live - start
+        del out
+        batch.release()
+    return kept
+
+
 def _tree(seqs: list[Tensor], active: list[Tensor], every_token: bool,
           stateful: bool = False) -> tuple[list[list[int]], TokenTree]:
     """The inputs each sequence needs (up to its last active target, or all of it when the

@@ -152,7 +152,9 @@ class LiveBytes(TorchDispatchMode):
         if entry is not None and not entry[3]:
             entry[3] = True
             self.saved += entry[0]
-        return t
+        # detached (the same storage): a saved output held with its grad_fn would keep its own graph
+        # alive in a cycle through the hook, after a forward whose backward never runs
+        return t.detach()
 
     # -- the mode ---------------------------------------------------------------------------
 

@@ -30,7 +30,10 @@ and gK/gV are freed once its first block ran, before some of its relatives' bloc
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
+
+import torch
 
 from backstream.checks import UserError
 from backstream.stream.family import Unsupported
@@ -97,6 +100,36 @@ def _read_dims(c) -> _Dims:
     return _Dims(c.num_hidden_layers, c.hidden_size, H, Hkv, D, c.vocab_size, mlp, router)
 
 
+def _head_grad_bytes(model) -> int:
+    """Bytes of the LM head's weight gradient, which a block's backward makes whole before adding it
+    into `.grad` (0 when the head is frozen)."""
+    head = base_model(model).get_output_embeddings() if hasattr(base_model(model), "get_output_embeddings") else None
+    w = getattr(head, "weight", None)
+    return w.numel() * max(w.element_size(), 4) if isinstance(w, torch.Tensor) and w.requires_grad else 0
+
+
+_MEASURED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+PROBE_TOKENS = 128
+
+
+def measured_activations(model, layout) -> int:
+    """Bytes autograd keeps per token of a block in a model whose layers keep recurrent or convolution
+    state, measured once per model and dtype: one block of `PROBE_TOKENS` tokens forwarded by the
+    engine with gradient on, counted by `LiveBytes` (no logits, no backward: nothing reaches `.grad`).
+    The count per layer of a Qwen3-type model is a formula (the module docstring); the token mixers of
+    hybrids are many (Gated DeltaNet's chunked kernel, Mamba 2's scan, short convolutions), so they
+    are measured rather than written down per family."""
+    from backstream.stream.engine import measure_block  # noqa: PLC0415  (the engine imports the planner)
+
+    base = base_model(model)
+    dtype = next(model.parameters()).dtype
+    known = _MEASURED.setdefault(base, {})
+    key = (dtype, tuple(p.requires_grad for p in model.parameters()))
+    if key not in known:
+        known[key] = -(-measure_block(model, layout, PROBE_TOKENS) // PROBE_TOKENS)
+    return known[key]
+
+
 def boundaries(tree, block_size: int) -> int:
     """Block boundaries whose state a later block reads (a model with recurrent or convolution state):
     the end of every chunk but a leaf's last."""
@@ -130,10 +163,13 @@ def estimate(model, *, tree_tokens: int, longest_path: int, block_size: int, row
         "kv_grads": stored * kv_tok * acc,
         # RMSNorms compute in float32 whatever the model's dtype: their saved input and normalised
         # copies (two per norm) are float32
-        "block_activations": tokens * (act_tok * elt + d.layers * d.router
-                                       + (acc - elt) * (4 * d.layers + 2) * d.hidden),
+        "block_activations": tokens * (measured_activations(model, layout) if stateful else act_tok * elt
+                                       + d.layers * d.router + (acc - elt) * (4 * d.layers + 2) * d.hidden),
         "block_seeds": tokens * kv_tok * elt,
-        "block_transient": max(3 * tokens * d.vocab * acc, 2 * history * d.kv_heads * d.head_dim * elt),
+        # the logits' three [P × V] tensors at the start of the backward, or one layer's history gradient,
+        # or the LM head's weight gradient (a 248K-vocabulary head's is larger than a block's logits)
+        "block_transient": max(3 * tokens * d.vocab * acc, 2 * history * d.kv_heads * d.head_dim * elt,
+                               _head_grad_bytes(model)),
         # per tree token: the returned log-probs and their copy for `setup`, the loss mask, the
         # per-layer pending-gradient masks
         "bookkeeping": tree_tokens * (16 + d.layers),

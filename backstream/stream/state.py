@@ -213,10 +213,12 @@ class GuardSaved:
         return t
 
     def _pack(self, t: Tensor):
+        # detached (the same storage and version counter): a saved output held with its grad_fn would
+        # keep its own graph alive in a cycle through the hook
         memory.saved(t)  # LiveBytes' own pack hook is outside this one: tell it
         if self.handed and t.untyped_storage().data_ptr() in self.handed:
-            return t.clone(), None
-        return t, t._version
+            return t.detach().clone(), None
+        return t.detach(), t._version
 
     @staticmethod
     def _unpack(packed) -> Tensor:
