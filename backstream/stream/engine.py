@@ -46,6 +46,7 @@ from backstream.stream.adapter import (
     use_backstream_attention,
 )
 from backstream.stream.attention import Part, check_kernel, rows_as_batch
+from backstream.stream.grads import gathered_grads
 from backstream.stream.hf import base_model, takes_logits_mask
 from backstream.stream.kvstore import KVStore
 from backstream.stream.objective import BlockView, Objective, Terms, TokenWeights, flat_offsets
@@ -344,87 +345,6 @@ def objective_from(weights, objective) -> Objective:
     return objective if objective is not None else TokenWeights(list(weights))
 
 
-class GradAccumulator:
-    """For the duration of a backward made of many autograd calls: every trainable parameter whose
-    dtype is less precise than `dtype` gathers its gradient in a `dtype` buffer (a post-accumulate
-    hook moves each block batch's `.grad` into it), and `.grad` receives the sum, rounded once, on
-    exit (also after an exception: nothing accumulated is lost). A gradient already in `.grad`
-    is the buffer's start, as plain accumulation would have it. No-op for dtype None."""
-
-    def __init__(self, model: nn.Module, dtype: torch.dtype | None):
-        self.params = [] if dtype is None else [
-            p for p in model.parameters()
-            if p.requires_grad and p.dtype.is_floating_point and torch.finfo(p.dtype).eps > torch.finfo(dtype).eps]
-        self.dtype, self.buf, self.handles = dtype, {}, []
-
-    def _take(self, p: Tensor) -> None:
-        g = p.grad
-        if g is not None:
-            b = self.buf.get(p)
-            with memory.label("grad"):
-                if b is None:  # dense from the start: a sparse embedding gradient adds its rows in place
-                    b = torch.zeros(p.shape, dtype=self.dtype, device=p.device) if g.is_sparse else g.to(self.dtype)
-                    if g.is_sparse:
-                        b.add_(g)
-                    self.buf[p] = b
-                else:
-                    b.add_(g)
-            p.grad = None
-
-    def __enter__(self) -> GradAccumulator:
-        for p in self.params:
-            self._take(p)
-            self.handles.append(p.register_post_accumulate_grad_hook(self._take))
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for h in self.handles:
-            h.remove()
-        while self.buf:  # each buffer goes as soon as its `.grad` is written: one at a time, not all
-            p, b = self.buf.popitem()
-            p.grad = b.to(p.dtype) if p.grad is None else p.grad + b.to(p.dtype)
-            del b
-
-
-class SparseEmbeddingGrad:
-    """For the duration of a streamed call, the input embedding's backward hands over the rows of the
-    block's tokens (`nn.Embedding.sparse`) instead of a dense [vocab × hidden] gradient per block
-    batch: 1 GiB of zeros written and added at every block batch for a 248,320 × 1,024 float32 table
-    (Qwen3.5's), where the rows are a few thousand. The table is read through a second leaf that shares
-    its storage, so that with tied embeddings (the LM head's weight) the two gradients are not summed
-    into one more dense [vocab × hidden] tensor per block batch either: the rows are added into the
-    table's `.grad` once, on exit, which leaves it dense (optimizers take dense gradients). Not under
-    FSDP (sharded tables), nor for an embedding that is not a plain `nn.Embedding` or takes no gradient."""
-
-    def __init__(self, model: nn.Module, sharded: bool = False):
-        base = base_model(model)
-        emb = base.get_input_embeddings() if hasattr(base, "get_input_embeddings") else None
-        ok = (type(emb) is nn.Embedding and emb.weight.requires_grad and not emb.sparse and not sharded
-              and emb.max_norm is None and not emb.scale_grad_by_freq)
-        self.emb = emb if ok else None
-
-    def __enter__(self) -> SparseEmbeddingGrad:
-        if self.emb is not None:
-            self.table = self.emb.weight
-            self.emb.weight = nn.Parameter(self.table.detach(), requires_grad=True)  # the same storage
-            self.emb.sparse = True
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.emb is None:
-            return
-        rows, self.emb.weight, self.emb.sparse = self.emb.weight, self.table, False
-        g = rows.grad
-        if g is not None:
-            with memory.label("grad"):
-                g = g.to(self.table.dtype)
-                if self.table.grad is None:
-                    self.table.grad = g.to_dense() if g.is_sparse else g
-                else:
-                    self.table.grad.add_(g)  # in place, dense + sparse rows
-            memory.tag(self.table.grad, "grad")
-
-
 class _Engine:
     """The two passes over one token tree: the prefill (forward order) and the backward (reverse)."""
 
@@ -680,8 +600,7 @@ def _run_local(model, sequences, obj, *, block_size, batch_tokens, memory_budget
         if router is not None:
             stats.router_aux_loss = router.value
         t = time.perf_counter()
-        with SparseEmbeddingGrad(model, sharded=across_ranks or bool(fsdp.units(model))), \
-                GradAccumulator(model, grad_dtype):
+        with gathered_grads(model, grad_dtype, sharded=across_ranks or bool(fsdp.units(model))):
             eng.backward(obj, lps, stats, record=kv is not None or not all_lp)
         stats.backward_s = time.perf_counter() - t
     return StreamResult(logprobs=lps, stats=stats)

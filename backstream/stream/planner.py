@@ -36,7 +36,9 @@ from dataclasses import dataclass, field
 import torch
 
 from backstream.checks import UserError
+from backstream.stream import fsdp
 from backstream.stream.family import Unsupported
+from backstream.stream.grads import head_in_place
 from backstream.stream.hf import base_model, num_experts
 from backstream.stream.schedule import chunks, read_extent
 
@@ -101,11 +103,14 @@ def _read_dims(c) -> _Dims:
 
 
 def _head_grad_bytes(model) -> int:
-    """Bytes of the LM head's weight gradient, which a block's backward makes whole before adding it
-    into `.grad` (0 when the head is frozen)."""
-    head = base_model(model).get_output_embeddings() if hasattr(base_model(model), "get_output_embeddings") else None
+    """Bytes of the LM head's weight gradient where a block's backward makes it whole before adding it
+    into `.grad`: 0 when the head is frozen, or summed in place (`grads.HeadGradInPlace`)."""
+    base = base_model(model)
+    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
     w = getattr(head, "weight", None)
-    return w.numel() * max(w.element_size(), 4) if isinstance(w, torch.Tensor) and w.requires_grad else 0
+    if not isinstance(w, torch.Tensor) or not w.requires_grad or head_in_place(model, bool(fsdp.units(model))):
+        return 0
+    return w.numel() * max(w.element_size(), 4)
 
 
 _MEASURED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -167,9 +172,9 @@ def estimate(model, *, tree_tokens: int, longest_path: int, block_size: int, row
                                        + d.layers * d.router + (acc - elt) * (4 * d.layers + 2) * d.hidden),
         "block_seeds": tokens * kv_tok * elt,
         # the logits' three [P × V] tensors at the start of the backward, or one layer's history gradient,
-        # or the LM head's weight gradient (a 248K-vocabulary head's is larger than a block's logits)
+        # or the LM head's weight gradient beside the logits' (where it is made whole: FSDP, other heads)
         "block_transient": max(3 * tokens * d.vocab * acc, 2 * history * d.kv_heads * d.head_dim * elt,
-                               _head_grad_bytes(model)),
+                               _head_grad_bytes(model) + tokens * d.vocab * acc),
         # per tree token: the returned log-probs and their copy for `setup`, the loss mask, the
         # per-layer pending-gradient masks
         "bookkeeping": tree_tokens * (16 + d.layers),
