@@ -712,7 +712,8 @@ def test_gpu_check_cpu_smoke_all_parts(tmp_path):
     """Every part of the GPU check in the tiny CPU mode (the CUDA tests skip): each runs, records
     what the summary reads, and the train step's time split comes back."""
     stdout, res = smoke(tmp_path)
-    assert set(res["parts"]) == {"tests", "shape:0.6b", "shape:1.7b", "shape:8b", "prefix", "train"}
+    assert set(res["parts"]) == {"tests", "shape:0.6b", "shape:1.7b", "shape:8b", "prefix", "hybrid", "train",
+                                 "vllm-hybrid"}
     for name, part in res["parts"].items():
         assert part["error"] is None, (name, part["error"])
     rows = [r for p in res["parts"].values() for r in p["rows"]]
@@ -720,3 +721,8 @@ def test_gpu_check_cpu_smoke_all_parts(tmp_path):
     train = next(r for r in rows if r["kind"] == "train")
     assert {"rollout", "prefill", "backward", "optim", "step"} <= set(train["time"])
     assert (tmp_path / "train_metrics.jsonl").exists() and (tmp_path / "cuda_tests.log").exists()
+    hybrid = [r for r in rows if r["kind"] == "hybrid"]
+    assert len(hybrid) == 4 and all(r["ok"] for r in hybrid)  # reference and stream at two lengths
+    assert all(r["relative_difference"] < 1e-5 for r in rows if r["kind"] == "hybrid_agreement")  # float32 here
+    assert next(r for r in rows if r["kind"] == "hybrid_paths")["gated_delta_rule"] == "transformers' torch fallback"
+    assert "hybrid (Qwen3.5-0.8B widths" in stdout
