@@ -2,12 +2,16 @@
 LM (docs/design.md §2–§5, §6b, §6c). It never imports the RL loop (`backstream.rl`) or quantization
 (`backstream.quant`); tests/run/test_layout.py keeps it that way.
 
-    tree, schedule, kvstore   the token tree, which chunks form a block batch, the K/V store + gK/gV
+    tree, schedule            the token tree, which chunks form a block batch
+    state, kvstore            layer state carried between blocks (one protocol): recurrent and
+                              convolution states at block boundaries; the K/V store + gK/gV
     attention                 shared-prefix attention merged by log-sum-exp, and its backward
     objective                 the per-block objective contract (BlockView, Objective, TokenWeights)
     hf, family, adapter       what the engine asks of a transformers model, the contract's guards, the
                               Cache / attention-function adapter
     fsdp                      FSDP2 around one call (gather once, reduce once)
+    grads                     the parameters' gradients gathered over block batches (float32 for
+                              16-bit weights; the embedding's rows; the LM head's in place)
     router, planner           the MoE load-balancing term; block size from a memory budget
     memory                    exact count of live tensor bytes during a call (peak, what is alive there)
     engine, reference         stream_backward / logprobs, and the naive full-sequence reference

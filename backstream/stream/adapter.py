@@ -346,8 +346,9 @@ def run_model(batch, kwargs: dict):
                 raise  # our own checks (and our own bugs) surface as they are
             raise family.Unsupported(
                 f"model: {type(base).__name__} failed inside transformers when run block by block over the "
-                f"engine's Cache ({type(e).__name__}: {e}). Layers whose state is not K/V (convolution, state-space, "
-                f"linear attention) or that read the cache directly cannot be streamed; {family.ENGINE_HINT}") from e
+                f"engine's Cache ({type(e).__name__}: {e}). Layers that keep their state outside transformers' Cache "
+                f"(in module attributes, or a cache class of their own) or read the cache directly cannot be streamed; "
+                f"{family.ENGINE_HINT}") from e
         finally:
             _ACTIVE.pop()
 

@@ -21,6 +21,11 @@ prefix shared by several sequences once.
 A batch with no target and no pending K/V gradient does nothing (the "zero-reward shortcut"); with
 a sliding window, history outside every query's window is not read at all.
 
+Layers that keep a recurrent or convolution state instead of (or beside) K/V (Gated DeltaNet, Mamba 2,
+short convolutions; docs/design.md §2b) follow the same rule through `backstream.stream.state`: the
+prefill stores each block boundary's states, a batch's forward starts from them as leaves, and its
+backward seeds its final states with the gradient the batches after it left there.
+
 FSDP2 (docs/design.md §6c): every call runs inside one `fsdp.FSDPCall` (parameters gathered once, gradients
 reduced once at the end, also on a rank without sequences); see backstream/stream/fsdp.py.
 """

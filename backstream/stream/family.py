@@ -188,9 +188,9 @@ def kv_not_from_cache(module: nn.Module) -> Unsupported:
 def layers_without_kv(model_name: str, missing: list[int], layer_types) -> Unsupported:
     types = f" (config.layer_types: {sorted(set(layer_types))})" if layer_types else ""
     return Unsupported(
-        f"model: {model_name}: layers {missing} stored no K/V in the cache during the forward{types}. Layers "
-        "whose state is not K/V (convolution, state-space, linear attention) or that read another layer's cache "
-        f"cannot be streamed block by block; {ENGINE_HINT}")
+        f"model: {model_name}: layers {missing} stored neither K/V nor a recurrent or convolution state in the "
+        f"cache during the forward{types}. Layers that keep their state elsewhere (module attributes, a cache "
+        f"class of their own) or read another layer's cache cannot be streamed block by block; {ENGINE_HINT}")
 
 
 def check_continuation(base: nn.Module, full_LV: Tensor, continued_LV: Tensor, state_layers: list[int],
@@ -305,9 +305,13 @@ def check_deterministic(model: nn.Module) -> None:
 
 
 def package_frame(exc: BaseException) -> bool:
-    """Was `exc` raised by backstream's own code (innermost frame in this package)?"""
-    tb = exc.__traceback__
-    while tb is not None and tb.tb_next is not None:
+    """Was `exc` raised by backstream's own code (innermost frame in this package)? A frame of a torch
+    function mode of ours that only passes the call on (`miniature.keep_float64`) does not count."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    tb, last = exc.__traceback__, None
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if code.co_name != "__torch_function__" or os.path.dirname(os.path.abspath(code.co_filename)) != here:
+            last = tb
         tb = tb.tb_next
-    return tb is not None and os.path.dirname(os.path.abspath(tb.tb_frame.f_code.co_filename)) == os.path.dirname(
-        os.path.abspath(__file__))
+    return last is not None and os.path.dirname(os.path.abspath(last.tb_frame.f_code.co_filename)) == here

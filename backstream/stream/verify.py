@@ -8,7 +8,8 @@ can see; this module checks the rest by experiment, per architecture: `verify(mo
 the float64 miniature of the architecture (`backstream.stream.miniature`), runs `stream_backward`
 against `reference_backward` on a token tree with every shape a trainer makes (`token_tree`: a GRPO
 group on a shared prompt, a second turn on top of one response, a duplicate, a one-token and a
-zero-weight sequence, an unrelated sequence) at block sizes 1, 3 and 16, and compares every
+zero-weight sequence, an unrelated sequence) at block sizes 1 (2 for a model whose layers keep
+recurrent or convolution state: its blocks are at least 2 tokens), 3 and 16, and compares every
 parameter's gradient with the rule of the engine tests (`relative_errors`: relative error, judged
 against a thousandth of the largest gradient for parameters whose true gradient is ~0), under
 `keep_float64` so that HF's float32 upcasts add no 1e-7 noise.
