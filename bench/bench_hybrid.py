@@ -36,6 +36,7 @@ import torch
 
 from backstream import reference_backward, stream_backward
 from backstream.stream.adapter import probe_layout
+from backstream.stream.engine import measured_activations
 from backstream.stream.memory import LiveBytes
 from backstream.stream.planner import plan
 from backstream.stream.tree import TokenTree
@@ -99,7 +100,7 @@ def part_memory(lengths: list[int], blocks: list[int]) -> list[dict]:
         for b in blocks:
             rep, r, dt = counted(m, stream_backward, [seq], [w], block_size=b, batch_tokens=b)
             predicted = plan(m, TokenTree([seq[:-1].tolist()], stateful=True), block_size=b, batch_tokens=b,
-                             layout=layout)
+                             layout=layout, act_per_token=measured_activations(m, layout))
             row[f"stream_b{b}"] = {"peak_MiB": round(rep["peak"] / MiB), "s": round(dt, 1),
                                    "predicted_MiB": round(predicted.peak_bytes / MiB),
                                    "pred_err": round(predicted.peak_bytes / rep["peak"] - 1, 4),

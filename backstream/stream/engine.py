@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -581,7 +582,7 @@ def _run_local(model, sequences, obj, *, block_size, batch_tokens, memory_budget
     stats = StreamStats(sequences=len(sequences), active_sequences=sum(1 for x in inputs if x),
                         input_tokens=sum(len(x) for x in inputs), tree_tokens=tree.num_tokens())
     p = plan(model, tree, block_size=block_size, batch_tokens=batch_tokens, memory_budget=memory_budget,
-             layout=layout)
+             layout=layout, act_per_token=measured_activations(model, layout) if layout.states else None)
     stats.block_size, stats.batch_tokens, stats.peak_bytes_predicted = p.block_size, p.batch_tokens, p.peak_bytes
 
     eng = _Engine(model, seqs_cpu, tree, p.block_size, p.batch_tokens, kernel, pad_id=0, layout=layout)
@@ -614,7 +615,7 @@ def _run_local(model, sequences, obj, *, block_size, batch_tokens, memory_budget
 def measure_block(model, layout, tokens: int) -> int:
     """Bytes a forward of one block of `tokens` tokens leaves alive for its backward (its activations,
     its K/V and final states; no logits), counted by `LiveBytes`; the graph is dropped, no backward runs
-    (`planner.measured_activations`)."""
+    (`measured_activations`)."""
     vocab = base_model(model).get_input_embeddings().num_embeddings
     ids = torch.arange(tokens + 1) % vocab
     tree = TokenTree([ids[:-1].tolist()], stateful=bool(layout.states))
@@ -628,6 +629,26 @@ def measure_block(model, layout, tokens: int) -> int:
         del out
         batch.release()
     return kept
+
+
+_MEASURED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+PROBE_TOKENS = 128
+
+
+def measured_activations(model, layout) -> int:
+    """Bytes autograd keeps per token of a block in a model whose layers keep recurrent or convolution
+    state, measured once per model and dtype: one block of `PROBE_TOKENS` tokens forwarded by the
+    engine with gradient on, counted by `LiveBytes` (no logits, no backward: nothing reaches `.grad`).
+    The planner's count per layer of a Qwen3-type model is a formula; the token mixers of
+    hybrids are many (Gated DeltaNet's chunked kernel, Mamba 2's scan, short convolutions), so they
+    are measured rather than written down per family."""
+    base = base_model(model)
+    dtype = next(model.parameters()).dtype
+    known = _MEASURED.setdefault(base, {})
+    key = (dtype, tuple(p.requires_grad for p in model.parameters()))
+    if key not in known:
+        known[key] = -(-measure_block(model, layout, PROBE_TOKENS) // PROBE_TOKENS)
+    return known[key]
 
 
 def _tree(seqs: list[Tensor], active: list[Tensor], every_token: bool,

@@ -30,7 +30,6 @@ and gK/gV are freed once its first block ran, before some of its relatives' bloc
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -113,28 +112,6 @@ def _head_grad_bytes(model) -> int:
     return w.numel() * max(w.element_size(), 4)
 
 
-_MEASURED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-PROBE_TOKENS = 128
-
-
-def measured_activations(model, layout) -> int:
-    """Bytes autograd keeps per token of a block in a model whose layers keep recurrent or convolution
-    state, measured once per model and dtype: one block of `PROBE_TOKENS` tokens forwarded by the
-    engine with gradient on, counted by `LiveBytes` (no logits, no backward: nothing reaches `.grad`).
-    The count per layer of a Qwen3-type model is a formula (the module docstring); the token mixers of
-    hybrids are many (Gated DeltaNet's chunked kernel, Mamba 2's scan, short convolutions), so they
-    are measured rather than written down per family."""
-    from backstream.stream.engine import measure_block  # noqa: PLC0415  (the engine imports the planner)
-
-    base = base_model(model)
-    dtype = next(model.parameters()).dtype
-    known = _MEASURED.setdefault(base, {})
-    key = (dtype, tuple(p.requires_grad for p in model.parameters()))
-    if key not in known:
-        known[key] = -(-measure_block(model, layout, PROBE_TOKENS) // PROBE_TOKENS)
-    return known[key]
-
-
 def boundaries(tree, block_size: int) -> int:
     """Block boundaries whose state a later block reads (a model with recurrent or convolution state):
     the end of every chunk but a leaf's last."""
@@ -142,11 +119,14 @@ def boundaries(tree, block_size: int) -> int:
 
 
 def estimate(model, *, tree_tokens: int, longest_path: int, block_size: int, rows: int,
-             stored_tokens: int | None = None, boundaries: int = 0, layout=None) -> Plan:
+             stored_tokens: int | None = None, boundaries: int = 0, layout=None,
+             act_per_token: int | None = None) -> Plan:
     """The peak live bytes of a streamed call (weights included). stored_tokens: tree tokens whose
     K/V a later block reads (default: all of them; `plan` counts them for the block size).
     boundaries, layout: the block boundaries whose recurrent / convolution states are kept, and the
-    states' sizes (`adapter.probe_layout`)."""
+    states' sizes (`adapter.probe_layout`). act_per_token: bytes a block keeps per token, measured
+    (`engine.measured_activations`: the engine passes it for a model with layer state, whose token
+    mixers no formula here covers); None = the Qwen3/Llama-type formula of the module docstring."""
     d = _dims(model)
     params = list(model.parameters())
     elt = params[0].element_size()
@@ -168,7 +148,7 @@ def estimate(model, *, tree_tokens: int, longest_path: int, block_size: int, row
         "kv_grads": stored * kv_tok * acc,
         # RMSNorms compute in float32 whatever the model's dtype: their saved input and normalised
         # copies (two per norm) are float32
-        "block_activations": tokens * (measured_activations(model, layout) if stateful else act_tok * elt
+        "block_activations": tokens * (act_per_token if act_per_token is not None else act_tok * elt
                                        + d.layers * d.router + (acc - elt) * (4 * d.layers + 2) * d.hidden),
         "block_seeds": tokens * kv_tok * elt,
         # the logits' three [P × V] tensors at the start of the backward, or one layer's history gradient,
@@ -187,7 +167,8 @@ def estimate(model, *, tree_tokens: int, longest_path: int, block_size: int, row
     return Plan(block_size, tokens, sum(b.values()), b)
 
 
-def plan(model, tree, *, block_size=None, batch_tokens=None, memory_budget=None, layout=None) -> Plan:
+def plan(model, tree, *, block_size=None, batch_tokens=None, memory_budget=None, layout=None,
+         act_per_token: int | None = None) -> Plan:
     """Resolve block size and batch tokens; with `memory_budget`, the largest that fit. `layout`
     (`adapter.probe_layout`): a model whose layers keep recurrent or convolution state runs blocks
     of at least 2 tokens, and its states at the block boundaries are counted."""
@@ -203,7 +184,8 @@ def plan(model, tree, *, block_size=None, batch_tokens=None, memory_budget=None,
         return estimate(model, tree_tokens=tree.num_tokens(), longest_path=longest_path, block_size=T,
                         rows=max(1, min(rows, siblings)),
                         stored_tokens=sum(read_extent(tree, T, stateful).values()),
-                        boundaries=boundaries(tree, T) if stateful else 0, layout=layout)
+                        boundaries=boundaries(tree, T) if stateful else 0, layout=layout,
+                        act_per_token=act_per_token)
 
     if memory_budget is None:
         T = block_size or DEFAULT_BLOCK

@@ -15,6 +15,7 @@ from transformers import AutoConfig
 
 from backstream import reference_backward, stream_backward
 from backstream.stream.adapter import probe_layout
+from backstream.stream.engine import measured_activations
 from backstream.stream.family import ModelContractError, Unsupported
 from backstream.stream.miniature import keep_float64, miniature, miniature_config
 from backstream.stream.planner import boundaries, plan
@@ -182,7 +183,8 @@ def test_the_planner_counts_the_states():
     layout = probe_layout(model)
     seqs, _ = tree()
     t = TokenTree([s[:-1].tolist() for s in seqs], stateful=True)
-    p = plan(model, t, block_size=16, batch_tokens=64, layout=layout)
+    p = plan(model, t, block_size=16, batch_tokens=64, layout=layout, act_per_token=measured_activations(model, layout))
+    assert p.breakdown["block_activations"] == 64 * measured_activations(model, layout) > 0
     n = boundaries(t, 16)
     assert n > 0 and p.breakdown["state_store"] == n * layout.bytes_per_row()
     assert p.breakdown["state_grads"] == n * layout.bytes_per_row(acc=True)
