@@ -36,7 +36,7 @@ from backstream.rl.parallel import DistributedConfig
 from backstream.rl.rewards import RewardConfig
 from backstream.rl.rollout import SamplingConfig
 from backstream.rl.shaping import OVERLONG
-from backstream.rl.specs import absolute_spec, spec_files
+from backstream.rl.specs import absolute_spec, is_path_spec, spec_files
 from backstream.rl.vllm.server import VLLMConfig
 
 
@@ -239,6 +239,21 @@ class RunConfig:
         if what is not None:
             raise UserError(f"rollout.backend = \"vllm\": {what}")
 
+    def for_tokenizer(self, tokenizer) -> RunConfig:
+        """The config with what the tokenizer decides resolved (the run folder's config.toml then
+        states it): a built-in task's data.format ("auto" → "chat" or "plain"), and in the chat format
+        the task's chat reward ("answer") where reward.functions is left at its default."""
+        if self.data.path:
+            return self
+        from backstream.rl.tasks import TASKS  # noqa: PLC0415  (the tasks import the rewards)
+
+        fmt = self.data.resolved_format(tokenizer)
+        cfg = dataclasses.replace(self, data=dataclasses.replace(self.data, format=fmt))
+        if fmt == "chat" and self.reward.functions == RewardConfig().functions:
+            cfg = dataclasses.replace(cfg, reward=dataclasses.replace(self.reward,
+                                                                      functions=[TASKS[self.data.task].chat_reward]))
+        return cfg
+
     def validate(self, world_size: int | None = None) -> None:
         """Raise a ValueError naming the keys when two sections ask for things that cannot go together.
         `world_size`: the number of ranks under torchrun (1 included), None in a plain process."""
@@ -385,6 +400,8 @@ def load(path: str | None = None, overrides: list[str] = (), base: dict | None =
             except tomllib.TOMLDecodeError as e:
                 raise UserError(f"{path}: not valid TOML ({e})") from None
     raw = {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}
+    if path:
+        _beside(raw, os.path.dirname(os.path.abspath(path)))
     for text in overrides:
         section, key, value = parse_override(text)
         raw.setdefault(section, {})[key] = value
@@ -393,6 +410,41 @@ def load(path: str | None = None, overrides: list[str] = (), base: dict | None =
             raise UserError(f"[{section}]: unknown section; the sections are {list(SECTIONS)}")
     _task_defaults(raw)
     return RunConfig(**{s: _build(s, raw.get(s, {})) for s in SECTIONS})
+
+
+# the run-file keys that name files or folders (a spec "file.py:function" names its file)
+PATH_KEYS = ("data.path", "eval.path", "model.name", "env.chat_template")
+SPEC_KEYS = ("reward.functions", "env.factory", "env.tools", "env.agent")
+
+
+def _beside(raw: dict, folder: str) -> None:
+    """A relative path in a run file names a file beside that file when one is there
+    (`examples/toolcalc_agent.toml`'s `agent = "toolcalc_agent.py:agent"`), else it is taken from the
+    current directory, as a path given with --set is."""
+    def fix(p: str) -> str:
+        there = os.path.join(folder, p)
+        return there if not os.path.isabs(p) and not os.path.exists(p) and os.path.exists(there) else p
+
+    def fix_spec(spec):
+        if not isinstance(spec, str):
+            return spec
+        if is_path_spec(spec):
+            target, _, name = spec.rpartition(":")
+            return f"{fix(target)}:{name}"
+        if spec.startswith("reward_model:"):
+            return "reward_model:" + fix(spec[len("reward_model:"):])
+        return spec
+
+    for key in (*PATH_KEYS, *SPEC_KEYS):
+        section, name = key.split(".")
+        values = raw.get(section)
+        if not isinstance(values, dict) or name not in values:
+            continue
+        v = values[name]
+        if key in PATH_KEYS:
+            values[name] = fix(v) if isinstance(v, str) and v and v != "default" else v
+        else:
+            values[name] = [fix_spec(x) for x in v] if isinstance(v, list) else fix_spec(v)
 
 
 def _task_defaults(raw: dict) -> None:

@@ -49,7 +49,7 @@ from backstream.metrics import (
 from backstream.quant.linear import quant_linears, quantize_model, quantized
 from backstream.rl import data as datamod
 from backstream.rl import parallel
-from backstream.rl.advantages import ADVANTAGES, ZeroAdvantageWatch
+from backstream.rl.advantages import ADVANTAGES, ZeroAdvantageWatch, format_hint
 from backstream.rl.backward import BeforeUpdate, verify_engine
 from backstream.rl.evaluate import Evaluator, with_group_size
 from backstream.rl.losses import Normalisers, build_objective
@@ -121,6 +121,7 @@ class Trainer:
         self.dp = parallel.start(cfg.distributed, device=self.device, seed=tc.seed,
                                  minibatches=cfg.algorithm.minibatches, reuse_kv=cfg.engine.reuse_rollout_kv)
         self._build_policy(model, tokenizer)
+        self.cfg = cfg = cfg.for_tokenizer(self.tok)  # a built-in task through a chat model's template
         self.examples = cfg.data.build(tc.seed, prompt_optional=bool(cfg.env.factory or cfg.env.program))
         self.samplers = Samplers(cfg, self.tok, eos_ids(self.model, self.tok),
                                  getattr(self.model.config, "max_position_embeddings", None), self.run_dir, self.dp)
@@ -142,7 +143,7 @@ class Trainer:
         self.stepper = Stepper(cfg.optim, self.model, self.opt, self.sched, self.quantized_layers,
                                where=lambda: (self.step, checkpoint.latest(self.run_dir)))
         self.times = dict.fromkeys(PHASES, 0.0)
-        self.zero_adv = ZeroAdvantageWatch()
+        self.zero_adv = ZeroAdvantageWatch(format_hint(self.tok, cfg.data.format, cfg.reward.functions))
         self.rounds = self._rounds()
         self._open_run(resume, overwrite, changes, allow_changed_files)
         self.rounds.at_step(self.step)  # a resumed run's weights are its checkpoint's step's

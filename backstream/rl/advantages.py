@@ -41,17 +41,31 @@ def rloo_advantages(rewards: Tensor, group_size: int) -> Tensor:
     return (r - baseline).flatten().float()
 
 
+def format_hint(tokenizer, data_format: str, reward_functions: list[str]) -> str:
+    """The likely cause of rewards that never differ, when the set-up suggests one: a chat model scored
+    on whole completions (it answers in sentences, which exact_match scores 0)."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        return ""
+    if data_format == "plain" or "exact_match" in reward_functions:
+        return ("The model has a chat template: if it answers in sentences, a reward that reads the whole completion "
+                "(exact_match) scores every sample 0. For a built-in task set data.format = \"chat\" (the question "
+                "through the chat template, scored by the \"answer\" reward, which reads the answer from the "
+                "response); for your own data use reward.functions = [\"answer\"] or a function of your own")
+    return ""
+
+
 ADVANTAGES: dict[str, Callable[[Tensor, int], Tensor]] = {
     "grpo": grpo_advantages, "drgrpo": drgrpo_advantages, "rloo": rloo_advantages}
 
 
 class ZeroAdvantageWatch:
-    """`STEPS` steps in a row on which every advantage was 0 learn nothing: `saw` says when to warn."""
+    """`STEPS` steps in a row on which every advantage was 0 learn nothing: `saw` says when to warn
+    (once), with `hint`, the likely cause the run's set-up suggests (`format_hint`)."""
 
     STEPS = 5
 
-    def __init__(self):
-        self.in_a_row, self.warning = 0, ""
+    def __init__(self, hint: str = ""):
+        self.in_a_row, self.warning, self.hint = 0, "", hint
 
     def saw(self, all_zero: bool, step: int) -> bool:
         self.in_a_row = self.in_a_row + 1 if all_zero else 0
@@ -60,5 +74,5 @@ class ZeroAdvantageWatch:
                         "sample got the same reward, so nothing is learned. Check that the reward functions tell "
                         "samples apart (reward/<function> in metrics.jsonl), raise rollout.temperature or "
                         "rollout.group_size, or set algorithm.dynamic_sampling = true to replace the groups without "
-                        "signal")
+                        "signal" + (f". {self.hint}" if self.hint else ""))
         return self.in_a_row == self.STEPS

@@ -22,6 +22,13 @@ from backstream.rl.tasks import TASKS, make_dataset
 class DataConfig:
     task: Literal[tuple(TASKS)] = "arith"
     """Built-in generated task (backstream/rl/tasks.py), used when `path` is empty."""
+    format: Literal["auto", "chat", "plain"] = "auto"
+    """How a built-in task's prompts reach the model: "chat" = one user message that asks the question in
+    words and the answer's form, through the tokenizer's chat template, scored by the "answer" reward
+    (the answer read from the response: its "Answer:" line, \\boxed{} or last number); "plain" = the
+    bare text the built-in default model continues ("37+45="), scored by "exact_match"; "auto" = chat
+    when the tokenizer has a chat template. (A reward.functions of your own is kept. A data.path
+    file's prompts are used as they are: text, or chat messages.)"""
     path: str = ""
     """A JSONL file or a `datasets` folder with a `prompt` column (text or chat messages)."""
     num_examples: int = 2048
@@ -34,14 +41,27 @@ class DataConfig:
         at_least("data.num_examples", self.num_examples, 1)
         at_least("data.max_prompt_tokens", self.max_prompt_tokens, 1)
 
+    def resolved_format(self, tokenizer) -> str:
+        """"chat" or "plain" for a built-in task: `format`, "auto" decided by the tokenizer."""
+        if self.format == "chat" and getattr(tokenizer, "chat_template", None) is None:
+            raise UserError("data.format = \"chat\": the tokenizer has no chat template; set data.format = \"plain\" "
+                             "(or \"auto\"), or use a tokenizer with one")
+        if self.format != "auto":
+            return self.format
+        return "chat" if getattr(tokenizer, "chat_template", None) is not None else "plain"
+
     def build(self, seed: int, prompt_optional: bool = False) -> list[dict]:
         """The examples: read from `path`, else `num_examples` rows of the built-in `task` drawn with
-        `seed`; checked (not empty, every one with a `prompt` unless `prompt_optional`: an environment
-        whose reset returns the task's text owns its data)."""
+        `seed` (as chat messages when `format` is "chat": `resolved_format` first); checked (not empty,
+        every one with a `prompt` unless `prompt_optional`: an environment whose reset returns the
+        task's text owns its data)."""
         if self.path:
             examples, source = load_examples(self.path), self.path
         else:
             examples, source = make_dataset(self.task, self.num_examples, seed), f"task {self.task}"
+            if self.format == "chat":
+                chat = TASKS[self.task].chat
+                examples = [{**ex, "prompt": [{"role": "user", "content": chat(ex)}]} for ex in examples]
         check_examples(examples, source, prompt_optional)
         return examples
 

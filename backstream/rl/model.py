@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -51,12 +52,12 @@ class ModelConfig:
         device = self.torch_device()
         if model is None:
             model, tokenizer = self._load()
-            model = model.to(device)
+            model, base = model.to(device), self.base_name()
         elif tokenizer is None:
             raise UserError("tokenizer: required when a model object is passed")
         else:
-            model = model.to(device, DTYPES[self.dtype])
-        return self.apply_lora(model.eval()), tokenizer
+            model, base = model.to(device, DTYPES[self.dtype]), _loaded_from(model)
+        return self.apply_lora(model.eval(), base), tokenizer
 
     def _load(self):
         dtype = DTYPES[self.dtype]
@@ -77,13 +78,14 @@ class ModelConfig:
         except OSError as e:
             raise UserError(f"model.name: cannot load {self.name!r} ({e})") from None
 
-    def apply_lora(self, model):
+    def apply_lora(self, model, base: str | None = None):
+        """LoRA adapters when `lora_r` > 0; `base`: what a saved adapter names as its base model."""
         if self.lora_r == 0:
             return model
         from peft import LoraConfig, get_peft_model  # noqa: PLC0415
 
         try:
-            return get_peft_model(model, LoraConfig(r=self.lora_r, lora_alpha=self.lora_alpha,
+            peft = get_peft_model(model, LoraConfig(r=self.lora_r, lora_alpha=self.lora_alpha,
                                                     target_modules=self.lora_targets))
         except ValueError as e:
             if "not found in the base model" not in str(e) and "Target modules" not in str(e):
@@ -93,6 +95,26 @@ class ModelConfig:
             raise UserError(f"model.lora_targets: {self.lora_targets} match no module of {type(model).__name__}; "
                              f"its linear layers are named {leaves} (set model.lora_targets to some of them, e.g. "
                              "[\"q_proj\", \"v_proj\"])") from None
+        # the adapter names its base, so that a saved adapter loads with PeftModel.from_pretrained (or
+        # AutoPeftModelForCausalLM) alone. Set after get_peft_model, which overwrites a name the config
+        # brings with the model's own (None for a model built in memory) and warns that it "renamed" it
+        for cfg in peft.peft_config.values():
+            cfg.base_model_name_or_path = base
+        return peft
+
+    def base_name(self) -> str:
+        """The model `name` loads: the built-in model's folder, a local folder (absolute) or a Hub id."""
+        if self.name == "default":
+            from backstream.default_model import DEFAULT_MODEL_DIR  # noqa: PLC0415
+
+            return str(DEFAULT_MODEL_DIR)
+        return os.path.abspath(self.name) if os.path.isdir(self.name) else self.name
+
+
+def _loaded_from(model) -> str | None:
+    """The folder (absolute) or Hub id a model object was loaded from; None for one built in memory."""
+    name = getattr(getattr(model, "config", None), "_name_or_path", "") or None
+    return os.path.abspath(name) if name and os.path.isdir(name) else name
 
 
 def reference_policy(cfg, model, copy_of_given: bool):

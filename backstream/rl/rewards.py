@@ -177,6 +177,32 @@ def exact_match(completions: list[str], answer: list[str], **kwargs: Any) -> lis
             for c, a in zip(completions, answer, strict=True)]
 
 
+_ANSWER_LINE = re.compile(r"^\s*\**answer\**\s*[:：]\s*\**\s*(.+?)\s*$", re.IGNORECASE | re.MULTILINE)
+
+
+def chat_answer(text: str) -> str:
+    """The answer a chat response gives: after its last "####", else its last \\boxed{}, else its last
+    "Answer: …" line, else its last number ("The sum is 82." → "82"), else the whole text."""
+    if "####" in text or _last_boxed(text) is not None:
+        return final_answer(text)
+    lines = _ANSWER_LINE.findall(text)
+    if lines:
+        return lines[-1].strip().strip("*").rstrip(".").strip()
+    numbers = list(_NUMBER_IN_TEXT.finditer(text))
+    return numbers[-1].group(0) if numbers else text.strip()
+
+
+_NUMBER_IN_TEXT = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
+
+
+def answer(completions: list, answer: list[str], **kwargs: Any) -> list[float]:
+    """1.0 where the answer a chat response gives (`chat_answer`: "####", \\boxed{}, an "Answer:" line,
+    else its last number) equals the `answer` column, else 0.0: a right answer inside a sentence
+    counts. What the built-in tasks score a chat model with (data.format = "chat")."""
+    return [0.0 if (t := final_text(c)) is None else float(_answers_equal(chat_answer(t), str(a)))
+            for c, a in zip(completions, answer, strict=True)]
+
+
 def _import_math_verify():
     try:
         import math_verify  # noqa: PLC0415  (an optional extra: only for the math reward)
@@ -329,6 +355,7 @@ def _load_math(spec: str) -> RewardFn:
 # The first form that matches decides.
 SPECS: tuple[tuple[str, Callable[[str], bool], Callable[[str], RewardFn]], ...] = (
     ("exact_match", lambda s: s == "exact_match", lambda s: exact_match),
+    ("answer", lambda s: s == "answer", lambda s: answer),
     ("math", lambda s: s == "math", _load_math),
     ("format:<regex>", lambda s: s.startswith("format:") and len(s) > len("format:"),
      lambda s: format_reward(s[len("format:"):])),
@@ -359,7 +386,8 @@ class RewardConfig:
     """Which reward functions a run uses and how they combine; `build()` gives `Rewards`."""
 
     functions: list[str] = field(default_factory=lambda: ["exact_match"])
-    """Reward specs, each one of: 'exact_match', 'math', 'format:<regex>',
+    """Reward specs, each one of: 'exact_match', 'answer' (the answer of a chat response: "####",
+    \\boxed{}, an "Answer:" line or its last number), 'math', 'format:<regex>',
     'package.module:function', 'path/to/file.py:function', 'reward_model:<local folder>'."""
     weights: list[float] | None = None
     """Weight of each function in the total reward, in the order of `functions`; None = all 1.0."""
@@ -416,6 +444,16 @@ def _name_of(fn: Any) -> str:
     return getattr(fn, "__name__", None) or type(fn).__name__
 
 
+def spec_name(spec: str) -> str:
+    """The name a reward spec's metrics go under (`reward/<name>`): a file's or a module's function by
+    its own name ("rewards.py:correct" → "correct"), "format:<regex>" → "format",
+    "reward_model:<folder>" → "reward_model", the others as they are."""
+    form = _spec_form(spec)[0]
+    if form.endswith(":function"):
+        return spec.rsplit(":", 1)[1]
+    return form.split(":", 1)[0] if ":<" in form else spec
+
+
 _NO_ENV = object()  # Rewards built without saying whether there is an environment: 'env' taken as it is
 
 
@@ -443,11 +481,11 @@ class Rewards:
         self.functions: dict[str, RewardFn] = {}
         self.weights: dict[str, float] = {}
         for fn, weight in functions:
-            name = fn if isinstance(fn, str) else _name_of(fn)
+            name = spec_name(fn) if isinstance(fn, str) else _name_of(fn)
             fn = load_reward(fn) if isinstance(fn, str) else fn
             if not callable(fn):
                 raise TypeError(f"reward function {name!r} is a {type(fn).__name__}, not callable")
-            if name in self.functions:  # two format rewards, say: keep both, keep names apart
+            if name in self.functions:  # two format rewards, or two files' `correct`: keep both apart
                 name = f"{name}#{len(self.functions)}"
             self.functions[name], self.weights[name] = fn, float(weight)
         if not self.functions:

@@ -279,6 +279,7 @@ def _lora(mini: nn.Module, model: nn.Module):
     if getattr(cfg, "peft_type", None) is None or str(getattr(cfg.peft_type, "value", cfg.peft_type)) != "LORA":
         raise Unsupported(f"model: only LoRA adapters are verified, got {cfg.peft_type}")
     cfg.init_lora_weights = False  # B ≠ 0: every LoRA tensor gets a gradient
+    cfg.base_model_name_or_path = None  # the miniature is not that base (PEFT would warn it was "renamed")
     cfg.inference_mode = False
     layers = getattr(cfg, "layers_to_transform", None)
     if layers is not None:  # the miniature has 2 layers: adapt the same relative part of the stack

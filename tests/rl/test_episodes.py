@@ -362,3 +362,17 @@ def test_the_tokenizers_response_parser_reads_tool_calls_where_it_has_one(script
         {"type": "function", "function": {"name": "add", "arguments": {"a": 5, "b": 6}}}]}
     msg, calls = s.format.parse([7, 8, 9])
     assert [(c.name, c.arguments) for c in calls] == [("add", {"a": 5, "b": 6})] and msg["role"] == "assistant"
+
+
+def test_a_template_that_ignores_the_tools_is_refused():
+    """A chat template that renders a prompt the same with the tools' schemas as without (SmolLM2's)
+    would train a model that never sees its tools: refused at start-up, naming the ways out."""
+    model, tok = tiny(torch.float32)
+    tok.chat_template = ("{% for m in messages %}<u>{{ m['content'] }}</u>\n{% endfor %}"
+                         "{% if add_generation_prompt %}<a>{% endif %}")
+    with pytest.raises(ValueError, match=r"^env.format: the tokenizer’s chat template ignores the tools: it renders "
+                                         r"a prompt the same with their schemas \(add, boom\).*env.chat_template.*"
+                                         r'env.format = "plain"'):
+        sampler(tok, format="chat")
+    tok.chat_template = CHAT_TEMPLATE  # renders them: accepted
+    assert sampler(tok, format="chat").format.name == "chat"

@@ -529,3 +529,33 @@ def test_eval_metrics_against_rewards_known_in_advance():
     ev.examples = ev.examples[:3]
     out = ev.run(None, lambda idx: torch.tensor([rewards[i] for i in idx]).flatten(), DataParallel(None), 0)
     assert out == {"eval/reward/mean": 5 / 12, "eval/pass@4": 2 / 3, "eval/avg@4": (1 / 4 + 0 + 1) / 3}
+
+
+# -- the answer of a chat response (issue 42) -------------------------------------------------------
+
+
+@pytest.mark.parametrize("text, gold, want", [
+    ("37 + 45 = 82.", "82", 1.0), ("The answer is 82", "82", 1.0),
+    ("Answer: 82\nI hope that helps, 3 times", "82", 1.0),
+    ("**Answer:** 82.", "82", 1.0), ("so \\boxed{82}, not 81", "82", 1.0), ("work #### 1,000", "1000", 1.0),
+    ("82 is close, but it is 81", "82", 0.0), ("no number at all", "82", 0.0), ("eighty-two", "82", 0.0),
+])
+def test_answer_reads_the_answer_of_a_chat_response(text, gold, want):
+    from backstream.rl.rewards import answer
+
+    assert answer([text], [gold]) == [want]
+    assert answer([[{"role": "assistant", "content": text}]], [gold]) == [want]
+
+
+def test_reward_metrics_are_named_by_the_function(tmp_path):
+    """reward/<function>, not reward/<path>:<function>; two functions of one name kept apart."""
+    from backstream.rl.rewards import Rewards, spec_name
+
+    for d in ("a", "b"):
+        (tmp_path / d).mkdir()
+        (tmp_path / d / "r.py").write_text("def correct(completions, **kw):\n    return [1.0] * len(completions)\n")
+    assert spec_name(f"{tmp_path}/a/r.py:correct") == "correct"
+    assert [spec_name(s) for s in ("exact_match", "answer", "format:\\d+", "reward_model:x", "env", "mod.sub:f")] == [
+        "exact_match", "answer", "format", "reward_model", "env", "f"]
+    r = Rewards([(f"{tmp_path}/a/r.py:correct", 1.0), (f"{tmp_path}/b/r.py:correct", 0.5), ("exact_match", 1.0)])
+    assert list(r.functions) == ["correct", "correct#1", "exact_match"]

@@ -140,3 +140,47 @@ def test_score_agrees_with_the_exact_match_reward():
     completions, answers = zip(*cases)
     assert exact_match(list(completions), answer=list(answers)) == [score(c, a) for c, a in cases]
     assert load_reward(TASKS["arith"].reward)  # the spec string is one the trainer accepts
+
+
+# -- built-in tasks on chat models (issue 42) --------------------------------------------------------
+
+
+class _Tok:
+    def __init__(self, template):
+        self.chat_template = template
+
+
+@pytest.mark.parametrize("name", sorted(TASKS))
+def test_a_task_for_a_chat_model_asks_in_words_and_for_the_answers_form(name):
+    from backstream.rl.data import DataConfig
+
+    plain = make_dataset(name, 5, seed=1)
+    rows = DataConfig(task=name, num_examples=5, format="chat").build(1)
+    for p, r in zip(plain, rows):
+        (msg,) = r["prompt"]
+        assert msg["role"] == "user" and msg["content"].endswith("Answer with the number only.")
+        assert r["answer"] == p["answer"] and "=" not in msg["content"].splitlines()[-1]
+    assert DataConfig(task=name, num_examples=5, format="plain").build(1) == plain
+
+
+def test_format_auto_follows_the_tokenizer_and_picks_the_reward():
+    from backstream import config
+    from backstream.rl.data import DataConfig
+
+    assert DataConfig().resolved_format(_Tok(None)) == "plain"
+    assert DataConfig().resolved_format(_Tok("{{ x }}")) == "chat"
+    with pytest.raises(ValueError, match=r'^data.format = "chat": the tokenizer has no chat template'):
+        DataConfig(format="chat").resolved_format(_Tok(None))
+    cfg = config.load(None, []).for_tokenizer(_Tok("{{ x }}"))
+    assert cfg.data.format == "chat" and cfg.reward.functions == ["answer"]
+    own = config.load(None, ["reward.functions=['format:.*']"]).for_tokenizer(_Tok("{{ x }}"))
+    assert own.reward.functions == ["format:.*"]  # a reward of the user's own is kept
+    plain = config.load(None, []).for_tokenizer(_Tok(None))
+    assert plain.data.format == "plain" and plain.reward.functions == ["exact_match"]
+
+
+def test_kvlookup_in_words_keeps_every_pair():
+    row = make_dataset("kvlookup", 1, seed=2)[0]
+    text = TASKS["kvlookup"].chat(row)
+    key = row["prompt"].rsplit("\n", 1)[1].rstrip("=")
+    assert text.count("=") == KV_PAIRS and f"What is the value of {key}? Answer" in text

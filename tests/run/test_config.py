@@ -155,3 +155,22 @@ def test_example_reward_function(monkeypatch):
     from backstream.rl.rewards import format_reward
 
     assert format_reward(spec[len("format:"):])([r"so \boxed{7}", "7"]) == [1.0, 0.0]
+
+
+def test_relative_paths_in_a_run_file_name_files_beside_it(tmp_path, monkeypatch):
+    """A relative path in a run file names the file beside the run file when one is there (the shipped
+    examples run from any directory); else it is the current directory's, as before."""
+    sub = tmp_path / "runs"
+    sub.mkdir()
+    (sub / "r.py").write_text("def ok(completions, **kw):\n    return [1.0] * len(completions)\n")
+    (sub / "data.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    (sub / "run.toml").write_text('[data]\npath = "data.jsonl"\n[reward]\nfunctions = ["r.py:ok", "exact_match"]\n')
+    monkeypatch.chdir(tmp_path)
+    cfg = config.load(str(sub / "run.toml"))
+    assert cfg.data.path == str(sub / "data.jsonl") and cfg.reward.functions == [f"{sub}/r.py:ok", "exact_match"]
+    (tmp_path / "data.jsonl").write_text('{"prompt": "2+2=", "answer": "4"}\n')  # one here too: the current dir's
+    assert config.load(str(sub / "run.toml")).data.path == "data.jsonl"
+    monkeypatch.chdir(EXAMPLES)  # the shipped example from inside its folder and from the repository
+    assert config.load("toolcalc_agent.toml").env.agent == "toolcalc_agent.py:agent"  # here: the current dir's
+    monkeypatch.chdir(os.path.dirname(EXAMPLES))
+    assert config.load("examples/toolcalc_agent.toml").env.agent == f"{EXAMPLES}/toolcalc_agent.py:agent"

@@ -464,3 +464,21 @@ def test_model_weights_from_safetensors_only(tmp_path):
     with pytest.raises(ValueError, match="model.name: cannot load"):
         trainer.train(cfg)
     assert not (tmp_path / "b").exists()  # refused before the run folder was made
+
+
+def test_a_saved_adapter_names_its_base_and_loads_alone(tmp_path, recwarn):
+    """A LoRA run's checkpoint: adapter_config.json names the base model (here the built-in one's
+    folder), AutoPeftModelForCausalLM loads it with nothing else said, and no warning claims the base
+    was renamed."""
+    from peft import AutoPeftModelForCausalLM
+
+    from backstream.default_model import DEFAULT_MODEL_DIR
+
+    run = trainer.train(run_cfg(tmp_path, "lora", 'model.name="default"', 'model.dtype="float32"', "model.lora_r=4",
+                                "train.steps=1"))
+    assert not [w for w in recwarn if "renamed" in str(w.message)]
+    ckpt = checkpoint.latest(run)
+    with open(os.path.join(ckpt, "adapter_config.json")) as f:
+        assert json.load(f)["base_model_name_or_path"] == str(DEFAULT_MODEL_DIR)
+    loaded = AutoPeftModelForCausalLM.from_pretrained(ckpt)
+    assert any("lora_A" in n for n, _ in loaded.named_parameters())

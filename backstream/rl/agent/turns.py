@@ -123,7 +123,21 @@ class ChatFormat:
     def check(self) -> None:
         """Render a tool conversation (a call, its result, the next turn; a user message) through the
         template now, so that one which renders earlier turns differently once the conversation goes
-        on is refused before the run rather than at its first tool call."""
+        on is refused before the run rather than at its first tool call; and one that ignores `tools=`
+        (renders a prompt the same with the tools' schemas as without), which would train a model that
+        never sees its tools."""
+        if self.schemas:
+            probe = [{"role": "user", "content": "ok"}]
+            with_tools = self._render(probe, True)
+            if with_tools == list(self.tok.apply_chat_template(probe, tokenize=True, add_generation_prompt=True,
+                                                               return_dict=False, chat_template=self.template)):
+                names = [x["function"]["name"] for x in self.schemas]
+                raise UserError(
+                    f"env.format: {'env.chat_template' if self.template else 'the tokenizer’s chat template'} ignores "
+                    f"the tools: it renders a prompt the same with their schemas ({', '.join(names)}) as without, so "
+                    "the model would never see them. Set env.chat_template to a template that renders tools= (a "
+                    ".jinja file or the template text), or env.format = \"plain\" (tool calls as text turns "
+                    "\"[name arg ...]\")")
         try:
             for name in [s["function"]["name"] for s in self.schemas][:1] or [None]:
                 if name is not None:
