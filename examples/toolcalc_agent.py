@@ -31,7 +31,9 @@ def add(a: int, b: int) -> int:
 
 def agent(base_url: str, api_key: str, model: str, row: dict):
     client = OpenAI(base_url=base_url, api_key=api_key, max_retries=0, http_client=HTTP)
-    messages = [{"role": "user", "content": row["prompt"]}]
+    # a chat-format row's prompt is a conversation already (TRL's form); a plain one is text
+    prompt = row["prompt"]
+    messages = list(prompt) if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
     for _ in range(4):  # the run allows env.max_turns requests
         choice = client.chat.completions.create(model=model, messages=messages, tools=[ADD]).choices[0]
         message = choice.message

@@ -24,12 +24,18 @@ class Scripted:
         return Answer(out, [-0.25] * len(out), [7] * len(out), reason)
 
 
+def _messages(row) -> list[dict]:
+    """The row's prompt as a conversation: a chat-format row's prompt is one already (TRL's form)."""
+    return [dict(m) for m in row["prompt"]] if isinstance(row["prompt"], list) else [
+        {"role": "user", "content": row["prompt"]}]
+
+
 def calculator_agent(base_url, api_key, model, row):
     """Solve `row["prompt"]` with the add tool; the reward: 1 if the final answer is `row["answer"]`."""
     import openai
 
     client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
-    messages = [{"role": "user", "content": row["prompt"]}]
+    messages = _messages(row)
     for _ in range(4):
         choice = client.chat.completions.create(model=model, messages=messages, tools=[ADD]).choices[0]
         message = {"role": "assistant", "content": choice.message.content}
@@ -47,7 +53,7 @@ async def async_agent(base_url, api_key, model, row):
     import openai
 
     client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
-    answer = await client.chat.completions.create(model=model, messages=[{"role": "user", "content": row["prompt"]}])
+    answer = await client.chat.completions.create(model=model, messages=_messages(row))
     return 0.5 if answer.choices[0].message.content else None
 
 
@@ -67,11 +73,11 @@ def rewriting_agent(base_url, api_key, model, row):
     import openai
 
     client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
-    messages = [{"role": "user", "content": row["prompt"]}]
+    messages = _messages(row)
     answer = ""
     for turn in range(3):
         if turn == 2:  # a summary replaces the history
-            messages = [{"role": "user", "content": row["prompt"]}, {"role": "user", "content": "so far: ok"}]
+            messages = [*_messages(row), {"role": "user", "content": "so far: ok"}]
         answer = client.chat.completions.create(model=model, messages=messages, max_tokens=5).choices[0].message
         answer = answer.content or ""
         messages += [{"role": "assistant", "content": f"<think>{answer}</think>ok" if turn == 0 else answer},
@@ -84,8 +90,8 @@ def failing_agent(base_url, api_key, model, row):
     import openai
 
     client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
-    client.chat.completions.create(model=model, messages=[{"role": "user", "content": row["prompt"]}], max_tokens=3)
-    if "1" in row["prompt"]:
+    client.chat.completions.create(model=model, messages=_messages(row), max_tokens=3)
+    if "1" in _messages(row)[-1]["content"]:
         raise RuntimeError("the agent's own bug")
     return 1.0
 
@@ -121,7 +127,7 @@ def appending_agent(base_url, api_key, model, row):
     import openai
 
     client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
-    messages = [{"role": "user", "content": row["prompt"]}]
+    messages = _messages(row)
     for _ in range(4):
         answer = client.chat.completions.create(model=model, messages=messages).choices[0]
         messages += [{"role": "assistant", "content": answer.message.content or ""},

@@ -81,7 +81,9 @@ class EngineConfig:
     memory_budget_mb: int = 0
     """Let the planner pick the block size and rows per batch for this many MiB; 0 = off."""
     reuse_rollout_kv: bool = False
-    """Hand the rollout's K/V to the engine (no prefill); only when epochs = minibatches = 1."""
+    """Hand the rollout's K/V to the engine (no prefill); only when epochs = minibatches = 1. Saves the
+    prefill (a sixth of a step on a 2.4K-token chat prompt) at the cost of each row's copy of its
+    prompt's K/V until the update (0.3-0.9 GiB more at the peak there): bench/README.md."""
     grad_accum_dtype: Literal[tuple(GRAD_ACCUM_DTYPES)] = "float32"
     """stream backward, bfloat16/float16 models: "float32" gathers each parameter's gradient over the
     block batches in a float32 buffer (4 bytes per trainable parameter during the backward) and

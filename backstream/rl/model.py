@@ -38,6 +38,8 @@ class ModelConfig:
     def __post_init__(self):
         literals(self, "model")
         at_least("model.lora_r", self.lora_r, 0)
+        if self.name.startswith("~"):  # a folder under the home directory, as a shell would read it
+            self.name = os.path.expanduser(self.name)
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

@@ -144,6 +144,26 @@ def test_faults_are_errors_the_client_reads(tok):
         ep.stop()
 
 
+def test_text_parts_are_the_string_and_other_content_is_refused(tok):
+    """OpenAI's content parts ([{"type": "text", ...}]) render as the joined string; a message nested as
+    content (a chat row's prompt passed as one message's content) is a 400 naming the fix, not the
+    list's repr fed to the model."""
+    ep, policy = _endpoint(tok, ["7"] * 4)
+    try:
+        session = ep.open()
+        client = openai.OpenAI(base_url=session.base_url, api_key=session.key, max_retries=0)
+        client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "12+34="}])
+        parts = [{"type": "text", "text": "12+"}, {"type": "text", "text": "34="}]
+        client.chat.completions.create(model="policy", messages=[{"role": "user", "content": parts}])
+        assert policy.fed[1] == policy.fed[0]
+        nested = [{"role": "user", "content": "12+34="}]
+        with pytest.raises(openai.BadRequestError, match=r"messages\[0\].content: .* pass it as `messages`"):
+            client.chat.completions.create(model="policy", messages=[{"role": "user", "content": nested}])
+        assert len(policy.fed) == 2  # the refused request sampled nothing
+    finally:
+        ep.stop()
+
+
 def test_a_backend_failure_is_a_server_error_the_client_reads(tok):
     def broken(ids, max_tokens, seed):
         raise ConnectionError("the vLLM server died")

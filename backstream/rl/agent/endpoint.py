@@ -242,12 +242,12 @@ class Endpoint:
         """One chat completion (in a worker thread: the backend's `generate` blocks)."""
         try:
             self._check(ep, req)
+            messages = [_for_template(m.model_dump(exclude_none=True), i) for i, m in enumerate(req.messages)]
         except APIError:
             ep.errors += 1
             raise
         tools = req.tools or []
         fmt = self.format_for(tools if req.tool_choice != "none" else [])
-        messages = [_for_template(m.model_dump(exclude_none=True)) for m in req.messages]
         ids = fmt.conversation(messages, self.eos)
         number = ep.transcript.requests
         branch = ep.transcript.request(ids)
@@ -297,8 +297,21 @@ class Endpoint:
                            code="max_turns")
 
 
-def _for_template(message: dict) -> dict:
-    """An OpenAI message as chat templates take it: a call's arguments as an object."""
+def _for_template(message: dict, index: int) -> dict:
+    """An OpenAI message as chat templates take it: content parts ([{"type": "text", "text": …}]) as one
+    string, a call's arguments as an object. Any other content (an image, a message nested as content)
+    is refused: a text template would render it as Python's repr of the list."""
+    content = message.get("content")
+    if isinstance(content, list):
+        bad = [p for p in content
+               if not (isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str))]
+        if bad:
+            raise APIError(400, f"messages[{index}].content: a part {str(bad[0])[:80]} is not a text part "
+                                "({\"type\": \"text\", \"text\": ...}); this endpoint serves a text model: send the "
+                                "content as a string or as text parts (a row's chat prompt is a list of messages: "
+                                "pass it as `messages`, not as one message's content)",
+                           param=f"messages[{index}].content")
+        message = {**message, "content": "".join(p["text"] for p in content)}
     calls = message.get("tool_calls")
     if calls:
         fixed = []

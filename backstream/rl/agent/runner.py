@@ -8,7 +8,7 @@ number.
 An agent that raises, exits non-zero or overruns its time ends its episode with an error (its reward
 0, counted by the caller); a program that overran is killed with its whole process group (its
 children too), and a function's thread is left to fail on its next request, which the endpoint
-refuses once the episode is finished. A program runs under the guard of rl/vllm/guard.py, which ends
+refuses once the episode is finished. A program runs under the guard of backstream/lifetime.py, which ends
 its process group once the trainer is gone however it ended (kill -9 included).
 """
 
@@ -17,12 +17,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 
+from backstream.lifetime import guarded, kill_group
 from backstream.rl import usercode
 
 
@@ -64,19 +64,17 @@ def run_command(command: str, base_url: str, api_key: str, model: str, row: dict
     """`command` (a shell command line) with the episode's OPENAI_* variables and `row` as JSON on stdin,
     at most `timeout` seconds; past it its process group is killed."""
     t0 = time.monotonic()
-    from backstream.rl.vllm.server import guarded  # noqa: PLC0415  (the guard: the standard library alone)
-
     env = {**os.environ, "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": api_key, "OPENAI_MODEL": model}
     proc, lifeline = guarded(sys.executable, ["/bin/sh", "-c", command], env=env, stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         out, err = proc.communicate(json.dumps(row, default=str), timeout=timeout)
     except subprocess.TimeoutExpired:
-        _kill_group(proc)
+        kill_group(proc)
         return AgentResult(None, f"env.agent_command did not exit within {timeout} s (env.agent_timeout_s); its "
                                  "process group was killed", True, time.monotonic() - t0)
     finally:
-        _kill_group(proc)  # children it left behind
+        kill_group(proc)  # children it left behind
         os.close(lifeline)
     seconds = time.monotonic() - t0
     if proc.returncode != 0:
@@ -90,11 +88,3 @@ def run_command(command: str, base_url: str, api_key: str, model: str, row: dict
     except ValueError:
         reward = None  # its last line is no number: it gave no reward
     return AgentResult(reward, None, False, seconds)
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    proc.wait()

@@ -34,6 +34,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from backstream.checks import UserError
+from backstream.lifetime import die_with_parent
 from backstream.rl import usercode
 from backstream.rl.specs import load_object, where_in
 
@@ -113,17 +114,6 @@ def _serve(conn, factory_spec: str, tool_specs: list[str]) -> None:
             conn.send(("ok", out))
         except BaseException as e:  # noqa: BLE001  (the environment's error goes back as a result)
             conn.send(("error", where_in(e, None), type(e).__name__, str(e)))
-
-
-def die_with_parent() -> None:
-    """Linux: this process gets SIGKILL when its parent dies (a tool stuck in C code cannot outlive
-    the trainer); elsewhere the closed pipe ends it at its next request."""
-    try:
-        import ctypes  # noqa: PLC0415
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
 
 
 def zygote_main(fd: int) -> None:

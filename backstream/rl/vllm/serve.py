@@ -25,10 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from backstream.checks import UserError
+from backstream.lifetime import guarded
 from backstream.rl.vllm.server import (
     SERVED_NAME,
     Server,
-    guarded,
     is_loopback,
     logprobs_mode,
     server_args,
@@ -262,7 +262,7 @@ def serve(a: ServeArgs, out=sys.stdout) -> int:
     """Run the server in the foreground (its output on this terminal) until it exits or Ctrl-C; once it
     answers /health, print the [vllm] lines a run needs. Returns the server's exit code (0 after Ctrl-C)."""
     argv, env = a.command()
-    # under the run's guard (rl/vllm/guard.py): this command killed outright (kill -9, a preemption)
+    # under the run's guard (backstream/lifetime.py): this command killed outright (kill -9, a preemption)
     # leaves neither the API server nor its engine and worker behind; its output stays on this terminal
     proc, lifeline = guarded(argv[0], argv, env=env)
     # SIGTERM (a scheduler stopping the job): the server's whole group is stopped below

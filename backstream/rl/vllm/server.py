@@ -1,6 +1,6 @@
 """`[vllm]`: the vLLM server a run samples from. The trainer starts it as a child process bound to
 127.0.0.1 on a free port (its log in RUN_DIR/vllm.log, its start-up on the progress line, stopped by
-its process group on exit, on error and on Ctrl-C, and by its guard, rl/vllm/guard.py, when the
+its process group on exit, on error and on Ctrl-C, and by its guard, backstream/lifetime.py, when the
 trainer dies however it dies), or connects to one the user runs (`vllm.url`: nothing is started then).
 Requests are plain HTTP (the standard library's), token ids in and out.
 
@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from backstream.checks import UserError, at_least
+from backstream.lifetime import guarded
 from backstream.rl.vllm.setup import default_dir, python_of
 
 SERVED_NAME = "policy"  # the name requests use for the served base model
@@ -185,27 +186,6 @@ def server_env(kv_cache_gb: int, offline: bool = True) -> dict[str, str]:
     if offline:
         env["HF_HUB_OFFLINE"] = "1"
     return env
-
-
-def guarded(python: str, command: list[str], **popen) -> tuple[subprocess.Popen, int]:
-    """`command` started under a guard (rl/vllm/guard.py) run by `python`: the guard leads a session and
-    process group of its own (Ctrl-C is the trainer's to handle; `Server.stop` ends the whole group),
-    starts `command` in it, and ends the group when the trainer is gone, however it ended (a killed
-    trainer leaves neither the API server nor its engine and worker behind). Returns the guard's
-    process and the write end of its pipe, which the trainer holds until it stops the server
-    (closing it ends the group too). `popen`: Popen's other arguments (output, environment, with
-    `ext_path()` on its PYTHONPATH)."""
-    read, write = os.pipe()  # neither end inheritable: only the guard gets `read`, nothing else `write`
-    popen.setdefault("stdin", subprocess.DEVNULL)
-    try:
-        proc = subprocess.Popen([python, "-m", "backstream.rl.vllm.guard", str(read), *command], pass_fds=(read,),
-                                start_new_session=True, **popen)
-    except BaseException:
-        os.close(write)
-        raise
-    finally:
-        os.close(read)
-    return proc, write
 
 
 def vllm_error(log_path: str | None) -> str:
