@@ -228,9 +228,6 @@ class RunConfig:
         elif self.quant.rollout == "w4a16" and self.model.dtype == "float32":
             what = ("quant.rollout = \"w4a16\" with model.dtype = \"float32\": vLLM's int4 kernels run in 16-bit "
                     "only (on CPU cpu_gemm_wna16 has no float32 path); set model.dtype = \"bfloat16\"")
-        elif r.max_staleness and world_size is not None:
-            what = (f"rollout.max_staleness = {r.max_staleness} under torchrun: the producer that samples ahead runs "
-                    "in one process, not on every rank yet; run one process, or rollout.max_staleness = 0")
         elif (world_size or 1) > 1 and not self.vllm.url and self.distributed.timeout_s < self.vllm.start_timeout_s:
             # the other ranks wait in a collective while rank 0 starts the server
             what = (f"distributed.timeout_s = {self.distributed.timeout_s} is shorter than vllm.start_timeout_s = "
@@ -272,10 +269,6 @@ class RunConfig:
             self._validate_agent(world_size)
         if self.rollout.backend == "vllm":
             self._validate_vllm(world_size)
-        elif self.rollout.max_staleness:
-            raise UserError(f"rollout.max_staleness = {self.rollout.max_staleness}: the local sampler runs in the "
-                            "learner's process, on its weights, so nothing samples while the learner trains; set "
-                            "rollout.backend = \"vllm\" (a server samples ahead), or rollout.max_staleness = 0")
         if loss.kl_coef > 0 and not ac.kl_reference:
             raise UserError("loss.kl_coef > 0 needs algorithm.kl_reference = true (a frozen reference policy)")
         t_sample = self.rollout.temperature

@@ -9,10 +9,11 @@ One step (`Trainer.train_step`) is the stages of docs/design.md §1:
               minibatch, before any block), the backward chosen once (`engine.backward`), a step;
   metrics     one line: rewards, lengths, loss terms, sampler/learner mismatch, time per phase.
 The parts are built by their configs and live beside them: the run folder's lifecycle
-(runfolder.Run), the sampler (rl/rollout.py, rl/agent/) and where its rounds come from (rl/producer.py:
-sampled when the step asks, or by a producer up to rollout.max_staleness steps ahead), rewards, data
-parallelism (rl/parallel.py:
-one process, or a torchrun rank training whole groups of the global batch; docs/design.md §6c),
+(runfolder.Run), the backend that samples (rl/backends/), the sampler over it (rl/rollout.py,
+rl/agent/) and the rollout source that owns the round (rl/source.py: the prompt stream, the rank
+split, the policy view and its sync; sampled when the step asks, or up to rollout.max_staleness steps
+ahead), rewards, data parallelism (rl/parallel.py: one process, or a torchrun rank training whole
+groups of the global batch; docs/design.md §6c),
 the optimizer step (rl/optim.Stepper), where the objective's π_old and π_ref come from
 (rl/backward.BeforeUpdate: the sampler's with `engine.reuse_rollout_kv`, a pass up front, or the
 engine's prefill). Each part's choices are taken once, when it is built: the step branches on none of
@@ -65,13 +66,12 @@ from backstream.rl.offpolicy import (
 )
 from backstream.rl.optim import NonFiniteError, Stepper, check_finite_weights  # noqa: F401  (NonFiniteError: the API's)
 from backstream.rl.parallel import take
-from backstream.rl.producer import Producer, Rounds
 from backstream.rl.rewards import RewardLog, Rewards, TrainerState
 from backstream.rl.rollout import Rollout
-from backstream.rl.sampling import Samplers, eos_ids
+from backstream.rl.sampling import Samplers, build_backend, eos_ids
 from backstream.rl.shaping import informative_groups, overlong_shaping
+from backstream.rl.source import build_source, check_backend
 from backstream.runfolder import Interrupted  # noqa: F401  (the CLI's: where a stopped run says it stopped)
-from backstream.stream import fsdp
 from backstream.stream.router import moe_spec
 
 PHASES = ("rollout", "sync", "tool", "reward", "prefill", "backward", "optim")  # the step's time split, as logged
@@ -98,9 +98,11 @@ class Trainer:
     torchrun job (see the module docstring)."""
 
     def __init__(self, cfg: cfgmod.RunConfig, run_dir: str | None = None, resume: bool = False,
-                 model=None, tokenizer=None, overwrite: bool = False, allow_changed_files: bool = False):
+                 model=None, tokenizer=None, overwrite: bool = False, allow_changed_files: bool = False,
+                 backend=None):
         """`model`/`tokenizer`: objects to train instead of loading `cfg.model.name` (LoRA and the
-        dtype from `cfg.model` are still applied to it). `resume`: continue the run in `run_dir`, with
+        dtype from `cfg.model` are still applied to it); `backend`: what samples (rl/backends/), instead
+        of the one `rollout.backend` names. `resume`: continue the run in `run_dir`, with
         `cfg` its config (config.RESUMABLE keys may differ; others are refused) and the files it read
         unchanged unless `allow_changed_files`. Everything that can fail on bad input is checked
         before the run folder is touched."""
@@ -123,8 +125,11 @@ class Trainer:
         self._build_policy(model, tokenizer)
         self.cfg = cfg = cfg.for_tokenizer(self.tok)  # a built-in task through a chat model's template
         self.examples = cfg.data.build(tc.seed, prompt_optional=bool(cfg.env.factory or cfg.env.program))
-        self.samplers = Samplers(cfg, self.tok, eos_ids(self.model, self.tok),
-                                 getattr(self.model.config, "max_position_embeddings", None), self.run_dir, self.dp)
+        eos = eos_ids(self.model, self.tok)
+        self.backend = backend or build_backend(cfg, self.tok, eos, self.run_dir, self.dp)
+        check_backend(cfg, self.backend)
+        self.samplers = Samplers(cfg, self.tok, eos, getattr(self.model.config, "max_position_embeddings", None),
+                                 self.backend)
         self.sampler = self._sampler_for(self.examples, cfg.rollout.group_size, cfg.engine.reuse_rollout_kv)
         self.sampler.check_prompts(self.examples)
         self.rewards = Rewards(cfg.reward, environment=self.sampler.environment)
@@ -144,9 +149,10 @@ class Trainer:
                                where=lambda: (self.step, checkpoint.latest(self.run_dir)))
         self.times = dict.fromkeys(PHASES, 0.0)
         self.zero_adv = ZeroAdvantageWatch(format_hint(self.tok, cfg.data.format, cfg.reward.functions))
-        self.rounds = self._rounds()
+        self.source = build_source(cfg, self.sampler, self.backend, self.examples, self.stream, self.dp, self.model,
+                                   lambda what: self.logger.phase(self.step + 1, what))
         self._open_run(resume, overwrite, changes, allow_changed_files)
-        self.rounds.at_step(self.step)  # a resumed run's weights are its checkpoint's step's
+        self.source.at_step(self.step)  # a resumed run's weights are its checkpoint's step's
 
     def _open_run(self, resume: bool, overwrite: bool, changes: list, allow_changed_files: bool) -> None:
         """The run folder (rank 0's), the checkpoint to resume from, the loggers."""
@@ -162,21 +168,6 @@ class Trainer:
                 start_step=self.step, keys=self.metric_keys())) or NoLogger()
             self.episode_log = self.dp.on_main(lambda: EpisodeLog(self.run_dir, tc.log_episodes, resume,
                                                                   self.step)) or NoLogger()
-
-    def _rounds(self):
-        """Where the step's rounds come from (rl/producer.py): sampled when asked, or by a producer
-        `rollout.max_staleness` steps ahead."""
-        k = self.cfg.rollout.max_staleness
-        if not k:
-            return Rounds(self.rollout_round, self.stream, self.samplers)
-        return Producer(self.sampler, self.examples, self.stream, self.dp.generator, self.cfg.train.prompts_per_step,
-                        k, self.samplers, self.publish, progress=lambda what: self.logger.phase(self.step + 1, what))
-
-    def publish(self) -> None:
-        """The learner's weights, as the sampler runs them, made the server's now (rl/producer.py)."""
-        self.model.eval()
-        with quantized(self.model, self.cfg.quant.enabled), fsdp.gathered(self.model):
-            self.samplers.publish(self.model)
 
     def _build_policy(self, model, tokenizer) -> None:
         """The policy (LoRA, quantization) and the checks it must pass before anything is written."""
@@ -202,16 +193,15 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         """The held-out metrics at the current weights (rl/evaluate.py), in the rollout's numerics."""
         ev = self.evaluator
-        self.model.eval()
-        with quantized(self.model, self.cfg.quant.enabled), fsdp.gathered(self.model):
-            return ev.run(self.model, lambda r: self.score(r, ev.sampler, ev.examples)[0], self.dp, self.step)
+        return ev.run(lambda *a: self.source.sample(ev.sampler, *a).rollout,
+                      lambda r: self.score(r, ev.sampler, ev.examples)[0], self.dp, self.step)
 
     # -- checkpoints ----------------------------------------------------------------------------
     def state(self) -> dict:
         """What a checkpoint holds beside the weights; the optimizer itself (checkpoint.save takes
         its state_dict in one process, its shards under torchrun)."""
         return {"step": self.step, "optimizer": self.opt, "scheduler": self.sched.state_dict(),
-                "rng": checkpoint.rng_state(), "data_position": self.rounds.consumed}
+                "rng": checkpoint.rng_state(), "data_position": self.source.consumed}
 
     def save(self) -> str:
         """A checkpoint of the current step (collective under torchrun: every rank calls it)."""
@@ -237,7 +227,7 @@ class Trainer:
     def train_step(self) -> dict:
         """One RL step (docs/design.md §1): collect → advantages → update → metrics; returns the metrics."""
         t0 = self.last_end or time.perf_counter()  # the end of the last step: its logging, checkpoint and
-        # evaluation count (a producer samples on meanwhile), so steps per hour read off time/step
+        # evaluation count (an asynchronous source samples on meanwhile), so steps per hour read off time/step
         self.times = dict.fromkeys(PHASES, 0.0)
         self.reward_log = RewardLog()
         self.unique_tokens = 0  # tokens the engine's trees held this step (first epoch)
@@ -246,8 +236,8 @@ class Trainer:
             adv = self.advantages(batch.rewards) * batch.keep
             logged, mismatch = self.update(batch.rollout, adv)
             self.step += 1
-            with self._timed("sync"):  # the weights are now this step's (a producer publishes them now)
-                self.rounds.at_step(self.step)
+            with self._timed("sync"):  # the weights are now this step's (an asynchronous source syncs them now)
+                self.source.at_step(self.step)
             self.last_end = time.perf_counter()
             return self.metrics(batch, adv, logged, mismatch, self.last_end - t0)
 
@@ -257,31 +247,16 @@ class Trainer:
         yield
         self.times[phase] += time.perf_counter() - t
 
-    def rollout_round(self, n_prompts: int, refill: bool = False) -> Rollout:
-        """G samples for each of this process's groups (`dp.round_groups`: all of them in one process)
-        of the next `n_prompts` prompts of the data stream, each group drawn with `dp.generator` (one
-        per prompt position: a group's samples depend neither on the rank that draws it nor on the
-        rounds before it); `refill`: a DAPO refill round of the step."""
-        start, idx = self.stream.position, self.stream.take(n_prompts)
-        groups = self.dp.round_groups(n_prompts, refill)
-        self.model.eval()
-        # the sampler runs the rollout format; under FSDP with the parameters gathered once
-        with quantized(self.model, self.cfg.quant.enabled), fsdp.gathered(self.model):
-            r = self.sampler.sample(self.model, [self.examples[idx[j]] for j in groups], [idx[j] for j in groups],
-                                    [self.dp.generator(start + j) for j in groups],
-                                    progress=lambda done, n, what=None: self.logger.phase(
-                                        self.step + 1, what or f"rollout {done}/{n}"))
-        for phase, seconds in self.sampler.timings().items():  # inside the rollout: on their own line
-            self.times[phase] += seconds
-            self.times["rollout"] -= seconds
-        return r
-
     def sample_and_score(self, n_prompts: int, refill: bool = False) -> tuple[Rollout, Tensor, dict[str, Tensor]]:
         """One rollout round and its rewards (total, per function), over the whole round: each
         process samples and scores its groups, `dp.join_round` hands every rank every group (without
         the K/V, which stay where they were computed), in the round's order."""
-        with self._timed("rollout"):  # with a producer: the learner's wait for the samples
-            r = self.rounds.take(n_prompts, refill)
+        with self._timed("rollout"):  # asynchronous: the learner's wait for the samples
+            got = self.source.take(n_prompts, refill)
+        r = got.rollout
+        for phase, seconds in got.seconds.items():  # inside the rollout: on their own line
+            self.times[phase] += seconds
+            self.times["rollout"] -= seconds
         with self._timed("reward"):
             self.logger.phase(self.step + 1, "reward")
             total, per_fn = self.score(r, log=self.reward_log) if len(r) else (torch.zeros(0), {})
@@ -409,7 +384,7 @@ class Trainer:
                 *[f"reward/{name}" for name in self.rewards.functions], *self.sampler.metric_keys,
                 "tree/tokens_total", "tree/tokens_unique", *loss, "optim/grad_norm", *MISMATCH_KEYS, *STALENESS_KEYS,
                 *staleness_mismatch_keys(self.cfg.rollout.max_staleness),
-                "optim/skipped_nonfinite", *[f"time/{p}" for p in PHASES], *self.rounds.metric_keys,
+                "optim/skipped_nonfinite", *[f"time/{p}" for p in PHASES], *self.source.metric_keys,
                 "time/step", "throughput/tokens_per_s",
                 "optim/lr", "memory/peak_mib"]
 
@@ -438,7 +413,7 @@ class Trainer:
         tokens = m["tree/tokens_total"]
         m["optim/skipped_nonfinite"] = self.stepper.skipped
         m.update({f"time/{k}": v for k, v in self.times.items()})  # rank 0's, under torchrun
-        m.update(self.rounds.metrics())
+        m.update(self.source.metrics())
         m.update({"time/step": step_time, "throughput/tokens_per_s": tokens / step_time,
                   "optim/lr": self.sched.get_last_lr()[0],
                   "memory/peak_mib": max(self.dp.gather(peak_mib(self.device)))})  # the fullest rank's
@@ -477,22 +452,23 @@ class Trainer:
         """The logs, the samplers' worker processes."""
         self.logger.close()
         self.episode_log.close()
-        self.rounds.close()
+        self.source.close()
         self.samplers.close()
 
 
 def train(config: cfgmod.RunConfig | str | None = None, overrides: list[str] = (), resume: str | None = None,
-          model=None, tokenizer=None, overwrite: bool = False, allow_changed_files: bool = False) -> str:
+          model=None, tokenizer=None, overwrite: bool = False, allow_changed_files: bool = False, backend=None) -> str:
     """Run a training job; returns the run folder. `config` is a RunConfig, a TOML path or None
     (defaults), `overrides` "section.key=value" strings on top of it; `resume` a run folder to
     continue, its own config.toml the config unless `config` is given (keys of `config.RESUMABLE` may
     change, others are refused); `allow_changed_files`: resume although a file the run read (data,
     reward source) changed; `model`/`tokenizer` objects to train instead of loading `model.name`;
     `overwrite` moves an earlier run in `train.output_dir` aside (a new run refuses a folder that
-    holds one otherwise). Raises `Interrupted` after SIGINT/SIGTERM."""
+    holds one otherwise); `backend` samples instead of the one `rollout.backend` names (rl/backends/).
+    Raises `Interrupted` after SIGINT/SIGTERM."""
     if resume and not os.path.exists(os.path.join(resume, "config.toml")):
         raise UserError(f"--resume: {resume} is not a run folder (no config.toml)")
     if not isinstance(config, cfgmod.RunConfig):
         config = cfgmod.load(config or (os.path.join(resume, "config.toml") if resume else None), overrides)
     return Trainer(config, run_dir=resume, resume=bool(resume), model=model, tokenizer=tokenizer, overwrite=overwrite,
-                   allow_changed_files=allow_changed_files).run()
+                   allow_changed_files=allow_changed_files, backend=backend).run()

@@ -33,7 +33,7 @@ Results: results/agent.json (not with --quick).
 
     python -m bench.bench_agent [--layers 2] [--vocab 32768] [--rounds 2] [--quick]
 
-`--reuse` measures something else: the in-process backend (rl/agent/answers.py `LocalAnswers`) with
+`--reuse` measures something else: the in-process backend (rl/backends/local.py `LocalBackend`) with
 and without continuing a request's K/V, on the built-in model, 8 episodes of an agent that appends
 to its conversation (4 requests) on a ~2.3K-token prompt. Results: results/agent_reuse.json.
 
@@ -52,10 +52,10 @@ import torch
 
 from backstream import reference_backward, stream_backward
 from backstream.default_model import build_tokenizer
-from backstream.rl.agent.endpoint import Answer
 from backstream.rl.agent.env import EnvConfig
 from backstream.rl.agent.programs import AgentSampler
 from backstream.rl.agent.transcript import common_prefix
+from backstream.rl.backends.base import Completion
 from backstream.rl.rollout import SamplingConfig
 from bench import common
 from bench.bench_agentic import logprob_pass, qwen3_06b_shaped
@@ -100,26 +100,32 @@ def tool_agent(base_url, api_key, model, row):
 
 
 class Scripted:
-    """The backend behind the endpoint (`AgentSampler`'s `answers`), scripted: request k of an episode
-    (k = the tool results it was fed) is answered with ~R characters of reasoning, then a call of add
-    while k < T - 1, else an answer; seeded by the request's seed. Records (fed ids, answer)."""
-
-    in_process = True  # no weight versions
+    """The backend behind the endpoint (`AgentSampler`'s), scripted: request k of an episode (k = the tool
+    results it was fed) is answered with ~R characters of reasoning, then a call of add while k < T - 1,
+    else an answer; seeded by the request's seed. Records (fed ids, answer)."""
 
     def __init__(self, tok, T: int, R: int):
         self.tok, self.T, self.R = tok, T, R
         self.calls: list[tuple[list[int], list[int]]] = []
 
-    def begin(self, model, progress=None, n: int = 0) -> None:
+    in_process, metric_keys = True, ()  # a backend of rl/backends/base.py's protocol (the parts agents use)
+
+    def need_context(self, tokens: int, why: str) -> None:
         pass
 
-    def end(self) -> None:
+    def metrics(self, versions) -> dict:
+        return {}
+
+    def start_round(self) -> None:
+        pass
+
+    def end_round(self) -> None:
         pass
 
     def playing(self, n: int) -> None:
         pass
 
-    def __call__(self, ids: list[int], max_tokens: int, seed: int) -> Answer:
+    def generate(self, ids: list[int], max_tokens: int, seed: int) -> Completion:
         g = torch.Generator().manual_seed(seed)
         k = self.tok.decode(ids).count("<tool_response>")
         n = self.R + int(torch.randint(-self.R // 5, self.R // 5 + 1, (1,), generator=g))
@@ -133,7 +139,7 @@ class Scripted:
         out = self.tok(text, add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id]
         assert len(out) <= max_tokens, "rollout.max_new_tokens below the scripted answer"
         self.calls.append((list(ids), out))
-        return Answer(out, [-1.0] * len(out), None, "eos")
+        return Completion(out, torch.full((len(out),), -1.0), torch.zeros(len(out), dtype=torch.long), "eos")
 
 
 def agent_rollout(G: int, P: int, T: int, R: int, S: int, seed: int = 0):
@@ -155,8 +161,8 @@ def agent_rollout(G: int, P: int, T: int, R: int, S: int, seed: int = 0):
     sampler = AgentSampler(SamplingConfig(group_size=G, max_new_tokens=2 * R + 100),
                            EnvConfig(agent="bench.bench_agent:tool_agent", format="chat", max_turns=T), tok,
                            [tok.eos_token_id], None, policy)
-    try:  # the model is used for the log-probs' dtype only: None is float32
-        r = sampler.sample(None, rows, list(range(P)), [torch.Generator().manual_seed(seed + j) for j in range(P)])
+    try:
+        r = sampler.sample(rows, list(range(P)), [torch.Generator().manual_seed(seed + j) for j in range(P)])
     finally:
         sampler.close()
     assert all(e.turns == T and not e.agent_error for e in r.episodes), "an episode did not play its T requests"
@@ -327,7 +333,7 @@ def reuse(rounds: int = 2) -> dict:
     from openai import DefaultHttpxClient
 
     from backstream.default_model import load_default
-    from backstream.rl.agent.answers import LocalAnswers
+    from backstream.rl.backends.local import LocalBackend
 
     global HTTP
     HTTP = DefaultHttpxClient()
@@ -338,12 +344,13 @@ def reuse(rounds: int = 2) -> dict:
     best: dict[str, float] = {}
     for _ in range(rounds):
         for name, reuse_min in (("prefill whole", 10**9), ("continue the K/V", 256)):
-            answers = LocalAnswers(cfg, [tok.eos_token_id], tok)
+            answers = LocalBackend(cfg, [tok.eos_token_id], tok)
+            answers.sync(model)
             answers.reuse_min = reuse_min
             s = AgentSampler(cfg, EnvConfig(agent="bench.bench_agent:appending_agent", format="plain"), tok,
                              [tok.eos_token_id], 4096, answers)
             t = time.perf_counter()
-            s.sample(model, [{"prompt": prompt}], [0], [torch.Generator().manual_seed(0)])
+            s.sample([{"prompt": prompt}], [0], [torch.Generator().manual_seed(0)])
             best[name] = min(best.get(name, math.inf), time.perf_counter() - t)
             s.close()
     res = {"prompt_tokens": len(tok(prompt)["input_ids"]), "episodes": 8, "requests": 32, "rollout_s": best,

@@ -87,7 +87,7 @@ def samplers(model, prompts: list[torch.Tensor], G: int, new: int, rounds: int, 
 
 def server(model, tok, prompts: list[torch.Tensor], G: int, new: int) -> float:
     """tokens/s of a vLLM server, one request per group, all in flight."""
-    from backstream.rl.vllm.sampler import WeightPublisher
+    from backstream.rl.vllm.publisher import WeightPublisher
     from backstream.rl.vllm.server import VLLMConfig
 
     n_tokens = len(prompts) * G * new

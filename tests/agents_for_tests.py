@@ -4,7 +4,9 @@ test_agent_runner.py): agents written with the `openai` client, as users write t
 import json
 import time
 
-from backstream.rl.agent.endpoint import Answer
+import torch
+
+from backstream.rl.backends.base import Completion
 
 ADD = {"type": "function", "function": {"name": "add", "description": "a + b", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}
@@ -16,12 +18,12 @@ class Scripted:
     def __init__(self, tok, turns: list[str]):
         self.tok, self.turns, self.fed = tok, list(turns), []
 
-    def __call__(self, ids: list[int], max_tokens: int, seed: int) -> Answer:
+    def __call__(self, ids: list[int], max_tokens: int, seed: int) -> Completion:
         self.fed.append(list(ids))
         out = self.tok(self.turns.pop(0), add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id]
         out = out[:max_tokens]
         reason = "eos" if out[-1] == self.tok.eos_token_id else "length"
-        return Answer(out, [-0.25] * len(out), [7] * len(out), reason)
+        return Completion(out, torch.full((len(out),), -0.25), torch.full((len(out),), 7), reason)
 
 
 def _messages(row) -> list[dict]:

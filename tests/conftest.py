@@ -9,11 +9,13 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 
 
 @pytest.fixture
-def script(monkeypatch):
-    """`script(turns)`: the next episodes' turns, forced (see agent_helpers.scripted_turns)."""
-    from helpers import scripted_turns
+def script():
+    """`script(turns)`: the next episodes' turns, forced (helpers.ScriptedBackend: the samplers the test
+    builds with helpers.sampler / episode_sampler / backend_for sample them)."""
+    import helpers
 
-    return scripted_turns(monkeypatch)
+    yield helpers.scripted_turns()
+    helpers.SCRIPT = None
 
 
 def pytest_collection_modifyitems(config, items):

@@ -15,6 +15,7 @@ import warnings
 
 import torch
 import torch.distributed as dist
+from fake_backend import FakeBackend
 from helpers import tiny, tiny_moe
 
 from backstream import config, trainer
@@ -60,6 +61,10 @@ CASES = {
     # every rank's forks in the global batch, the agent's return value the reward
     "agent": ['engine.backward="stream"', 'env.agent="agents_for_tests:rewriting_agent"', 'env.format="plain"',
               "reward.functions=['env']", "env.max_turns=4"],
+    # asynchronous training: each rank's rollout source samples its positions of the stream a step ahead
+    # through a backend of the protocol (tests/fake_backend.py: no model, tokens from each group's seed),
+    # every token labelled with the weights synced when it was drawn
+    "async": ['engine.backward="stream"', "rollout.max_staleness=1"],
 }
 
 
@@ -110,11 +115,12 @@ def _train(out: str, overrides: list[str], resume: str | None = None):
         model, tok = tiny_moe()
     else:
         model, tok = tiny(torch.float32 if 'model.dtype="float32"' in overrides else torch.float64)
+    backend = FakeBackend(len(tok), tok.eos_token_id) if "rollout.max_staleness=1" in overrides else None
     if resume:
         t = trainer.Trainer(config.load(os.path.join(resume, "config.toml"), overrides), run_dir=resume,
                             resume=True, model=model, tokenizer=tok)
     else:
-        t = trainer.Trainer(run_cfg(out, *overrides), model=model, tokenizer=tok)
+        t = trainer.Trainer(run_cfg(out, *overrides), model=model, tokenizer=tok, backend=backend)
     t.sequences_per_call = []  # how many sequences this rank trained in each engine call
     backward = t.engine.backward
 
@@ -238,7 +244,7 @@ def vllm_job(out: str, overrides: list[str]) -> dict:
     from backstream.rl.vllm.server import Server, ServerError
 
     t = trainer.Trainer(config.load(None, [f'train.output_dir="{out}"', *overrides]))
-    pub, seen = t.samplers.publisher, {}
+    pub, seen = t.backend.publisher, {}
     close = pub.close
 
     def recorded():  # the server as the run leaves it
@@ -254,18 +260,22 @@ def vllm_job(out: str, overrides: list[str]) -> dict:
     res = {"url": seen["url"], "log": seen["log"], "started": proc is not None,
            "stopped": proc is None or proc.poll() is not None, "version": pub.published, "shares": shares}
     dist.barrier()  # rank 0 has stopped the server
+    error = None
     try:
-        with pub.requests():
-            if parallel.rank() == 1:
-                Server(seen["url"], None, seen["log"], 10).post("/v1/completions", {})
+        if parallel.rank() == 1:
+            Server(seen["url"], None, seen["log"], 10).post("/v1/completions", {})
+    except ServerError as e:
+        error = e
+    try:
+        t.dp.fail_together(error)  # what the rollout source does after a round each rank sampled on its own
     except ServerError as e:
         res["error"] = str(e)
     return res
 
 
 def _counted(sample, shares: list):
-    def counted(model, rows, *a, **kw):
+    def counted(rows, *a, **kw):
         shares.append(len(rows))
-        return sample(model, rows, *a, **kw)
+        return sample(rows, *a, **kw)
 
     return counted

@@ -29,6 +29,7 @@ from backstream.default_model import build_tokenizer
 from backstream.rl import decode as D
 from backstream.rl.agent import episodes as E
 from backstream.rl.agent.env import EnvConfig
+from backstream.rl.backends.local import LocalBackend
 from backstream.rl.losses import (
     build_objective,
 )
@@ -202,43 +203,46 @@ CHAT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}<a>{% endif %}")
 
 
-def scripted_turns(monkeypatch):
-    """`script(turns)`: the next episodes' turns, forced (one list of texts per episode, in the order
-    the sampler starts them). A round of turns is one decode call: the first turns of the episodes
-    not started yet, or else the next turn of every started episode with turns left."""
-    real = E.decode
-    state = {"queues": [], "next": 0}
+SCRIPT: dict | None = None  # the running test's scripted turns (the `script` fixture), None: sampled
 
-    def scripted(model, rows, config, eos, tok, gens, keep_last, budgets, keep_kv=False, finished=None):
-        B, qs = len(rows.lengths), state["queues"]
+
+class ScriptedBackend(LocalBackend):
+    """The local backend with the episodes' tokens forced (`SCRIPT`: one list of turn texts per episode,
+    in the order the sampler starts them); the model still computes every log-prob and cache. A round
+    of turns is one decode call: the first turns of the episodes not started yet, or else the next turn
+    of every started episode with turns left."""
+
+    def __init__(self, config, eos, tok, state: dict):
+        super().__init__(config, eos, tok)
+        self.state = state
+
+    def decode_rows(self, rows, generators, keep_last, budgets):
+        B, qs, state = len(rows.lengths), self.state["queues"], self.state
         if not any(q for q in qs[: state["next"]]):
             episodes = list(range(state["next"], state["next"] + B))  # first turns
             state["next"] += B
         else:
             episodes = [i for i, q in enumerate(qs[: state["next"]]) if q]
             assert len(episodes) == B, "the script's turns do not match the episodes the sampler plays"
-        forced = [tok(qs[e].pop(0), add_special_tokens=False)["input_ids"] for e in episodes]
+        forced = [self.tok(qs[e].pop(0), add_special_tokens=False)["input_ids"] for e in episodes]
         live, t = list(range(B)), [0]
 
-        def done(i):
-            live.remove(i)
-            if finished is not None:
-                finished(i)
-
-        def sample(logits, temperature, top_k, top_p, u):
+        def choose(logits, temperature, top_k, top_p, u):
             toks = torch.tensor([forced[i][min(t[0], len(forced[i]) - 1)] for i in live], device=logits.device)
             t[0] += 1
             lp = torch.log_softmax(logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32), -1)
             return toks, lp.gather(-1, toks[:, None])[:, 0]
 
-        monkeypatch.setattr(D, "sample_tokens", sample)
-        try:
-            return real(model, rows, config, eos, tok, gens, keep_last, budgets, keep_kv, done)
-        finally:
-            monkeypatch.undo()  # only sample_tokens; the decode patch below is re-applied
-            monkeypatch.setattr(E, "decode", scripted)
+        return D.decode(self.model, rows, self.config, self.eos, self.tok, generators, keep_last, budgets,
+                        keep_kv=True, finished=live.remove, choose=choose)
 
-    monkeypatch.setattr(E, "decode", scripted)
+
+def scripted_turns():
+    """`script(turns)`: the next episodes' turns, forced in the samplers `backend_for` builds from now
+    (ScriptedBackend)."""
+    global SCRIPT
+    SCRIPT = {"queues": [], "next": 0}
+    state = SCRIPT
 
     def add(turns):
         state["queues"] += [list(t) for t in turns]
@@ -246,13 +250,29 @@ def scripted_turns(monkeypatch):
     return add
 
 
+def backend_for(config, tok, eos=None, model=None):
+    """The local backend (scripted while a test's `script` runs), synced with `model` if given."""
+    eos = [tok.eos_token_id] if eos is None else eos
+    backend = ScriptedBackend(config, eos, tok, SCRIPT) if SCRIPT is not None else LocalBackend(config, eos, tok)
+    if model is not None:
+        backend.sync(model)
+    return backend
+
+
+def episode_sampler(tok, config, env_cfg, return_kv=False, context=256, eos=None):
+    eos = [tok.eos_token_id] if eos is None else eos
+    return E.EpisodeSampler(config, env_cfg, tok, eos, return_kv, context, backend_for(config, tok, eos))
+
+
 def sampler(tok, env="envs_for_tests:Calc", G=2, max_new=24, **env_kw):
-    return E.EpisodeSampler(SamplingConfig(group_size=G, max_new_tokens=max_new),
-                            EnvConfig(factory=env, **env_kw), tok, [tok.eos_token_id], True, 256)
+    return episode_sampler(tok, SamplingConfig(group_size=G, max_new_tokens=max_new), EnvConfig(factory=env, **env_kw),
+                           True)
 
 
-def sample(s, model, rows):
-    return s.sample(model, rows, list(range(len(rows))), [torch.Generator().manual_seed(0) for _ in rows])
+def sample(s, model, rows, seed=0):
+    """The sampler's samples of `rows` at `model`'s weights (its backend synced first)."""
+    s.backend.sync(model)
+    return s.sample(rows, list(range(len(rows))), [torch.Generator().manual_seed(seed) for _ in rows])
 
 
 def text(tok, r, i):
@@ -314,8 +334,8 @@ def kill_the_server_then_step(t) -> None:
 
     from backstream.rl.vllm.server import ServerError
 
-    os.killpg(t.samplers.publisher.server.proc.pid, signal.SIGKILL)
-    t.samplers.publisher.server.proc.wait()
+    os.killpg(t.backend.publisher.server.proc.pid, signal.SIGKILL)
+    t.backend.publisher.server.proc.wait()
     with pytest.raises(ServerError, match=r"vLLM .*(died|no answer).*vllm.log.*--resume"):
         t.train_step()
     t.close()

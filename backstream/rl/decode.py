@@ -421,9 +421,10 @@ class Decoded:
 
 
 def decode(model, rows: Rows, config, eos: set[int], tokenizer, generators: list, keep_last: bool,
-           budgets: list[int], keep_kv: bool = False, finished=None) -> Decoded:
+           budgets: list[int], keep_kv: bool = False, finished=None, choose=None) -> Decoded:
     """Sample every row of `rows` until it ends: an EOS token, a stop string of `config.stop`, or
     `budgets[i]` tokens. Row i draws with `generators[i]`. `finished(i)` is called as row i ends.
+    `choose`: what draws the tokens from the logits (default `sample_tokens`; a test's forces them).
 
     A finished row stays in the batch (fed, its outputs ignored) until a quarter of the batch has
     finished; then they all leave at once. Dropping each row as it ends would copy the whole cache at
@@ -456,7 +457,7 @@ def decode(model, rows: Rows, config, eos: set[int], tokenizer, generators: list
         if config.temperature:  # the live rows' draws; a finished row's token is fed and ignored
             u_B = torch.full((len(slots),), 0.5, dtype=torch.float64, device=device)
             u_B[live] = draws.step([slots[b] for b in live], device)
-        tok_B, logp_B = sample_tokens(logits_BV, config.temperature, config.top_k, config.top_p, u_B)
+        tok_B, logp_B = (choose or sample_tokens)(logits_BV, config.temperature, config.top_k, config.top_p, u_B)
         new, new_lp = tok_B.tolist(), logp_B.tolist()  # the CPU-GPU sync of the step: the checks need the ids
         if any(math.isnan(new_lp[b]) for b in live):  # NaN/inf logits: the draw would be garbage
             raise NonFiniteLogits(f"model: its next-token logits hold NaN/inf (sampled token {t + 1} of "

@@ -84,15 +84,16 @@ class Evaluator(NoEvaluation):
         """The evaluation `[eval]` asks for, or `NoEvaluation`."""
         return Evaluator(cfg, data_cfg, seed, train_examples, make_sampler) if cfg.enabled else NoEvaluation()
 
-    def run(self, model, score, dp, step: int) -> dict[str, float]:
-        """Sample this rank's share of the prompts (`dp.share`), score them with `score(rollout)`
-        (total rewards [N]), gather every rank's, and return the eval/ metrics."""
+    def run(self, sample, score, dp, step: int) -> dict[str, float]:
+        """Sample this rank's share of the prompts (`dp.share`) with `sample(rows, indices, generators)`
+        (the rollout source's, at the current weights), score them with `score(rollout)` (total rewards
+        [N]), gather every rank's, and return the eval/ metrics."""
         mine = dp.share(len(self.examples))
         gens = [torch.Generator().manual_seed(((self.seed ^ EVAL_SEED) * 1_000_003 + step * 100_003 + i) % 2**63)
                 for i in mine]
         totals = []
         # every rank samples, an empty share too: a backend's rollout may be a collective (vLLM's weight sync)
-        r = self.sampler.sample(model, [self.examples[i] for i in mine], mine, gens)
+        r = sample([self.examples[i] for i in mine], mine, gens)
         if mine:
             totals = score(r).view(len(mine), self.cfg.samples).tolist()
         self.sampler.release(r)

@@ -439,10 +439,21 @@ class DataParallel:
         """The groups (indices in a rollout round of `need` prompt groups) this rank samples."""
         return list(range(need))
 
+    def position_groups(self, first: int, need: int) -> list[int]:
+        """The groups (indices in a round of `need` groups from stream position `first`) this rank
+        samples when groups are assigned by position (an asynchronous source, which starts them before
+        it knows the rounds): those at positions it `owns`."""
+        return [j for j in range(need) if self.owns(first + j)]
+
+    def owns(self, position: int) -> bool:
+        """Whether this rank samples the group at `position` of the stream (an asynchronous source's
+        split: strided over the ranks)."""
+        return True
+
     def generator(self, position: int) -> torch.Generator:
         """The generator of the group at `position` of the prompt stream (`group_generator`): what a group
         samples depends on its position alone, not on the rounds before it, their sizes or their order
-        (an asynchronous run's producer samples groups concurrently; a resumed run re-samples a group
+        (an asynchronous rollout source samples groups concurrently; a resumed run re-samples a group
         thrown away in flight with the same seed)."""
         return group_generator(self.seed, position)
 
@@ -539,6 +550,13 @@ class Torchrun(DataParallel):
         held = self.held if self.reuse_kv and refill else None
         self.groups = round_share(need, self.minibatches, self.world, self.rank, held)
         return self.groups
+
+    def position_groups(self, first: int, need: int) -> list[int]:
+        self.groups = super().position_groups(first, need)
+        return self.groups
+
+    def owns(self, position: int) -> bool:
+        return position % self.world == self.rank
 
     def join_round(self, rollout, total, per_fn):
         # K/V stay where they were computed; an episode's messages and environment served this rank's

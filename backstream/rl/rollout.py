@@ -44,7 +44,7 @@ class SamplingConfig:
     """k: how many optimizer steps behind the learner a trained token's weights may be. 0: the synchronous
     loop (sample, then train). k >= 1 (rollout.backend = "vllm"): the server samples the next steps'
     prompts while the learner trains, every group started with weights at most k steps older than
-    those its update starts from (rl/producer.py, docs/design.md §6e)."""
+    those its update starts from (rl/source.py, docs/design.md §6e)."""
     in_flight: Literal["resume", "keep"] = "resume"
     """With max_staleness >= 1, what a publish does with the samples in flight: "resume" aborts them and
     resumes each from its tokens so far, re-prefilled with the new weights; "keep" pauses them and their
@@ -91,10 +91,11 @@ class EpisodeInfo:
     prompt: object = None  # text, or chat messages (reset's text in them)
     messages: list | None = None  # after the prompt; the last assistant message has a `finish_reason`
     env: object = None
+    fed: list | None = None  # every token the backend fed the model, in order (the fidelity test's)
 
     def light(self) -> EpisodeInfo:
         """The counts alone (what crosses ranks)."""
-        return dataclasses.replace(self, prompt=None, messages=None, env=None)
+        return dataclasses.replace(self, prompt=None, messages=None, env=None, fed=None)
 
 
 @dataclass
@@ -102,7 +103,7 @@ class Fork:
     """A sequence a sample trains beside its own (prompt + completion): a branch an agent's rewritten
     history started (rl/agent/transcript.py). Every token, whether its loss is here (a token sampled on
     this branch; the others are context), the sampler's log-probs (NaN at context) and the weight
-    version of each token (None: sampled in process at the current weights; -1 at context)."""
+    version of each token (-1 at context)."""
 
     ids: Tensor  # 1-D long
     sampled: Tensor  # bool, per token
@@ -149,8 +150,9 @@ class Rollout:
     sampled: list[Tensor] | None = None
     episodes: list[EpisodeInfo] | None = None
     # per sample, per completion token, the version of the weights it was sampled with: the learner's
-    # step that made them (0: the initial weights), int64 [len(completion)]; tokens an episode inserted
-    # carry the version of the turn before them. None: sampled in process, at the current weights
+    # step that made them (0: the initial weights), int64 [len(completion)]; -1 at a token the sampler
+    # inserted (rl/backends/base.py's convention). Every sampler sets it; None only in a rollout made
+    # by hand (taken as sampled at the current weights)
     weight_version: list[Tensor] | None = None
     # per sample, the sequences it trains beside its own (an agent program's rewritten histories:
     # rl/agent/programs.py); None: one sequence per sample
@@ -175,7 +177,7 @@ class Rollout:
 
     def sampled_versions(self) -> list[Tensor]:
         """The weight version of every token the policy sampled, per sequence (forks included); none
-        without versions (sampled in process, at the current weights)."""
+        without versions (a rollout made by hand)."""
         if self.weight_version is None:
             return []
         own = [v if self.sampled is None else v[m] for v, m in
@@ -193,11 +195,10 @@ class Rollout:
         return [torch.cat([p, c]) for p, c in zip(self.prompt_ids, self.completion_ids)]
 
     def behind(self, version: int) -> list[Tensor]:
-        """Per sample, over `sequences()[i]`: how many versions each completion token's weights are
-        behind `version` (0 without versions: sampled in process at the current weights), -1 at the
-        prompt."""
+        """Per sample, over `sequences()[i]`: how many versions each sampled token's weights are behind
+        `version` (0 without versions), -1 at the prompt and at inserted tokens."""
         versions = self.weight_version or [torch.full((len(c),), version) for c in self.completion_ids]
-        return [torch.cat([torch.full((len(p),), -1, dtype=torch.long), version - v.long()])
+        return [torch.cat([torch.full((len(p),), -1, dtype=torch.long), torch.where(v >= 0, version - v.long(), -1)])
                 for p, v in zip(self.prompt_ids, versions)]
 
     def training(self, version: int) -> TrainingRows:
@@ -338,40 +339,48 @@ def generate(
 
 
 class Sampler:
-    """The sampler of single-turn completions (rl/sampling.py's protocol): G per prompt (`generate`),
-    and the inputs of the reward functions in TRL's formats (`reward_inputs`)."""
+    """The sampler of single-turn completions (rl/sampling.py's protocol): G per prompt, sampled by the
+    run's backend (rl/backends/), and the inputs of the reward functions in TRL's formats
+    (`reward_inputs`)."""
 
-    metric_keys: tuple[str, ...] = ()
     environment = None  # an EpisodeSampler's Environment (its get_reward is a reward)
 
     def __init__(self, config: SamplingConfig, tokenizer, eos: list[int], return_kv: bool, prompts: list[Tensor],
-                 prompt_text: list[str]):
+                 prompt_text: list[str], backend):
         self.config, self.tok, self.eos, self.return_kv = config, tokenizer, eos, return_kv
         self.prompts, self.prompt_text = prompts, prompt_text  # per example: its token ids and text
+        self.backend, self.metric_keys = backend, tuple(backend.metric_keys)
+        longest, new = max((len(p) for p in prompts), default=0), config.max_new_tokens
+        backend.need_context(longest + new, f"the longest prompt, {longest} tokens, + rollout.max_new_tokens = {new}")
 
-    def sample(self, model, rows: list[dict], indices: list[int], generators: list, progress=None) -> Rollout:
+    def sample(self, rows: list[dict], indices: list[int], generators: list, progress=None) -> Rollout:
         """G samples for each example `indices[j]` (the data's rows `rows[j]`), group j drawn with
         `generators[j]`; `prompt_index` holds the examples' indices."""
-        r = generate(model, [self.prompts[i] for i in indices], self.config, eos_token_id=self.eos,
-                     tokenizer=self.tok, return_kv=self.return_kv, generator=generators, progress=progress)
-        r.prompt_index = [i for i in indices for _ in range(r.group_size)]
-        return r
+        G = self.config.group_size
+        prompts = [self.prompts[i] for i in indices]
+        out = self.backend.complete(prompts, G, self.config.max_new_tokens, generators, self.return_kv, progress)
+        return Rollout(prompt_index=[i for i in indices for _ in range(G)],
+                       prompt_ids=[p for p in prompts for _ in range(G)],
+                       completion_ids=[torch.tensor(c.ids, dtype=torch.long) for c in out],
+                       logprobs=[c.logprobs for c in out], finish_reason=[c.reason for c in out],
+                       kv=[c.kv for c in out] if self.return_kv else None, group_size=G,
+                       weight_version=[c.versions for c in out])
 
     def reward_inputs(self, r: Rollout, rows: list[dict]) -> tuple[list, list, dict]:
         return completion_reward_inputs(r, rows, self.tok, self.prompt_text)
 
     def metrics(self, r: Rollout) -> dict[str, float]:
-        return {}
+        return self.backend.metrics(r.weight_version)
 
-    def timings(self) -> dict[str, float]:
-        """Seconds of the last `sample` spent in phases of their own (an episode's tools: "tool")."""
+    def timings(self, r: Rollout) -> dict[str, float]:
+        """Seconds of sampling `r` spent in phases of their own (none here; an episode's tools: "tool")."""
         return {}
 
     def release(self, r: Rollout | None = None) -> None:
         """Let go of what `r` (None: every sample so far) held for its reward functions (nothing here)."""
 
     def close(self) -> None:
-        """Stop what the sampler started (nothing here)."""
+        """Stop what the sampler started (nothing here; the backend is the run's)."""
 
     def check_prompts(self, examples: list[dict]) -> int:
         """The longest prompt (its tokens were checked against the context when the data was loaded)."""

@@ -43,10 +43,10 @@ def test_two_ranks_give_the_single_process_update(job):
     """float64, 2 steps: stream and reference backward, full fine-tuning and LoRA (with the rollout's
     K/V and a KL term), token-mean, GSPO, TBPO, 2 epochs x 2 minibatches with Dr.GRPO's L_max, DAPO
     refills (also with the rollout's K/V), w8a8 QaRL, a MoE with the router load-balancing loss, a KL
-    term to a sharded frozen reference: the weights are the same on both ranks and equal those of one
-    process on the same global batch (measured: ≤ 1e-15 relative); in float32 to rounding (3e-7);
-    with bf16 mixed precision within 10% of the update (measured 1.7%; bf16 rounding depends on
-    each call's batch)."""
+    term to a sharded frozen reference, sampling a step ahead (rollout.max_staleness = 1): the weights
+    are the same on both ranks and equal those of one process on the same global batch (measured:
+    ≤ 1e-15 relative); in float32 to rounding (3e-7); with bf16 mixed precision within 10% of the
+    update (measured 1.7%; bf16 rounding depends on each call's batch)."""
     tmp, ranks, one = job
     start = workers.full_weights(workers.tiny()[0])
     for name in workers.CASES:
@@ -84,6 +84,10 @@ def test_two_ranks_give_the_single_process_update(job):
                         continue
                     tol = 1e-4 if name == "float32" else 1e-9
                     assert a[k] == pytest.approx(b[k], rel=tol, abs=tol * 1e-3), (name, k)
+    # asynchronous: step 2 trained groups sampled a step ahead, at step 0's weights, on both ranks as in
+    # one process (the metrics above, the staleness ones included, are equal)
+    assert [json.loads(x)["fake/weight_version"] for x in open(tmp / "async" / "metrics.jsonl")] == [0, 0]
+    assert [json.loads(x)["rollout/staleness_max"] for x in open(tmp / "async" / "metrics.jsonl")] == [0, 1]
     # the agent program's episodes branched, and each rank's forks were trained (the update is the one
     # process's, above)
     assert all(json.loads(x)["episode/branches/mean"] >= 1 for x in open(tmp / "agent" / "metrics.jsonl"))

@@ -18,30 +18,22 @@ from test_endpoint import THINKING
 
 from backstream import config, trainer
 from backstream.checks import UserError
-from backstream.rl.agent.answers import LocalAnswers
 from backstream.rl.agent.env import EnvConfig
 from backstream.rl.agent.programs import AgentSampler
+from backstream.rl.backends.local import LocalBackend
 from backstream.rl.rollout import SamplingConfig
 from backstream.stream.engine import logprobs
 
 
-class Recorder:
+class Recorder(LocalBackend):
     """The local backend, recording what each request was fed and what it answered."""
 
-    def __init__(self, inner):
-        self.inner, self.calls, self.in_process = inner, [], True
+    def __init__(self, *a):
+        super().__init__(*a)
+        self.calls = []
 
-    def begin(self, model, progress=None, n=0):
-        self.inner.begin(model, progress, n)
-
-    def end(self):
-        self.inner.end()
-
-    def playing(self, n):
-        self.inner.playing(n)
-
-    def __call__(self, ids, max_tokens, seed):
-        out = self.inner(ids, max_tokens, seed)
+    def generate(self, ids, max_tokens, seed):
+        out = super().generate(ids, max_tokens, seed)
         self.calls.append((list(ids), list(out.ids)))
         return out
 
@@ -61,12 +53,13 @@ def test_every_sampled_token_is_trained_once_in_the_context_it_was_sampled_in():
     model, tok = _chat_tiny()
     cfg = SamplingConfig(group_size=2, max_new_tokens=5)
     eos = [tok.eos_token_id]
-    answers = Recorder(LocalAnswers(cfg, eos, tok))
+    answers = Recorder(cfg, eos, tok)
+    answers.sync(model)
     sampler = AgentSampler(cfg, EnvConfig(agent="agents_for_tests:rewriting_agent", format="chat"), tok, eos, 256,
                            answers)
     try:
         gens = [torch.Generator().manual_seed(s) for s in (1, 2)]
-        r = sampler.sample(model, [{"prompt": "12+3="}, {"prompt": "7+70="}], [0, 1], gens)
+        r = sampler.sample([{"prompt": "12+3="}, {"prompt": "7+70="}], [0, 1], gens)
     finally:
         sampler.close()
     assert len(r) == 4 and len(answers.calls) == 12
@@ -169,10 +162,11 @@ def test_programs_that_fail_or_hang_end_their_episode_with_reward_zero(env_kw, c
     counted, the round ends; a command's last line is its reward."""
     model, tok = _chat_tiny()
     cfg = SamplingConfig(group_size=2, max_new_tokens=4)
-    sampler = AgentSampler(cfg, EnvConfig(format="chat", **env_kw), tok, [tok.eos_token_id], 256,
-                           LocalAnswers(cfg, [tok.eos_token_id], tok))
+    backend = LocalBackend(cfg, [tok.eos_token_id], tok)
+    backend.sync(model)
+    sampler = AgentSampler(cfg, EnvConfig(format="chat", **env_kw), tok, [tok.eos_token_id], 256, backend)
     try:
-        r = sampler.sample(model, [{"prompt": "1+1="}], [0], [torch.Generator().manual_seed(0)])
+        r = sampler.sample([{"prompt": "1+1="}], [0], [torch.Generator().manual_seed(0)])
     finally:
         sampler.close()
     m = sampler.metrics(r)
@@ -191,12 +185,13 @@ def test_a_request_that_extends_the_last_one_continues_its_kv_exactly():
     still equal the learner's on the trained sequence, and nothing branches."""
     model, tok = tiny(torch.float64)
     cfg = SamplingConfig(group_size=2, max_new_tokens=6)
-    answers = LocalAnswers(cfg, [tok.eos_token_id], tok)
+    answers = LocalBackend(cfg, [tok.eos_token_id], tok)
+    answers.sync(model)
     answers.reuse_min = 1
     sampler = AgentSampler(cfg, EnvConfig(agent="agents_for_tests:appending_agent", format="plain"), tok,
                            [tok.eos_token_id], 256, answers)
     try:
-        r = sampler.sample(model, [{"prompt": "12+34="}], [0], [torch.Generator().manual_seed(3)])
+        r = sampler.sample([{"prompt": "12+34="}], [0], [torch.Generator().manual_seed(3)])
     finally:
         sampler.close()
     assert answers.reused > 0 and all(e.turns == 4 and e.branches == 0 for e in r.episodes)

@@ -17,12 +17,11 @@ import threading
 
 import pytest
 import torch
-from helpers import CHAT_TEMPLATE, info, run_cfg, sample, sampler, text, tiny
+from helpers import CHAT_TEMPLATE, episode_sampler, info, run_cfg, sample, sampler, text, tiny
 
 from backstream import trainer
 from backstream.metrics import Logger
 from backstream.rl.agent.env import EnvConfig, EnvError
-from backstream.rl.agent.episodes import EpisodeSampler
 from backstream.rl.agent.worker import EnvDiscarded, wait_dead
 from backstream.rl.rewards import RewardLog, Rewards, env_reward, exact_match, format_reward
 from backstream.rl.rollout import SamplingConfig
@@ -289,7 +288,7 @@ def test_the_trainer_builds_rewards_with_the_environment(tmp_path):
 
 def test_the_episode_sampler_protocol():
     model, tok = tiny(torch.float32)
-    s = EpisodeSampler(SamplingConfig(group_size=1, max_new_tokens=4), EnvConfig(factory="envs_for_tests:Calc"),
-                       tok, [tok.eos_token_id], False, 256)
-    assert s.timings() == {"tool": 0.0} and s.environment is s.env
+    s = episode_sampler(tok, SamplingConfig(group_size=1, max_new_tokens=4), EnvConfig(factory="envs_for_tests:Calc"))
+    r = sample(s, model, [{"prompt": "1+2="}])
+    assert s.timings(r) == {"tool": sum(e.tool_seconds for e in r.episodes)} and s.environment is s.env
     s.close()

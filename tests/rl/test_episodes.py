@@ -11,10 +11,9 @@ import os
 
 import pytest
 import torch
-from helpers import CHAT_TEMPLATE, REPO, info, rel, run_cfg, sample, sampler, text, tiny, weights
+from helpers import CHAT_TEMPLATE, REPO, episode_sampler, info, rel, run_cfg, sample, sampler, text, tiny, weights
 
 from backstream import reference_backward, stream_backward, trainer
-from backstream.rl.agent import episodes as E
 from backstream.rl.agent.env import EnvConfig, EnvError
 from backstream.rl.rollout import SamplingConfig
 from backstream.stream.verify import relative_errors
@@ -96,8 +95,8 @@ def test_reset_that_raises_a_tool_that_hangs_and_reset_text(script):
 
 def test_function_tools_beside_no_class(script):
     model, tok = tiny(torch.float32)
-    s = E.EpisodeSampler(SamplingConfig(group_size=1, max_new_tokens=24), EnvConfig(tools=["envs_for_tests:double"]),
-                         tok, [tok.eos_token_id], False, 256)
+    s = episode_sampler(tok, SamplingConfig(group_size=1, max_new_tokens=24),
+                        EnvConfig(tools=["envs_for_tests:double"]))
     script([["[double 21]<eos>", "42<eos>"]])
     r = sample(s, model, [{"prompt": "2*21="}])
     assert text(tok, r, 0) == "2*21=[double 21]<eos>\n=42\n42<eos>" and info(r, "tool_calls") == [1]
@@ -123,7 +122,7 @@ def test_the_sequence_is_bitwise_what_the_sampler_fed(script, fmt):
     r = sample(s, model, [{"prompt": "12+34=", "answer": "46"}])
     for i in range(2):
         seq = torch.cat([r.prompt_ids[i], r.completion_ids[i]]).tolist()
-        assert seq == s.fed[i] + seq[-1:]
+        assert seq == r.episodes[i].fed + seq[-1:]
         assert all(k.shape[1] == len(seq) - 1 for k, _ in r.kv[i])
     if fmt == "chat":
         assert text(tok, r, 0) == ("<tools>add,boom</tools>\n<u>12+34=</u>\n<a>" + call + "\n<t>46</t>\n<a>46<eos>")

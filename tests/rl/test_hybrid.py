@@ -6,11 +6,10 @@ on arith and on toolcalc episodes."""
 
 import pytest
 import torch
-from helpers import REPO, rel, run_cfg, text, tiny_hybrid, weights
+from helpers import REPO, episode_sampler, rel, run_cfg, sample, text, tiny_hybrid, weights
 
 from backstream import config, trainer
 from backstream.checks import UserError
-from backstream.rl.agent import episodes as E
 from backstream.rl.agent.env import EnvConfig
 from backstream.rl.rollout import SamplingConfig, generate
 from backstream.stream.adapter import probe_layout
@@ -64,15 +63,13 @@ def test_episodes_on_a_hybrid_float64(script):
     model, tok = tiny_hybrid()
     script([["[add 12 34]<eos>", "46<eos>"], ["[add 1 2]<eos>", "[add 3 4]<eos>", "7<eos>"], ["46<eos>"],
             ["[add 100 200]<eos>", "300<eos>"]])
-    s = E.EpisodeSampler(SamplingConfig(group_size=2, max_new_tokens=40), EnvConfig(factory="envs_for_tests:Calc"),
-                         tok, [tok.eos_token_id], False, 256)
+    s = episode_sampler(tok, SamplingConfig(group_size=2, max_new_tokens=40), EnvConfig(factory="envs_for_tests:Calc"))
     with keep_float64():
-        r = s.sample(model, [{"prompt": "12+34=", "answer": "46"}, {"prompt": "1+2+4=", "answer": "7"}], [0, 1],
-                     [torch.Generator().manual_seed(0) for _ in range(2)])
+        r = sample(s, model, [{"prompt": "12+34=", "answer": "46"}, {"prompt": "1+2+4=", "answer": "7"}])
         assert [e.turns for e in r.episodes] == [2, 3, 1, 2]
         assert text(tok, r, 1).startswith("12+34=[add 1 2]<eos>\n=3\n[add 3 4]<eos>\n=7\n7<eos>")
         for i, (seq, m, lp) in enumerate(zip(r.sequences(), r.completion_mask(), r.aligned_logprobs())):
-            assert seq.tolist() == s.fed[i] + seq[-1:].tolist()
+            assert seq.tolist() == r.episodes[i].fed + seq[-1:].tolist()
             torch.testing.assert_close(lp[m], learner_logprobs(model, seq)[m[1:]], atol=1e-12, rtol=0)
 
 

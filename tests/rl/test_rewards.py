@@ -517,9 +517,6 @@ def test_eval_metrics_against_rewards_known_in_advance():
     rewards = [[1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0]]
 
     class Fixed:
-        def sample(self, model, rows, indices, gens):
-            return indices  # what score() gets
-
         def release(self, r=None):
             pass
 
@@ -527,7 +524,8 @@ def test_eval_metrics_against_rewards_known_in_advance():
     ev = Evaluator(EvalConfig(every=1, prompts=3, samples=4, pass_reward=1.0), DataConfig(task="arith"), 0, examples,
                    lambda ex, k: Fixed())
     ev.examples = ev.examples[:3]
-    out = ev.run(None, lambda idx: torch.tensor([rewards[i] for i in idx]).flatten(), DataParallel(None), 0)
+    sample = lambda rows, indices, gens: indices  # noqa: E731  (what score() gets)
+    out = ev.run(sample, lambda idx: torch.tensor([rewards[i] for i in idx]).flatten(), DataParallel(None), 0)
     assert out == {"eval/reward/mean": 5 / 12, "eval/pass@4": 2 / 3, "eval/avg@4": (1 / 4 + 0 + 1) / 3}
 
 

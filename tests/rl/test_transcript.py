@@ -79,7 +79,7 @@ def test_concurrent_requests_on_one_branch_fork():
     first = t.request([1, 2])
     second = t.request([1, 2, 5])  # the first answer is not in yet: it cannot extend that branch
     assert first != second and t.branches[second].ids == [1, 2, 5]
-    t.answer(first, [9], [-0.1])
-    t.answer(second, [10], [-0.2])
+    t.answer(first, [9], [-0.1], [0])
+    t.answer(second, [10], [-0.2], [0])
     third = t.request([1, 2, 9, 4])  # extends the first branch, now answered
     assert third == first and t.branches[first].ids == [1, 2, 9, 4]

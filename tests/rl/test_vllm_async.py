@@ -26,7 +26,8 @@ from helpers import kill_the_server_then_step, run_cfg
 from backstream import config, logprobs, trainer
 from backstream.default_model import load_default
 from backstream.rl.data import PromptStream
-from backstream.rl.vllm.sampler import WeightPublisher
+from backstream.rl.sampling import build_backend
+from backstream.rl.vllm.publisher import WeightPublisher
 from backstream.rl.vllm.server import VLLMConfig
 from backstream.rl.vllm.setup import default_dir, python_of, setup
 
@@ -101,19 +102,27 @@ def _trained_prompts(run) -> list[list[int]]:
     return [steps[s] for s in sorted(steps)]
 
 
-def test_a_run_one_step_ahead_keeps_the_bound_and_resumes_without_taking_a_prompt_twice(tmp_path, vllm_python,
-                                                                                       monkeypatch):
-    generate = WeightPublisher.generate
+class Slowed:
+    """The run's server backend, each group's request 0.3 s late: a server slower than the learner, so
+    that groups are in flight across publishes."""
 
-    def slowed(self, *args, **kw):  # a server slower than the learner: groups in flight across publishes
+    def __init__(self, cfg, run_dir: str):
+        self.inner = build_backend(cfg, load_default()[1], [load_default()[1].eos_token_id], run_dir)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def complete(self, *args, **kw):
         time.sleep(0.3)
-        return generate(self, *args, **kw)
+        return self.inner.complete(*args, **kw)
 
-    monkeypatch.setattr(WeightPublisher, "generate", slowed)
+
+def test_a_run_one_step_ahead_keeps_the_bound_and_resumes_without_taking_a_prompt_twice(tmp_path, vllm_python):
     cfg = _async_run(tmp_path, "run", f'vllm.python="{vllm_python}"', 'data.task="arith"', "train.steps=2",
                      "train.save_every=2", "rollout.max_new_tokens=6")
-    run = trainer.train(cfg)
-    run = trainer.train(resume=run, overrides=["train.steps=4"])
+    run = trainer.train(cfg, backend=Slowed(cfg, cfg.train.output_dir))
+    resumed = config.load(os.path.join(run, "config.toml"), ["train.steps=4"])
+    run = trainer.train(resume=run, overrides=["train.steps=4"], backend=Slowed(resumed, run))
     rows = [json.loads(x) for x in open(os.path.join(run, "metrics.jsonl"))]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert all(r["rollout/staleness_max"] <= 1 for r in rows)
@@ -126,7 +135,8 @@ def test_a_run_one_step_ahead_keeps_the_bound_and_resumes_without_taking_a_promp
     assert _trained_prompts(run) == [[i for i in order[s * P:(s + 1) * P] for _ in range(G)] for s in range(4)]
     assert not os.path.exists(os.path.join(run, "vllm"))
     # the server dies with groups in flight: the step that takes them stops with the error naming vllm.log
-    t = trainer.Trainer(config.load(os.path.join(run, "config.toml"), ["train.steps=6"]), run_dir=run, resume=True)
+    again = config.load(os.path.join(run, "config.toml"), ["train.steps=6"])
+    t = trainer.Trainer(again, run_dir=run, resume=True, backend=Slowed(again, run))
     t.train_step()
     kill_the_server_then_step(t)
 

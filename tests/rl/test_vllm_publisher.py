@@ -1,4 +1,4 @@
-"""The weight publisher's files without vLLM (rl/vllm/sampler.py), with a stand-in server: a run keeps
+"""The weight publisher's files without vLLM (rl/vllm/publisher.py), with a stand-in server: a run keeps
 at most one copy of its weights in RUN_DIR/vllm/ while it goes on and none after it, so that
 `train.keep_checkpoints` alone bounds what it leaves on disk (issue 32)."""
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 from helpers import tiny
 
-from backstream.rl.vllm.sampler import WeightPublisher
-from backstream.rl.vllm.server import Server, VLLMConfig
+from backstream.rl.vllm.publisher import WeightPublisher
+from backstream.rl.vllm.server import VLLMConfig
 
 
 class StandIn:
@@ -35,18 +35,16 @@ def _step(model):
 
 
 @pytest.mark.parametrize("url", ["", "http://127.0.0.1:9"])
-def test_published_weights_leave_with_the_run(tmp_path, monkeypatch, url):
+def test_published_weights_leave_with_the_run(tmp_path, url):
     """Started by the run: `initial/` goes once the server has loaded it; each publish replaces the
     last; `close` leaves no weights behind (nor does it with a server of the user's, `vllm.url`,
     which loaded them and needs them no more)."""
-    server = StandIn()
-    monkeypatch.setattr(Server, "start", classmethod(lambda cls, *a, **k: server))
-    monkeypatch.setattr(WeightPublisher, "_connect", lambda self, needs: server)  # vllm.url: checked, connected
+    server = StandIn()  # started by the run, or the one at vllm.url (checked, connected)
     model, tok = tiny(torch.float32)
     model.save_pretrained(tmp_path / "model")
     model = type(model).from_pretrained(tmp_path / "model").eval()  # as a run loads it
     run = tmp_path / "run"
-    pub = WeightPublisher(VLLMConfig(python=sys.executable, url=url), tok, str(run), seed=0)
+    pub = WeightPublisher(VLLMConfig(python=sys.executable, url=url), tok, str(run), seed=0, server=server)
     folder = run / "vllm"
     pub.ensure(model)
     assert sorted(os.listdir(folder)) == (["weights-1"] if url else [])  # the user's server: ours published

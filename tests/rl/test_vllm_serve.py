@@ -303,7 +303,7 @@ def test_a_run_folder_the_server_cannot_see_is_refused(served, tmp_path, monkeyp
     """The weights reach the server as paths under the run folder: a server on another host must see it
     at the same path. /proc/self/cwd is such a path: it names the test's cwd here, the server's there."""
     from backstream.default_model import load_default
-    from backstream.rl.vllm.sampler import WeightPublisher
+    from backstream.rl.vllm.publisher import WeightPublisher
 
     url, _ = served
     _, tok = load_default()

@@ -89,3 +89,23 @@ def test_fsdp_and_hf_are_leaves():
 def test_the_walk_sees_lazy_imports():
     """The walk is not blind: the CLI imports the trainer inside a function only."""
     assert "backstream.trainer" in graph()["backstream.cli"]
+
+
+def test_one_rollout_layer():
+    """The samplers (rl/rollout.py, rl/agent/) take a backend (rl/backends/) and import no server:
+    nothing of rl/agent/ imports rl/vllm/ and nothing of rl/vllm/ imports rl/agent/; the rollout source
+    and the samplers import no backend (the run builds it: rl/sampling.py); process lifetime is one
+    module of the standard library alone."""
+    g = graph()
+
+    def room(prefix):
+        return [m for m in g if m == prefix or m.startswith(prefix + ".")]
+
+    agent, vllm = room("backstream.rl.agent"), room("backstream.rl.vllm")
+    assert agent and vllm
+    assert not {m: sorted(n for n in g[m] if n in vllm) for m in agent if g[m] & set(vllm)}
+    assert not {m: sorted(n for n in g[m] if n in agent) for m in vllm if g[m] & set(agent)}
+    concrete = {"backstream.rl.backends.local", "backstream.rl.backends.server", *vllm}
+    for m in ("backstream.rl.source", "backstream.rl.rollout", *agent):
+        assert not g[m] & concrete, (m, sorted(g[m] & concrete))
+    assert g["backstream.lifetime"] == set()

@@ -32,21 +32,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import torch
+
 from backstream.rl.agent.transcript import Transcript
+from backstream.rl.backends.base import Completion
 
 MAX_BODY = 4 * 2**20  # bytes of one request
 MAX_IN_FLIGHT = 1024  # requests answered at once (more wait their turn)
-
-
-@dataclass
-class Answer:
-    """What the backend sampled after a request's ids: tokens, log-probs, versions, how it ended
-    ("eos", "length", "stop")."""
-
-    ids: list[int]
-    logprobs: list[float]
-    versions: list[int] | None  # None: sampled in process, at the current weights
-    reason: str
 
 
 @dataclass
@@ -57,6 +49,7 @@ class EpisodeSession:
     key: str
     base_url: str
     seed: int = 0  # a request without `seed` draws with seed (this, its number in the episode)
+    generate: Callable | None = None  # (ids, max_tokens, seed) -> Completion: what samples its requests
     transcript: Transcript = field(default_factory=Transcript)
     finished: bool = False
     errors: int = 0  # requests refused
@@ -116,7 +109,7 @@ class Endpoint:
     `eos`: the token that ends a turn; `temperature` / `top_p` / `max_new_tokens`: the run's sampling;
     `context`: the model's; `max_requests`: per episode (env.max_turns)."""
 
-    def __init__(self, format_for: Callable, generate: Callable[[list[int], int, int], Answer], eos: int,
+    def __init__(self, format_for: Callable, generate: Callable[[list[int], int, int], Completion], eos: int,
                  served_name: str = "policy", temperature: float = 1.0, top_p: float = 1.0,
                  max_new_tokens: int = 64, context: int | None = None, max_requests: int = 16):
         self.format_for, self.generate, self.eos, self.served_name = format_for, generate, eos, served_name
@@ -161,11 +154,12 @@ class Endpoint:
             self.server = None
         self.workers.shutdown(wait=False, cancel_futures=True)
 
-    def open(self, seed: int = 0) -> EpisodeSession:
-        """A new episode: its base URL and key (what its agent is given); `seed`: its requests' draws."""
+    def open(self, seed: int = 0, generate: Callable | None = None) -> EpisodeSession:
+        """A new episode: its base URL and key (what its agent is given); `seed`: its requests' draws;
+        `generate`: what samples its requests (default: the endpoint's)."""
         eid = uuid.uuid4().hex[:16]
         ep = EpisodeSession(id=eid, key=f"bs-{secrets.token_urlsafe(24)}", base_url=f"{self.url}/episodes/{eid}/v1",
-                            seed=seed)
+                            seed=seed, generate=generate or self.generate)
         with self.lock:
             self.episodes[eid] = ep
         return ep
@@ -254,10 +248,10 @@ class Endpoint:
         room = (self.context - len(ids)) if self.context else self.max_new_tokens
         budget = min(req.max_completion_tokens or req.max_tokens or self.max_new_tokens, self.max_new_tokens, room)
         if budget <= 0:
-            out = Answer([], [], None, "length")
+            out = Completion([], torch.empty(0), torch.empty(0, dtype=torch.long), "length")
         else:
             seed = req.seed if req.seed is not None else (ep.seed * 1_000_003 + number) % 2**31
-            out = self.generate(ids, budget, seed)
+            out = ep.generate(ids, budget, seed)
         message, calls = fmt.parse(out.ids) if out.ids else ({"role": "assistant", "content": ""}, [])
         calls = [c for c in calls if c.error is None]  # a malformed call is text the agent reads
         finish = "length" if out.reason == "length" else "tool_calls" if calls else "stop"
@@ -269,7 +263,7 @@ class Endpoint:
         elif message.get("tool_calls") or not reply["content"]:  # a malformed call: its text as the agent's
             reply["content"] = fmt.tok.decode(out.ids, skip_special_tokens=True)
         # the answer and the conversation the rewards will see, recorded together (or neither, once over)
-        if not ep.transcript.answer(branch, out.ids, out.logprobs, out.versions,
+        if not ep.transcript.answer(branch, out.ids, out.logprobs.tolist(), out.versions.tolist(),
                                     [*messages, {**reply, "finish_reason": finish}]):
             raise APIError(403, "this episode ended while its answer was sampled (env.agent_timeout_s); it is not "
                                 "trained", "permission_error", code="episode_finished")

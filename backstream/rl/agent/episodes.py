@@ -8,17 +8,15 @@ message). Only the sampled tokens carry a loss (`Rollout.sampled`); tool results
 user messages are context of weight 0, and the trie of the streamed backward merges a group's shared
 prompt and any turns its episodes share, so an episode costs its unique tokens.
 
-The step's episodes are played in rounds, every live episode's turn of a round decoded as one batch
-(rl/decode.py: rows of different lengths left-padded; finished rows stay, fed and ignored, and leave
-the batch together each time they are a quarter of it). The first round
-prefills each distinct prompt once for the episodes that start from it; each episode then keeps its
-own K/V, and a later turn prefills only its new tokens (the previous turn's last token, the inserted
-tokens) after them before it joins the round's batch. Every sampled token keeps the sampler's
-log-prob; inserted tokens have none (NaN). With `return_kv` each episode's K/V (every position but
-its last token's) go to the engine, no prefill.
+The turns are sampled by the run's backend (rl/backends/: `Backend.play`): in process in rounds, every
+live episode's turn of a round decoded as one batch, each episode keeping its own K/V so that a later
+turn prefills only its new tokens; on a server every episode in a thread of its own, each turn a
+request after exactly the episode's ids so far. Every sampled token keeps the sampler's log-prob and
+weight version; inserted tokens have none (NaN, version -1). With `return_kv` (in process) each
+episode's K/V (every position but its last token's) go to the engine, no prefill.
 
-Fidelity: an episode's sequence is bitwise the tokens the sampler fed, in order, plus the last token
-it sampled (`EpisodeSampler.fed` keeps them for the test that checks it).
+Fidelity: an episode's sequence is bitwise the tokens the backend fed, in order, plus the last token
+it sampled (each sample's `EpisodeInfo.fed` keeps them for the test that checks it).
 """
 
 from __future__ import annotations
@@ -28,14 +26,12 @@ import threading
 from dataclasses import dataclass, field
 
 import torch
-from torch import Tensor
 
 from backstream.checks import UserError
 from backstream.rl.agent.env import EnvConfig, EnvError, Environment, ToolResult
 from backstream.rl.agent.turns import make_format
-from backstream.rl.decode import RowCache, Rows, check_return_kv, decode, prefill
+from backstream.rl.backends.base import CONTEXT, Completion
 from backstream.rl.rollout import EpisodeInfo, Rollout, SamplingConfig
-from backstream.stream.hf import takes_logits_to_keep
 
 METRIC_KEYS = ("episode/turns/mean", "episode/tool_calls/mean", "episode/tool_errors/mean", "episode/truncated",
                "episode/timeouts", "episode/results_cut/mean")
@@ -51,7 +47,6 @@ class _Episode:
     ids: list[int] = field(default_factory=list)  # the completion: every token after the prompt
     sampled: list[bool] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    pending: list[int] = field(default_factory=list)  # sampled, not fed yet (the turn's last token)
     turn: list[int] = field(default_factory=list)  # the last turn's sampled tokens
     turn_reason: str = "eos"  # how the last turn ended: "eos", "stop" or "length"
     inserted: list[int] = field(default_factory=list)  # the tokens to feed before the next turn
@@ -61,19 +56,14 @@ class _Episode:
     tool_errors: int = 0
     results_cut: int = 0
     reason: str | None = None
-    cache: RowCache | None = None  # its cache over every fed position (K/V, and states in a hybrid model)
-    fed: list[int] = field(default_factory=list)  # every token fed to the model, in order (fidelity test)
-    # per completion token, the weight version it was sampled with (a server's turns; None in process):
-    # an inserted token carries the version of the turn before it
-    versions: list[int] | None = None
+    versions: list[int] = field(default_factory=list)  # per completion token (-1: inserted)
+    lp_dtype: torch.dtype = torch.float32  # the sampler's log-probs' (float64 for a float64 model)
 
     def add(self, ids: list[int], logprobs: list[float] | None, versions: list[int] | None = None) -> None:
         self.ids += ids
         self.sampled += [logprobs is not None] * len(ids)
         self.logprobs += logprobs if logprobs is not None else [math.nan] * len(ids)
-        if versions is not None or self.versions is not None:
-            self.versions = (self.versions or []) + (versions if versions is not None else
-                                                     [self.versions[-1]] * len(ids))
+        self.versions += versions if versions is not None else [CONTEXT] * len(ids)
 
     def length(self) -> int:
         return len(self.prompt) + len(self.ids)
@@ -88,52 +78,55 @@ class EpisodeSampler:
     """The sampler of `[env]` runs (rl/sampling.py's protocol): G episodes per task (see the module
     docstring)."""
 
-    metric_keys = METRIC_KEYS
-
     def __init__(self, config: SamplingConfig, env_cfg: EnvConfig, tokenizer, eos: list[int], return_kv: bool,
-                 context: int | None):
+                 context: int | None, backend):
         self.config, self.tok, self.eos, self.return_kv = config, tokenizer, eos, return_kv
+        self.backend, self.metric_keys = backend, (*METRIC_KEYS, "episode/tool_seconds", *backend.metric_keys)
         self.env_cfg, self.env = env_cfg, Environment.load(env_cfg)
         self.environment = self.env
         self.format = make_format(env_cfg.format, tokenizer, self.env.schemas, set(eos), env_cfg.chat_template)
         self.max_tokens = env_cfg.token_limit(context) or 10**9
-        self.fed: list[list[int]] = []  # of the last `sample`, per episode
+        if env_cfg.token_limit(context):  # an episode's budget
+            backend.need_context(self.max_tokens, f"env.max_episode_tokens = {env_cfg.max_episode_tokens}" +
+                                 ("" if self.max_tokens == env_cfg.max_episode_tokens else ": the model's context"))
         self.live: list = []  # the environments of the episodes not released yet (`release`)
         self.starting = threading.Lock()  # episodes of concurrent `sample` calls start one at a time
-        self.tool_s = 0.0  # seconds in tools during the last `sample`
 
-    def timings(self) -> dict[str, float]:
-        return {"tool": self.tool_s}
+    def timings(self, r: Rollout) -> dict[str, float]:
+        """An in-process backend plays the episodes' tools between its rounds: a slice of the step's time
+        ("tool"); a server's episodes run theirs while the others' turns are sampled (no slice of it:
+        episode/tool_seconds has their sum)."""
+        return {"tool": sum(e.tool_seconds for e in r.episodes or [])} if self.backend.in_process else {}
 
     def check_prompts(self, examples: list[dict]) -> int:
         """Render every example's prompt once (no environment: reset's text comes at sampling time), so
         that a prompt the format cannot render fails before the run starts; returns the longest."""
         return max(len(self.format.prompt(ex["prompt"], None)[0]) if "prompt" in ex else 0 for ex in examples)
 
-    @torch.no_grad()
-    def sample(self, model, rows: list[dict], indices: list[int], generators: list, progress=None) -> Rollout:
-        G, keep_last = self.config.group_size, takes_logits_to_keep(model)
-        check_return_kv(model, self.return_kv)
+    def sample(self, rows: list[dict], indices: list[int], generators: list, progress=None) -> Rollout:
+        G = self.config.group_size
         episodes = self._start_groups(rows, indices)
-        gens = [gen for gen in generators for _ in range(G)]  # an episode draws from its group's generator
-        left = [G] * len(rows)  # live episodes per group
+        left, lock = [G] * len(rows), threading.Lock()  # live episodes per group (a server's turn from threads)
 
-        def ended(live: list[int]) -> list[int]:
-            still = [k for k in live if self._after_turn(episodes[k])]
-            for k in set(live) - set(still):
+        def turn(k: int, c: Completion) -> list[int] | None:
+            ep = episodes[k]
+            ep.lp_dtype = torch.promote_types(c.logprobs.dtype, torch.float32)
+            ep.add(c.ids, c.logprobs.tolist(), c.versions.tolist())
+            ep.turn, ep.turn_reason = c.ids, c.reason
+            ep.turns += 1
+            if self._after_turn(ep):
+                ep.add(ep.inserted, None)
+                return ep.inserted
+            with lock:
                 left[k // G] -= 1
-            if progress is not None and set(live) != set(still):
-                progress(sum(x == 0 for x in left), len(rows))
-            return still
+                if progress is not None and left[k // G] == 0:
+                    progress(sum(x == 0 for x in left), len(rows))
+            return None
 
-        if episodes:  # (a rank's share of a round can be empty)
-            self._first_turns(model, episodes, gens, keep_last)
-        live = ended(list(range(len(episodes))))
-        while live:  # a round: every live episode's next turn, as one batch
-            self._next_turns(model, [episodes[k] for k in live], [gens[k] for k in live], keep_last)
-            live = ended(live)
-        self.tool_s = sum(ep.tool_s for ep in episodes)
-        return self._rollout(episodes, indices)
+        gens = [gen for gen in generators for _ in range(G)]  # an episode draws from its group's generator
+        played = self.backend.play([ep.prompt for ep in episodes], gens, turn, self._budget, self.env_cfg.max_turns,
+                                   self.return_kv)
+        return self._rollout(episodes, indices, played)
 
     def release(self, r: Rollout | None = None) -> None:
         """Hand the environments of `r`'s episodes back to their pool, once they are scored (None: of every
@@ -176,25 +169,8 @@ class EpisodeSampler:
         for_rewards = messages if chat else messages[-1]["content"]
         return _Episode(env=env, prompt=prompt, prompt_for_rewards=for_rewards)
 
-    def _first_turns(self, model, episodes: list[_Episode], gens: list, keep_last: bool) -> None:
-        """The first turn of every episode, as one batch: one prefill per distinct prompt (one for a
-        task's G episodes unless reset's texts differ; prompts of one length together)."""
-        batch = Rows.of_prompts(model, [ep.prompt for ep in episodes], keep_last, self.config.max_new_tokens)
-        out = decode(model, batch, self.config, set(self.eos), self.tok, gens, keep_last,
-                     [self._budget(len(ep.prompt)) for ep in episodes], keep_kv=True)
-        for k, ep in enumerate(episodes):
-            ep.cache = out.caches[k]
-            ep.fed = list(ep.prompt) + out.tokens[k][:-1]
-            self._took_turn(ep, out.tokens[k], out.logprobs[k], out.reasons[k])
-
     def _budget(self, length: int) -> int:
         return max(1, min(self.config.max_new_tokens, self.max_tokens - length))
-
-    def _took_turn(self, ep: _Episode, tokens: list[int], logps: Tensor, reason: str,
-                   versions: list[int] | None = None) -> None:
-        ep.add(tokens, logps.tolist(), versions)
-        ep.turn, ep.pending, ep.turn_reason = tokens, tokens[-1:], reason
-        ep.turns += 1
 
     def _after_turn(self, ep: _Episode) -> bool:
         """The sampled turn becomes a message; its tool calls run (or the text hook), and what they
@@ -274,47 +250,21 @@ class EpisodeSampler:
         kept = self.tok.decode(ids[:cap]) if len(ids) > cap else text
         return kept + CUT.format(max(res.length, len(text)) - len(kept)), True
 
-    def _next_turns(self, model, eps: list[_Episode], gens: list, keep_last: bool) -> None:
-        """Each episode feeds its turn's last token and what `_after_turn` inserted (a prefill after its
-        own K/V), then their next turns are sampled as one batch."""
-        device = next(model.parameters()).device
-        parts = []
-        for r, ep in enumerate(eps):
-            new = ep.pending + ep.inserted
-            cache, logits = prefill(model, [new], device, keep_last, history=ep.cache)
-            ep.cache = None  # the batch's cache holds it now
-            ep.fed += new
-            ep.add(ep.inserted, None)
-            parts.append(([r], cache, logits))
-        batch = Rows.stack(parts, len(eps), self.config.max_new_tokens)
-        del parts
-        out = decode(model, batch, self.config, set(self.eos), self.tok, gens, keep_last,
-                     [self._budget(ep.length()) for ep in eps], keep_kv=True)
-        for r, ep in enumerate(eps):
-            ep.cache = out.caches[r]
-            ep.fed += out.tokens[r][:-1]
-            self._took_turn(ep, out.tokens[r], out.logprobs[r], out.reasons[r])
-
-    def _rollout(self, episodes: list[_Episode], indices: list[int]) -> Rollout:
+    def _rollout(self, episodes: list[_Episode], indices: list[int], played: list) -> Rollout:
         G = self.config.group_size
-        dtype = episodes[0].cache.dtype if episodes and episodes[0].cache else torch.float32
-        lp_dtype = torch.promote_types(dtype, torch.float32)
-        self.fed = [ep.fed for ep in episodes]
-        kv = [ep.cache.as_kv() for ep in episodes] if self.return_kv else None
-        for ep in episodes:
-            ep.cache = None
+        kv = [p.kv for p in played] if self.return_kv else None
         infos = [EpisodeInfo(turns=ep.turns, tool_calls=ep.tool_calls, tool_errors=ep.tool_errors,
                              results_cut=ep.results_cut, timed_out=ep.reason == "timeout", tool_seconds=ep.tool_s,
-                             prompt=ep.prompt_for_rewards, messages=ep.messages, env=ep.env) for ep in episodes]
+                             prompt=ep.prompt_for_rewards, messages=ep.messages, env=ep.env, fed=p.fed)
+                 for ep, p in zip(episodes, played)]
         return Rollout(
             prompt_index=[i for i in indices for _ in range(G)],
             prompt_ids=[torch.tensor(ep.prompt, dtype=torch.long) for ep in episodes],
             completion_ids=[torch.tensor(ep.ids, dtype=torch.long) for ep in episodes],
-            logprobs=[torch.tensor(ep.logprobs, dtype=lp_dtype) for ep in episodes],
+            logprobs=[torch.tensor(ep.logprobs, dtype=ep.lp_dtype) for ep in episodes],
             finish_reason=[ep.reason for ep in episodes], kv=kv, group_size=G,
             sampled=[torch.tensor(ep.sampled, dtype=torch.bool) for ep in episodes], episodes=infos,
-            weight_version=None if not episodes or episodes[0].versions is None else  # None: in process, at
-            [torch.tensor(ep.versions, dtype=torch.long) for ep in episodes])  # the current weights
+            weight_version=[torch.tensor(ep.versions, dtype=torch.long) for ep in episodes])
 
     def reward_inputs(self, r: Rollout, rows: list[dict]) -> tuple[list, list, dict]:
         """As TRL passes them with an environment: each episode's messages after the prompt (the last
@@ -332,5 +282,7 @@ class EpisodeSampler:
                 "episode/tool_errors/mean": sum(x.tool_errors for x in e) / n,
                 "episode/truncated": sum(x in ("length", "turns") for x in r.finish_reason) / n,
                 "episode/timeouts": sum(x.timed_out for x in e) / n,
-                "episode/results_cut/mean": sum(x.results_cut for x in e) / n}
+                "episode/results_cut/mean": sum(x.results_cut for x in e) / n,
+                "episode/tool_seconds": sum(x.tool_seconds for x in e),
+                **self.backend.metrics(r.weight_version)}
 

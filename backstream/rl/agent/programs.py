@@ -6,8 +6,10 @@ the program once per episode (rl/agent/runner.py), every episode of the round at
 requests batch, and turns each episode's transcript (rl/agent/transcript.py) into one sample: the
 branch of its last answer is the sample's own sequence, every other branch that sampled a token is
 one of its forks (rl/rollout.py `Fork`), trained with the episode's advantage. Behind the endpoint
-samples the run's backend: in process `LocalAnswers` (requests that arrive while the model decodes
-are decoded together next: rl/agent/answers.py), or a vLLM server (rl/vllm/sampler.py `ServerAnswers`).
+samples the run's backend (rl/backends/: `Backend.generate`; in process, requests that arrive while
+the model decodes are decoded together next). A request the backend fails is the agent's error, and
+the round raises the first once its episodes are over, so a failing backend (a dead server) stops the
+step instead of scoring every episode 0.
 
 Rewards: the program's own (a function's return value, a command's last line when it is a number) is
 the reward "env", read through each sample's `AgentOutcome` (TRL's `environments` contract); the
@@ -25,7 +27,6 @@ import threading
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor
 
 from backstream.checks import UserError
 from backstream.log import log
@@ -33,6 +34,7 @@ from backstream.rl.agent.endpoint import Endpoint, EpisodeSession
 from backstream.rl.agent.runner import AgentResult, run_command, run_function
 from backstream.rl.agent.transcript import Branch
 from backstream.rl.agent.turns import make_format, prompt_head
+from backstream.rl.backends.base import Completion
 from backstream.rl.rollout import EpisodeInfo, Fork, Rollout, SamplingConfig
 from backstream.rl.specs import load_object
 
@@ -80,14 +82,11 @@ def format_for(env_cfg, tokenizer, eos: list[int]):
 
 
 class AgentSampler:
-    """The sampler of an agent program's episodes (see the module docstring). `answers`: the backend
-    (`LocalAnswers`, or rl/vllm's `ServerAnswers`): `begin(model, progress, n)`, `end()`,
-    `playing(n)` (episodes started or ended) and `(ids, max_tokens, seed) -> Answer`."""
+    """The sampler of an agent program's episodes (see the module docstring); `backend`: the run's."""
 
-    metric_keys = METRIC_KEYS
-
-    def __init__(self, config: SamplingConfig, env_cfg, tokenizer, eos: list[int], context: int | None, answers):
-        self.config, self.env_cfg, self.tok, self.eos, self.answers = config, env_cfg, tokenizer, eos, answers
+    def __init__(self, config: SamplingConfig, env_cfg, tokenizer, eos: list[int], context: int | None, backend):
+        self.config, self.env_cfg, self.tok, self.eos, self.backend = config, env_cfg, tokenizer, eos, backend
+        self.metric_keys = (*METRIC_KEYS, *backend.metric_keys)
         if env_cfg.agent:
             self.fn = load_object(env_cfg.agent, "env.agent")
             if not callable(self.fn):
@@ -98,8 +97,13 @@ class AgentSampler:
         self.environment = AgentRewards(f"env.agent{'' if env_cfg.agent else '_command'} {self.name}")
         self.format_for = format_for(env_cfg, tokenizer, eos)
         self.context = env_cfg.token_limit(context)
+        if self.context:
+            why = (f"env.max_episode_tokens = {env_cfg.max_episode_tokens}"
+                   if self.context == env_cfg.max_episode_tokens else
+                   "the model's context (an agent's conversation may grow to it; env.max_episode_tokens bounds it)")
+            backend.need_context(self.context, why)
         self.endpoint: Endpoint | None = None
-        self.serving = threading.Lock()  # an asynchronous run's producer samples groups from threads
+        self.serving = threading.Lock()  # an asynchronous source samples groups from threads
         self.served_name = "policy"
 
     def check_prompts(self, examples: list[dict]) -> int:
@@ -107,11 +111,12 @@ class AgentSampler:
         return 0
 
     def _serve(self) -> Endpoint:
-        """The endpoint, started at the first round."""
+        """The endpoint, started at the first round; each episode's requests go to the backend through
+        its round (`_Round`)."""
         with self.serving:
             if self.endpoint is None:
                 c = self.config
-                self.endpoint = Endpoint(self.format_for, self.answers, self.eos[0] if self.eos else None,
+                self.endpoint = Endpoint(self.format_for, self.backend.generate, self.eos[0] if self.eos else None,
                                          self.served_name, c.temperature, c.top_p, c.max_new_tokens, self.context,
                                          self.env_cfg.max_turns)
                 url = self.endpoint.start()
@@ -119,14 +124,15 @@ class AgentSampler:
                          "each")
             return self.endpoint
 
-    def sample(self, model, rows: list[dict], indices: list[int], generators: list, progress=None) -> Rollout:
+    def sample(self, rows: list[dict], indices: list[int], generators: list, progress=None) -> Rollout:
         G, endpoint = self.config.group_size, self._serve()
         seeds = [int(torch.randint(0, 2**31 - 1, (1,), generator=gen)) for gen in generators for _ in range(G)]
-        sessions = [endpoint.open(seed) for seed in seeds]
+        round_ = _Round(self.backend)
+        sessions = [endpoint.open(seed, round_.generate) for seed in seeds]
         results: list[AgentResult | None] = [None] * len(sessions)
         done = [0] * len(rows)
-        self.answers.begin(model, progress, len(rows))
-        self.answers.playing(len(sessions))
+        self.backend.start_round()
+        self.backend.playing(len(sessions))
         try:
             with concurrent.futures.ThreadPoolExecutor(max_workers=min(256, max(1, len(sessions)))) as pool:
                 futures = {pool.submit(self._play, s, rows[k // G]): k for k, s in enumerate(sessions)}
@@ -134,17 +140,17 @@ class AgentSampler:
                     k = futures[f]
                     results[k] = f.result()
                     endpoint.finish(sessions[k])
-                    self.answers.playing(-1)
+                    self.backend.playing(-1)
                     done[k // G] += 1
                     if progress is not None and done[k // G] == G:
                         progress(sum(d == G for d in done), len(rows))
         finally:
             for s in sessions:
                 endpoint.finish(s)
-            self.answers.end()
-        dtype = torch.float64 if model is not None and next(model.parameters()).dtype == torch.float64 else \
-            torch.float32
-        return self._rollout(sessions, results, rows, indices, dtype)
+            self.backend.end_round()
+        if round_.failure is not None:  # the backend failed, not the agent: the step stops
+            raise round_.failure
+        return self._rollout(sessions, results, rows, indices, round_.dtype)
 
     def _play(self, session: EpisodeSession, row: dict) -> AgentResult:
         timeout = self.env_cfg.agent_timeout_s
@@ -155,9 +161,8 @@ class AgentSampler:
     def _rollout(self, sessions: list[EpisodeSession], results: list[AgentResult], rows: list[dict],
                  indices: list[int], dtype: torch.dtype) -> Rollout:
         G = self.config.group_size
-        versioned = not self.answers.in_process  # in process: sampled at the current weights, no versions
         out = Rollout(prompt_index=[], prompt_ids=[], completion_ids=[], logprobs=[], finish_reason=[],
-                      group_size=G, sampled=[], episodes=[], weight_version=[] if versioned else None, forks=[])
+                      group_size=G, sampled=[], episodes=[], weight_version=[], forks=[])
         for k, (s, res) in enumerate(zip(sessions, results)):
             t = s.transcript
             trained = [i for i, b in enumerate(t.branches) if any(b.sampled)]
@@ -171,11 +176,9 @@ class AgentSampler:
             out.completion_ids.append(torch.tensor(own.ids[first:], dtype=torch.long))
             out.logprobs.append(torch.tensor(own.logprobs[first:], dtype=dtype))
             out.sampled.append(torch.tensor(own.sampled[first:], dtype=torch.bool))
-            if versioned:
-                out.weight_version.append(_carried(own.versions[first:]))
+            out.weight_version.append(torch.tensor(own.versions[first:], dtype=torch.long))
             out.forks.append([Fork(torch.tensor(b.ids, dtype=torch.long), torch.tensor(b.sampled, dtype=torch.bool),
-                                   torch.tensor(b.logprobs, dtype=dtype),
-                                   torch.tensor(b.versions, dtype=torch.long) if versioned else None)
+                                   torch.tensor(b.logprobs, dtype=dtype), torch.tensor(b.versions, dtype=torch.long))
                               for i, b in enumerate(t.branches) if i in trained and i != main])
             reason = ("timeout" if res.timed_out else "error" if res.error else
                       s.conversation[-1]["finish_reason"] if s.conversation else "stop")
@@ -206,9 +209,10 @@ class AgentSampler:
                 "episode/truncated": sum(x == "length" for x in r.finish_reason) / n,
                 "episode/agent_errors": sum(x.agent_error for x in e) / n,
                 "episode/agent_timeouts": sum(x.timed_out for x in e) / n,
-                "episode/agent_seconds/mean": sum(x.agent_seconds for x in e) / n}
+                "episode/agent_seconds/mean": sum(x.agent_seconds for x in e) / n,
+                **self.backend.metrics(r.weight_version)}
 
-    def timings(self) -> dict[str, float]:
+    def timings(self, r: Rollout) -> dict[str, float]:
         return {}
 
     def release(self, r: Rollout | None = None) -> None:
@@ -221,6 +225,24 @@ class AgentSampler:
                 self.endpoint = None
 
 
+class _Round:
+    """One `sample` call's requests: each goes to the backend; the first the backend failed is kept
+    for that call to raise (rounds of an asynchronous run run side by side: each keeps its own), and
+    the log-probs' dtype (float64 for a float64 model) noted."""
+
+    def __init__(self, backend):
+        self.backend, self.failure, self.dtype = backend, None, torch.float32
+
+    def generate(self, ids: list[int], max_tokens: int, seed: int) -> Completion:
+        try:
+            out = self.backend.generate(ids, max_tokens, seed)
+        except Exception as e:
+            self.failure = self.failure or e
+            raise
+        self.dtype = torch.promote_types(out.logprobs.dtype, torch.float32)
+        return out
+
+
 @dataclass
 class AgentEpisodeInfo(EpisodeInfo):
     """An agent program's episode: its requests are its `turns`; `branches`: how many times its history
@@ -229,14 +251,3 @@ class AgentEpisodeInfo(EpisodeInfo):
     branches: int = 0
     agent_error: bool = False
     agent_seconds: float = 0.0
-
-
-def _carried(versions: list[int]) -> Tensor:
-    """Per-token versions with context tokens (-1) given the version of the sampled token before them
-    (the first sampled one's where none comes before): rl/rollout.py's `weight_version` convention."""
-    out, last = [], next((v for v in versions if v >= 0), 0)
-    for v in versions:
-        last = v if v >= 0 else last
-        out.append(last)
-    return torch.tensor(out, dtype=torch.long)
-

@@ -80,11 +80,11 @@ class Transcript:
             self.pending.add(i)
             return i
 
-    def answer(self, i: int, ids: list[int], logprobs: list[float], versions: list[int] | None = None,
+    def answer(self, i: int, ids: list[int], logprobs: list[float], versions: list[int],
                conversation: list[dict] | None = None) -> bool:
-        """The tokens sampled on branch i after its request, with their log-probs (and weight versions;
-        None: sampled in process at the current weights, recorded as 0) and, as the rewards will see it,
-        the conversation they end. False, and nothing recorded, once the transcript is closed."""
+        """The tokens sampled on branch i after its request, with their log-probs and weight versions
+        and, as the rewards will see it, the conversation they end. False, and nothing recorded, once the
+        transcript is closed."""
         with self.lock:
             if self.closed:
                 return False
@@ -92,7 +92,7 @@ class Transcript:
             b.ids += ids
             b.sampled += [True] * len(ids)
             b.logprobs += list(logprobs)
-            b.versions += list(versions) if versions is not None else [0] * len(ids)
+            b.versions += list(versions)
             self.pending.discard(i)
             self.last = i
             if conversation is not None:

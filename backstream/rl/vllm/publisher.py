@@ -1,30 +1,28 @@
-"""`rollout.backend = "vllm"`: G completions per prompt sampled by a vLLM server (rl/sampling.py's
-protocol), token ids in and out, with the learner's current weights published to the server before
-every rollout that follows an optimizer step.
+"""The run's vLLM server and the learner's weights on it (`WeightPublisher`): the server started (or
+connected to) with the policy's weights, its context and K/V cache sized, the learner's new weights
+published before any request after they changed, and the requests (`generate`: token ids in and out,
+per-token log-probs and weight versions, a request a publish aborted resumed from its tokens so far).
+rl/backends/server.py is the backend protocol over it.
 
-- Prompts go as token ids, one request per group (`n = G`, `return_token_ids`, per-token log-probs),
-  all of a round's groups in flight at once so the server batches them. A group's request carries a
-  seed drawn from its generator (the one the local sampler would use), so a resumed run samples what
-  it would have.
 - The server's log-probs are the learner's convention, log_softmax(logits / T) before truncation:
   `--logprobs-mode processed_logprobs`, or with top-p/top-k (which vLLM's processed log-probs are
   renormalised after) `raw_logprobs`, the same at T = 1; top-p/top-k at another temperature are
   refused (server.logprobs_mode).
-- The server hands no K/V: the engine runs its prefill (engine.reuse_rollout_kv is refused).
-- Publishing the weights (`WeightPublisher`): full weights are written as safetensors and reloaded in
-  place by the server's worker extension (rl/vllm/worker_ext.py: re-ties and repacks a tied head on
-  a CPU server), between /pause and /resume, with the prefix cache reset (cached prompt K/V of the
-  old weights would be reused otherwise); a LoRA policy publishes its adapter instead
-  (/v1/load_lora_adapter, load_inplace). Each rollout records the weight version it sampled with.
+- Publishing the weights: full weights are written as safetensors and reloaded in place by the
+  server's worker extension (rl/vllm/worker_ext.py: re-ties and repacks a tied head on a CPU server),
+  between /pause and /resume, with the prefix cache reset (cached prompt K/V of the old weights would
+  be reused otherwise); a LoRA policy publishes its adapter instead (/v1/load_lora_adapter,
+  load_inplace). Every token records the weight version it was sampled with (vLLM's own label).
+- QaRL: the server reports its int8 GEMM (`kernels`), which the trainer's rollout source sets on the
+  learner, and `check_aligned` refuses a server whose quantized forward differs from the learner's.
 - Under torchrun every rank is a client of one server, which rank 0 starts (or connects to); each
   rank sends the requests of its own groups. Publishing is a collective: the weights are gathered
   whole from their FSDP shards, rank 0 writes them and has the server reload them, and every rank
-  waits for it before sampling (`WeightPublisher`).
+  waits for it before sampling.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import dataclasses
 import math
@@ -34,17 +32,16 @@ import time
 import uuid
 
 import torch
-from torch import Tensor
 
 from backstream.checkpoint import quiet
 from backstream.checks import UserError
 from backstream.log import log
 from backstream.quant.export import write_compressed
 from backstream.quant.formats import INT8_GEMMS
-from backstream.quant.linear import quantized, set_int8_gemm
-from backstream.rl.agent.episodes import EpisodeSampler
+from backstream.quant.linear import quant_linears, quantized
+from backstream.rl.backends.base import Completion
 from backstream.rl.parallel import DataParallel
-from backstream.rl.rollout import Rollout, SamplingConfig, completion_reward_inputs
+from backstream.rl.rollout import SamplingConfig
 from backstream.rl.vllm.serve import Needs, check_server
 from backstream.rl.vllm.server import SERVED_NAME, Server, ServerError, VLLMConfig, free_port, server_args
 from backstream.stream import fsdp
@@ -56,7 +53,7 @@ ADAPTER = "policy-lora"  # the served name of a LoRA policy's adapter
 # what a publish does with the requests in flight: vLLM's /pause mode for each rollout.in_flight
 PAUSE_MODES = {"wait": "wait", "resume": "abort", "keep": "keep"}
 ALIGNED_MEDIAN = 1e-4  # QaRL's start-up check: an aligned server is ~1e-7 off the learner, a misaligned one ~1e-2
-ALIGN_PROBE = 64  # tokens of that check's prompt (`WeightPublisher._align`)
+ALIGN_PROBE = 64  # tokens of that check's prompt (`WeightPublisher.check_aligned`)
 
 
 def sampling_args(config: SamplingConfig) -> dict:
@@ -71,20 +68,8 @@ def sampling_args(config: SamplingConfig) -> dict:
     return out
 
 
-@dataclasses.dataclass
-class Sampled:
-    """One sample the server drew: its token ids, their log-probs, the weight version each token was
-    sampled with (the server's own label, exact across a publish) and how it ended ("eos", "length",
-    "stop" for a stop string; "abort" only inside `WeightPublisher.generate`)."""
-
-    ids: list[int]
-    logprobs: Tensor
-    versions: Tensor
-    reason: str
-
-
-def _choice(ch: dict, eos: list[int]) -> Sampled:
-    """A choice of /inference/v1/generate as a `Sampled`."""
+def _choice(ch: dict, eos: list[int]) -> Completion:
+    """A choice of /inference/v1/generate as a `Completion`."""
     ids = ch["token_ids"]
     lps = [x["logprob"] for x in (ch.get("logprobs") or {}).get("content") or []]
     if len(lps) != len(ids):
@@ -102,7 +87,7 @@ def _choice(ch: dict, eos: list[int]) -> Sampled:
         raise RuntimeError(f"vLLM labelled {covered} of {len(ids)} tokens with a weight version")
     reason = "abort" if ch["finish_reason"] == "abort" else "eos" if ids and ids[-1] in eos else \
         "length" if ch["finish_reason"] == "length" else "stop"
-    return Sampled(ids, torch.tensor([math.nan if x is None else x for x in lps], dtype=torch.float32), versions,
+    return Completion(ids, torch.tensor([math.nan if x is None else x for x in lps], dtype=torch.float32), versions,
                    reason)
 
 
@@ -120,12 +105,6 @@ def _base_names(model, state: dict) -> dict:
     prefix = prefix + "." if prefix else ""
     return {k.removeprefix(prefix).replace(".base_layer.", "."): v for k, v in state.items()
             if k.startswith(prefix) and ".lora_" not in k}
-
-
-def oldest(versions: list[Tensor] | None) -> float:
-    """The oldest weight version any token of a rollout was sampled with (NaN: no token)."""
-    mins = [int(v.min()) for v in versions or [] if len(v)]
-    return float(min(mins)) if mins else math.nan
 
 
 def starting(progress, n: int):
@@ -188,12 +167,14 @@ class WeightPublisher:
     on every rank; so are a rank's failed requests, through `dp.fail_together` after each round."""
 
     def __init__(self, cfg: VLLMConfig, tokenizer, run_dir: str, seed: int, dp: DataParallel | None = None,
-                 mode: str = "processed_logprobs", quant=None, policy=None, in_flight: str = "wait"):
+                 mode: str = "processed_logprobs", quant=None, policy=None, in_flight: str = "wait", server=None):
         """`policy`: the run's [model] (a server of your own is checked against its name, dtype and
         LoRA before the run folder is written; the defaults' without it, the model's own at the start).
         `in_flight`: what a publish does with the requests in flight (`PAUSE_MODES`): "wait" for them
         (the synchronous loop, where none is), "resume" them from their tokens so far with the new
-        weights, or "keep" them (their next tokens sampled with the new weights after the old K/V)."""
+        weights, or "keep" them (their next tokens sampled with the new weights after the old K/V).
+        `server`: an object with `Server`'s methods to talk to instead of the one the run would start or
+        connect to (a test's stand-in)."""
         if in_flight not in PAUSE_MODES:
             raise UserError(f"rollout.in_flight: got {in_flight!r}, expected \"keep\" or \"resume\"")
         self.cfg, self.tok, self.run_dir, self.seed, self.mode = cfg, tokenizer, run_dir, seed, mode
@@ -205,6 +186,8 @@ class WeightPublisher:
         self.dir = os.path.abspath(os.path.join(run_dir, "vllm"))  # a server of your own may have another cwd
         self.log_path = os.path.join(run_dir, "vllm.log")
         self.server: Server | None = None
+        self.stand_in = server
+        self.gemm_info: dict | None = None  # the server's int8 GEMM (`kernels`), asked once
         self.seen: tuple | None = None  # this rank's versions of the weights the server holds
         self.version = 0  # the learner's step that made the weights the server holds (0: the initial ones)
         self.learner_step = 0  # the step that made the learner's current weights (`at_step`)
@@ -284,6 +267,8 @@ class WeightPublisher:
     def _connect(self, needs: Needs) -> Server:
         """Rank 0: the server at vllm.url, checked to serve `needs` (serve.check_server, which refuses it with
         the `backstream vllm serve` command that starts a right one)."""
+        if self.stand_in is not None:
+            return self.stand_in
         server = Server.connect(self.cfg.url, self.cfg.request_timeout_s, self.cfg.key())
         check_server(server, needs, self.run_dir)
         return server
@@ -307,20 +292,12 @@ class WeightPublisher:
             self.dp.on_main(lambda: self._label(self.version))
         return self.server
 
-    def before_sampling(self, model, progress, n: int) -> float:
-        """What a sampler does before its requests: `ensure(model)` (None: the caller publishes, an
-        asynchronous run's producer at step boundaries); returns the seconds spent publishing."""
-        if model is None:
-            return 0.0
-        self.ensure(model, starting(progress, n))
-        return self.sync_s
-
     def _label(self, version: int) -> None:
         """Rank 0: the server labels the tokens it samples from now on with `version` (vLLM's per-token
         weight versions, which /inference/v1/generate returns)."""
         self.server.post("/update_weight_version", {"new_version": str(version)})
 
-    def generate(self, ids: list[int], params: dict, n: int, seed: int, eos: list[int]) -> list[Sampled]:
+    def generate(self, ids: list[int], params: dict, n: int, seed: int, eos: list[int]) -> list[Completion]:
         """`n` samples after the token ids `ids` (/inference/v1/generate: token ids in and out, per-token
         log-probs and weight versions); `params`: vLLM's sampling parameters but n and seed; `eos`: the
         tokens that end a sample ("eos"). A sample that
@@ -341,7 +318,7 @@ class WeightPublisher:
                 x.versions = torch.cat([x.versions, part.versions])
         return done
 
-    def _request(self, ids: list[int], params: dict, n: int, seed: int, eos: list[int]) -> list[Sampled]:
+    def _request(self, ids: list[int], params: dict, n: int, seed: int, eos: list[int]) -> list[Completion]:
         rid = f"backstream-{uuid.uuid4().hex}"
         body = {"model": self.model_name(), "token_ids": ids, "request_id": rid, "return_token_ids": True,
                 "sampling_params": {**params, "n": n, "seed": seed, "logprobs": 0, "skip_special_tokens": False}}
@@ -381,24 +358,32 @@ class WeightPublisher:
         else:  # started from the learner's current weights (a resumed run's: its checkpoint's step)
             self.seen, self.version = fsdp.versions(model), self.learner_step
             self.dp.on_main(lambda: self._label(self.version))
-        if self.quant is not None and self.quant.aligned:
-            self._align(model)
 
-    def _align(self, model, tokens: int = ALIGN_PROBE) -> None:
-        """QaRL: the aligned learner computes what this server's low-bit kernels compute on this machine.
-        Its int8 GEMM is asked of the server (worker_ext._int8_gemm runs the kernel on a probe: oneDNN
-        without VNNI saturates pairs of products in int16) and copied by the learner (set_int8_gemm);
-        then the server's log-probs of `tokens` fixed tokens (prompt_logprobs) are compared with the
-        learner's quantized forward, and a server that computes something else is refused by name."""
-        gemm = "exact"
-        if self.quant.format.int8_gemm:
-            info = self.server.post("/collective_rpc", {"method": "backstream_int8_gemm"})["results"][0]
-            gemm = info["gemm"]
-            if gemm not in INT8_GEMMS:
-                raise UserError(f"quant.rollout = \"{self.quant.rollout}\": the server's int8 GEMM ({info}) is none "
-                                "the learner can copy; set quant.aligned = false (the mismatch is then measured and "
-                                f"corrected: docs/vllm.md) or quant.rollout = \"fp8\"; {self.server.where()}")
-            set_int8_gemm(model, gemm)
+    def kernels(self) -> dict[str, str]:
+        """QaRL (quant.aligned with an int8 format): the server's int8 GEMM, for the learner to copy
+        ({"int8_gemm": name}; worker_ext._int8_gemm runs the kernel on a probe: oneDNN without VNNI
+        saturates pairs of products in int16); {} otherwise. The server has started (`ensure`). Asked of
+        the server once: its kernel does not change, and a probe after a reload disturbed the int8
+        layers' kept scales (measured: 18% of tokens 1e-4..1e-2 off the learner after it)."""
+        if self.quant is None or not self.quant.aligned or not self.quant.format.int8_gemm:
+            return {}
+        if self.gemm_info is None:
+            self.gemm_info = self.server.post("/collective_rpc", {"method": "backstream_int8_gemm"})["results"][0]
+        info = self.gemm_info
+        if info["gemm"] not in INT8_GEMMS:
+            raise UserError(f"quant.rollout = \"{self.quant.rollout}\": the server's int8 GEMM ({info}) is none "
+                            "the learner can copy; set quant.aligned = false (the mismatch is then measured and "
+                            f"corrected: docs/vllm.md) or quant.rollout = \"fp8\"; {self.server.where()}")
+        return {"int8_gemm": info["gemm"]}
+
+    def check_aligned(self, model, tokens: int = ALIGN_PROBE) -> None:
+        """QaRL: the aligned learner (its int8 GEMM the server's, `kernels`) computes what this server's
+        low-bit kernels compute on this machine: the server's log-probs of `tokens` fixed tokens
+        (prompt_logprobs) are compared with the learner's quantized forward, and a server that computes
+        something else is refused by name. Nothing without quant.aligned."""
+        if self.quant is None or not self.quant.aligned:
+            return
+        gemm = next((m.gemm for m in quant_linears(model).values() if m.format.int8_gemm), "exact")
         ids = torch.randint(0, len(self.tok), (tokens,), generator=torch.Generator().manual_seed(0))
         answer = self.server.post("/v1/completions", {
             "model": SERVED_NAME, "prompt": [ids.tolist()], "max_tokens": 1, "temperature": 1.0,
@@ -431,6 +416,8 @@ class WeightPublisher:
         dtype = str(dtype).removeprefix("torch.")
         rank = lora_rank(model)
         log.info(f"vllm: starting the server (its log: {self.log_path})")
+        if self.stand_in is not None:
+            return self.stand_in
         return Server.start(self.cfg, server_args(initial, free_port(), length, dtype, self.seed, rank, self.mode),
                             self.log_path, progress)
 
@@ -493,17 +480,6 @@ class WeightPublisher:
         raise ServerError(f"vLLM /reset_prefix_cache: refused for 5 s after a publish (a request still holds "
                           f"cached blocks); {self.server.where()}")
 
-    @contextlib.contextmanager
-    def requests(self):
-        """Around the requests each rank sends on its own: an error on any rank (the server died) is
-        raised on every rank once each is done (`dp.fail_together`), naming the server's log."""
-        error = None
-        try:
-            yield
-        except Exception as e:  # noqa: BLE001  (raised below, on every rank)
-            error = e
-        self.dp.fail_together(error)
-
     def close(self) -> None:
         """Stop the server the run started, and delete the weights published to it: a server (this run's,
         now stopped, or the user's, which loaded them) has no need of them, and train.keep_checkpoints
@@ -516,172 +492,3 @@ class WeightPublisher:
             self.server = None
         if self.dp.main:
             shutil.rmtree(self.dir, ignore_errors=True)
-
-
-class VLLMSampler:
-    """The single-turn sampler of `rollout.backend = "vllm"` (see the module docstring)."""
-
-    metric_keys = ("vllm/weight_version",)
-    environment = None
-
-    def __init__(self, config: SamplingConfig, tokenizer, eos: list[int], prompts: list[Tensor],
-                 prompt_text: list[str], publisher: WeightPublisher):
-        self.config, self.tok, self.eos = config, tokenizer, list(eos)
-        self.prompts, self.prompt_text, self.publisher = prompts, prompt_text, publisher
-        self.sync_s = 0.0
-        longest, new = max((len(p) for p in prompts), default=0), config.max_new_tokens
-        publisher.need_context(longest + new, f"the longest prompt, {longest} tokens, + rollout.max_new_tokens = {new}")
-
-    def check_prompts(self, examples: list[dict]) -> int:
-        return max((len(p) for p in self.prompts), default=0)
-
-    def sample(self, model, rows: list[dict], indices: list[int], generators: list, progress=None) -> Rollout:
-        """`model`: the learner, whose weights are published first if they changed; None where the caller
-        publishes them itself (an asynchronous run's producer, at step boundaries)."""
-        self.sync_s = self.publisher.before_sampling(model, progress, len(rows))
-        c, G = self.config, self.config.group_size
-        seeds = [int(torch.randint(0, 2**31 - 1, (1,), generator=g)) for g in generators]
-        params = {"max_tokens": c.max_new_tokens, "temperature": c.temperature, "stop_token_ids": self.eos,
-                  **sampling_args(c)}
-
-        def request(j: int) -> list[Sampled]:
-            return self.publisher.generate(self.prompts[indices[j]].tolist(), params, G, seeds[j], self.eos)
-
-        out = Rollout(prompt_index=[], prompt_ids=[], completion_ids=[], logprobs=[], finish_reason=[], kv=None,
-                      group_size=G, weight_version=[])
-        with self.publisher.requests(), \
-                concurrent.futures.ThreadPoolExecutor(max_workers=min(64, max(1, len(indices)))) as pool:
-            answers = list(pool.map(request, range(len(indices))))
-        for j, samples in enumerate(answers):
-            prompt = self.prompts[indices[j]]
-            for x in samples:
-                out.prompt_index.append(indices[j])
-                out.prompt_ids.append(prompt)
-                out.completion_ids.append(torch.tensor(x.ids, dtype=torch.long))
-                out.logprobs.append(x.logprobs)
-                out.finish_reason.append(x.reason)
-                out.weight_version.append(x.versions)
-            if progress is not None:
-                progress(j + 1, len(indices))
-        return out
-
-    def reward_inputs(self, r: Rollout, rows: list[dict]) -> tuple[list, list, dict]:
-        return completion_reward_inputs(r, rows, self.tok, self.prompt_text)
-
-    def metrics(self, r: Rollout) -> dict[str, float]:
-        return {"vllm/weight_version": oldest(r.weight_version)}
-
-    def timings(self) -> dict[str, float]:
-        return {"sync": self.sync_s}
-
-    def release(self, r: Rollout | None = None) -> None:
-        pass
-
-    def close(self) -> None:
-        pass  # the server is the run's (`Samplers.close`)
-
-
-class VLLMEpisodeSampler(EpisodeSampler):
-    """Episodes (`[env]`) played through the server: the environment, the turn format, the limits and
-    what the rewards see are the local episode sampler's (rl/agent/episodes.py); only the turns are
-    sampled by the server. Each turn is a request whose prompt is exactly the episode's ids so far
-    (sampled and inserted tokens, never re-rendered text: the server echoes them and they are
-    checked), and every live episode runs in a thread of its own, so all their turns are in flight at
-    once and the server batches them; its prefix cache keeps each episode's history."""
-
-    metric_keys = (*EpisodeSampler.metric_keys, "vllm/weight_version", "episode/tool_seconds")
-
-    def __init__(self, config: SamplingConfig, env_cfg, tokenizer, eos: list[int], context: int | None,
-                 publisher: WeightPublisher):
-        super().__init__(config, env_cfg, tokenizer, eos, False, context)
-        self.publisher, self.sync_s = publisher, 0.0
-        if env_cfg.token_limit(context):  # an episode's budget (max_tokens)
-            publisher.need_context(self.max_tokens, f"env.max_episode_tokens = {env_cfg.max_episode_tokens}" if
-                                   self.max_tokens == env_cfg.max_episode_tokens else
-                                   f"env.max_episode_tokens = {env_cfg.max_episode_tokens}: the model's context")
-
-    def sample(self, model, rows: list[dict], indices: list[int], generators: list, progress=None) -> Rollout:
-        """`model`: as `VLLMSampler.sample`'s (None: the caller publishes the weights)."""
-        self.sync_s = self.publisher.before_sampling(model, progress, len(rows))
-        G, turns = self.config.group_size, self.env_cfg.max_turns
-        episodes, seeds, done = [], [], [0]
-
-        def play(k: int) -> None:
-            ep = episodes[k]
-            self._turn(ep, seeds[k][0])
-            while self._after_turn(ep):
-                ep.add(ep.inserted, None)
-                self._turn(ep, seeds[k][min(ep.turns, turns - 1)])
-            done[0] += 1
-
-        with self.publisher.requests():  # an error in an episode stops the step, on every rank
-            episodes += self._start_groups(rows, indices)
-            # a seed per turn of each episode, from its group's generator
-            seeds += [torch.randint(0, 2**31 - 1, (turns,), generator=gen).tolist() for gen in generators
-                      for _ in range(G)]
-            with concurrent.futures.ThreadPoolExecutor(max_workers=min(128, max(1, len(episodes)))) as pool:
-                for f in concurrent.futures.as_completed([pool.submit(play, k) for k in range(len(episodes))]):
-                    f.result()
-                    if progress is not None and done[0] % G == 0:
-                        progress(done[0] // G, len(rows))
-        return self._rollout(episodes, indices)
-
-    def _turn(self, ep, seed: int) -> None:
-        """One turn sampled by the server from the episode's ids so far."""
-        ids = list(ep.prompt) + list(ep.ids)
-        c = self.config
-        params = {"max_tokens": self._budget(len(ids)), "temperature": c.temperature, "stop_token_ids": list(self.eos),
-                  **sampling_args(c)}
-        (x,) = self.publisher.generate(ids, params, 1, seed, list(self.eos))
-        ep.fed = ids + x.ids[:-1]
-        self._took_turn(ep, x.ids, x.logprobs, x.reason, x.versions.tolist())
-
-    def metrics(self, r: Rollout) -> dict[str, float]:
-        return {**super().metrics(r), "episode/tool_seconds": sum(e.tool_seconds for e in r.episodes or []),
-                "vllm/weight_version": oldest(r.weight_version)}
-
-    def timings(self) -> dict[str, float]:
-        # episodes run concurrently: their tool seconds overlap the other episodes' turns, so they are
-        # no slice of the step's wall time (episode/tool_seconds has their sum)
-        return {"sync": self.sync_s}
-
-
-class ServerAnswers:
-    """The vLLM backend behind the agent endpoint (rl/agent/programs.py): each request one
-    /inference/v1/generate call after exactly its ids (the server batches concurrent requests and its
-    prefix cache keeps each episode's history), the weights published before a round (`begin`). A
-    request the server fails is the agent's error, and `end` raises the first, so a dead server stops
-    the step (naming vllm.log) instead of scoring every episode 0. `begin`/`end` bracket a round; an
-    asynchronous run's producer runs several at once (its rounds publish nothing: `model` None)."""
-
-    in_process = False  # every token records the weight version the server sampled it with
-
-    def __init__(self, config: SamplingConfig, eos: list[int], publisher: WeightPublisher, context: int | None,
-                 why: str):
-        self.config, self.eos, self.publisher, self.failure = config, list(eos), publisher, None
-        if context:
-            publisher.need_context(context, why)
-
-    def begin(self, model, progress=None, n: int = 0) -> None:
-        self.publisher.before_sampling(model, progress, n)
-
-    def end(self) -> None:
-        if self.failure is not None:
-            failure, self.failure = self.failure, None
-            raise failure
-
-    def playing(self, n: int) -> None:
-        """Episodes started or ended: nothing to do (the server batches what is in flight)."""
-
-    def __call__(self, ids: list[int], max_tokens: int, seed: int):
-        from backstream.rl.agent.endpoint import Answer  # noqa: PLC0415  (the endpoint's extra)
-
-        c = self.config
-        params = {"max_tokens": max_tokens, "temperature": c.temperature, "stop_token_ids": self.eos,
-                  **sampling_args(c)}
-        try:
-            (x,) = self.publisher.generate(list(ids), params, 1, seed, self.eos)
-        except Exception as e:
-            self.failure = self.failure or e
-            raise
-        return Answer(x.ids, x.logprobs.tolist(), x.versions.tolist(), x.reason)
