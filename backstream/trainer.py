@@ -1,33 +1,28 @@
 """The RL loop: prompts → rollouts → rewards → advantages → streamed backward → optimizer step.
 
 One step (`Trainer.train_step`) is the stages of docs/design.md §1:
-  collect     sample G completions (or episodes) for each of `prompts_per_step` prompts with the
-              run's sampler, score them (reward functions, TRL's signature), shape the overlong ones;
-              DAPO dynamic sampling drops the groups with no signal and refills the batch (dapo/*);
+  collect     rounds of G completions (or episodes) for `prompts_per_step` prompts from the rollout
+              source, scored by the reward functions (TRL's signature), the overlong ones shaped;
+              DAPO's dynamic sampling drops the groups with no signal and refills (rl/collect.py);
   advantages  per group (GRPO, Dr.GRPO, RLOO), zero where a sample gets no loss;
   update      per epoch and group-aligned minibatch: the objective (normalisers over the whole
               minibatch, before any block), the backward chosen once (`engine.backward`), a step;
   metrics     one line: rewards, lengths, loss terms, sampler/learner mismatch, time per phase.
-The parts are built by their configs and live beside them: the run folder's lifecycle
-(runfolder.Run), the backend that samples (rl/backends/), the sampler over it (rl/rollout.py,
-rl/agent/) and the rollout source that owns the round (rl/source.py: the prompt stream, the rank
-split, the policy view and its sync; sampled when the step asks, or up to rollout.max_staleness steps
-ahead), rewards, data parallelism (rl/parallel.py: one process, or a torchrun rank training whole
-groups of the global batch; docs/design.md §6c),
-the optimizer step (rl/optim.Stepper), where the objective's π_old and π_ref come from
-(rl/backward.BeforeUpdate: the sampler's with `engine.reuse_rollout_kv`, a pass up front, or the
-engine's prefill). Each part's choices are taken once, when it is built: the step branches on none of
-them, only on the algorithm's own options (DAPO's dynamic sampling).
+The parts are built by their configs and live beside them: the run folder (runfolder.Run), the
+backend that samples (rl/backends/) and the sampler over it (rl/rollout.py, rl/agent/), the rollout
+source that owns the round (rl/source.py: the prompt stream, the rank split, the policy view and its
+sync; synchronous, or up to rollout.max_staleness steps ahead), rewards, data parallelism
+(rl/parallel.py, docs/design.md §6c), the optimizer step (rl/optim.Stepper), where π_old and π_ref
+come from (rl/backward.BeforeUpdate). Each part's choices are taken once, when it is built: the step
+branches on none of them, only on the algorithm's own options (DAPO's dynamic sampling).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import os
 import time
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -41,7 +36,6 @@ from backstream.metrics import (
     Logger,
     NoLogger,
     check_backends,
-    episode_rows,
     gathered_means,
     peak_mib,
     plot_quietly,
@@ -52,6 +46,7 @@ from backstream.rl import data as datamod
 from backstream.rl import parallel
 from backstream.rl.advantages import ADVANTAGES, ZeroAdvantageWatch, format_hint
 from backstream.rl.backward import BeforeUpdate, verify_engine
+from backstream.rl.collect import Batch, Collector, timed
 from backstream.rl.evaluate import Evaluator, with_group_size
 from backstream.rl.losses import Normalisers, build_objective
 from backstream.rl.model import reference_policy
@@ -66,30 +61,14 @@ from backstream.rl.offpolicy import (
 )
 from backstream.rl.optim import NonFiniteError, Stepper, check_finite_weights  # noqa: F401  (NonFiniteError: the API's)
 from backstream.rl.parallel import take
-from backstream.rl.rewards import RewardLog, Rewards, TrainerState
+from backstream.rl.rewards import RewardLog, Rewards
 from backstream.rl.rollout import Rollout
 from backstream.rl.sampling import Samplers, build_backend, eos_ids
-from backstream.rl.shaping import informative_groups, overlong_shaping
 from backstream.rl.source import build_source, check_backend
 from backstream.runfolder import Interrupted  # noqa: F401  (the CLI's: where a stopped run says it stopped)
 from backstream.stream.router import moe_spec
 
 PHASES = ("rollout", "sync", "tool", "reward", "prefill", "backward", "optim")  # the step's time split, as logged
-
-
-@dataclass
-class Batch:
-    """What `collect` hands on: the kept samples, their rewards after overlong shaping and which of
-    them get a loss; for the metrics, the reward of every sample scored in the step (dropped groups
-    included) as the reward functions gave it."""
-
-    rollout: Rollout
-    rewards: Tensor  # [N] float, shaped
-    keep: Tensor  # [N] bool: False where overlong filtering takes a sample out of the loss
-    scored: Tensor  # [M >= N] total reward of every sample scored, before shaping
-    scored_by_fn: dict[str, Tensor]  # per reward function, [M]
-    refill_rounds: int = 0  # DAPO: rounds after the first, to refill the groups it dropped
-    groups_dropped: int = 0  # DAPO: groups whose rewards were all equal, left out of the batch
 
 
 class Trainer:
@@ -151,6 +130,8 @@ class Trainer:
         self.zero_adv = ZeroAdvantageWatch(format_hint(self.tok, cfg.data.format, cfg.reward.functions))
         self.source = build_source(cfg, self.sampler, self.backend, self.examples, self.stream, self.dp, self.model,
                                    lambda what: self.logger.phase(self.step + 1, what))
+        self.collector = Collector(cfg, self.source, self.sampler, self.rewards, self.examples, self.dp)
+        self.collector = Collector(cfg, self.source, self.sampler, self.rewards, self.examples, self.dp)
         self._open_run(resume, overwrite, changes, allow_changed_files)
         self.source.at_step(self.step)  # a resumed run's weights are its checkpoint's step's
 
@@ -194,7 +175,7 @@ class Trainer:
         """The held-out metrics at the current weights (rl/evaluate.py), in the rollout's numerics."""
         ev = self.evaluator
         return ev.run(lambda *a: self.source.sample(ev.sampler, *a).rollout,
-                      lambda r: self.score(r, ev.sampler, ev.examples)[0], self.dp, self.step)
+                      lambda r: self.collector.score(r, self.step, ev.sampler, ev.examples)[0], self.dp, self.step)
 
     # -- checkpoints ----------------------------------------------------------------------------
     def state(self) -> dict:
@@ -236,76 +217,15 @@ class Trainer:
             adv = self.advantages(batch.rewards) * batch.keep
             logged, mismatch = self.update(batch.rollout, adv)
             self.step += 1
-            with self._timed("sync"):  # the weights are now this step's (an asynchronous source syncs them now)
+            with timed(self.times, "sync"):  # the weights are now this step's (an asynchronous source syncs them now)
                 self.source.at_step(self.step)
             self.last_end = time.perf_counter()
             return self.metrics(batch, adv, logged, mismatch, self.last_end - t0)
 
-    @contextlib.contextmanager
-    def _timed(self, phase: str):
-        t = time.perf_counter()
-        yield
-        self.times[phase] += time.perf_counter() - t
-
-    def sample_and_score(self, n_prompts: int, refill: bool = False) -> tuple[Rollout, Tensor, dict[str, Tensor]]:
-        """One rollout round and its rewards (total, per function), over the whole round: each
-        process samples and scores its groups, `dp.join_round` hands every rank every group (without
-        the K/V, which stay where they were computed), in the round's order."""
-        with self._timed("rollout"):  # asynchronous: the learner's wait for the samples
-            got = self.source.take(n_prompts, refill)
-        r = got.rollout
-        for phase, seconds in got.seconds.items():  # inside the rollout: on their own line
-            self.times[phase] += seconds
-            self.times["rollout"] -= seconds
-        with self._timed("reward"):
-            self.logger.phase(self.step + 1, "reward")
-            total, per_fn = self.score(r, log=self.reward_log) if len(r) else (torch.zeros(0), {})
-        self.episode_log.write(self.step + 1, lambda: episode_rows(
-            self.sampler, r, total, per_fn, self.reward_log.columns, [self.examples[i] for i in r.prompt_index]))
-        self.sampler.release(r)  # scored: an episode's environment goes back to its pool
-        return self.dp.join_round(r, total, per_fn)
-
-    def score(self, r: Rollout, sampler=None, examples: list[dict] | None = None,
-              log: RewardLog | None = None) -> tuple[Tensor, dict[str, Tensor]]:
-        """Total reward per sample and each reward function's, called as TRL calls them (the sampler
-        formats prompts and completions: `Sampler.reward_inputs`), with the step and every column.
-        `sampler`/`examples`: those `r` came from (default: the training ones); `log` collects what
-        the functions log (log_metric, log_extra)."""
-        sampler, examples = sampler or self.sampler, examples or self.examples
-        rows = [examples[i] for i in r.prompt_index]
-        completions, prompts, extra = sampler.reward_inputs(r, rows)
-        cols = {k: [row.get(k) for row in rows] for k in examples[0] if k != "prompt"}
-        return self.rewards(completions, prompts, cols, **extra, log=log,
-                            trainer_state=TrainerState(global_step=self.step, max_steps=self.cfg.train.steps))
-
     def collect(self) -> Batch:
-        """Rollout rounds until `prompts_per_step` groups are kept: sample, score, shape the overlong
-        samples. With dynamic sampling (DAPO) a round keeps only the groups whose rewards differ and
-        the next one refills the rest; the last (after `max_refills`) keeps what it gets."""
-        ac, G = self.cfg.algorithm, self.cfg.rollout.group_size
-        kept: list[tuple[Rollout, Tensor, Tensor]] = []
-        scored, by_fn, dropped = [], {}, 0
-        self.dp.begin_step()
-        for attempt in range(1 + (ac.max_refills if ac.dynamic_sampling else 0)):
-            need = self.cfg.train.prompts_per_step - sum(len(r) for r, _, _ in kept) // G
-            if need <= 0:
-                break
-            r, total, per_fn = self.sample_and_score(need, refill=attempt > 0)
-            scored.append(total)
-            for k, v in per_fn.items():
-                by_fn.setdefault(k, []).append(v)
-            total, keep = overlong_shaping(r, total, ac, self.cfg.rollout.max_new_tokens)
-            if ac.dynamic_sampling:
-                groups = informative_groups(total, G) if attempt < ac.max_refills else list(range(need))
-                self.dp.kept(groups)  # under torchrun with the rollout's K/V, refills then even the shares
-                dropped += need - len(groups)
-                rows = torch.tensor(r.group_rows(groups), dtype=torch.long)
-                r, total, keep = r.select(groups), total[rows], keep[rows]
-            kept.append((r, total, keep))
-        rollouts, rewards, keeps = zip(*kept)
-        return Batch(rollout=Rollout.concat(list(rollouts)), rewards=torch.cat(rewards), keep=torch.cat(keeps),
-                     scored=torch.cat(scored), scored_by_fn={k: torch.cat(v) for k, v in by_fn.items()},
-                     refill_rounds=len(kept) - 1, groups_dropped=dropped)  # `kept`: one entry per round
+        """The step's batch (rl/collect.py): rollout rounds until `prompts_per_step` groups are kept."""
+        return self.collector.collect(self.step, self.times, self.reward_log, self.episode_log,
+                                      lambda what: self.logger.phase(self.step + 1, what))
 
     def advantages(self, rewards: torch.Tensor) -> torch.Tensor:
         """Per-sample advantages from the group rewards (algorithm.advantage)."""
@@ -330,7 +250,7 @@ class Trainer:
         plan = plan.over(view.rows_of(len(batch)))
         mine = {"seqs": take(seqs, plan.mine), "mask": take(mask, plan.mine), "sampler": take(sampler_lp, plan.mine),
                 "kv": take(view.kv, plan.mine)}
-        with self._timed("prefill"):
+        with timed(self.times, "prefill"):
             mine["old"], mine["ref"] = self.before_update.logprobs(self.engine, self.model, self.ref, mine["seqs"],
                                                                    mine["mask"], mine["sampler"])
         norms = [Normalisers.of(take(mask, rows), adv[rows]) for rows in plan.batch_rows]
@@ -366,7 +286,7 @@ class Trainer:
         self.times["prefill"] += res.stats.prefill_s
         self.times["backward"] += res.stats.backward_s
         step = sum_metrics(self.dp.gather(obj.metrics()))  # additive: the normalisers are global
-        with self._timed("optim"):
+        with timed(self.times, "optim"):
             grad_norm = self.stepper.step(loss_finite=all(math.isfinite(v) for v in step.values()))
         if res.stats.router_aux_loss is not None:
             step["router_aux"] = res.stats.router_aux_loss

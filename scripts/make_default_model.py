@@ -156,9 +156,9 @@ def evaluate(model, tokenizer, rows: list[dict], greedy: bool, seed: int = 0) ->
 
 @torch.no_grad()
 def play_toolcalc(model, tokenizer, rows: list[dict], greedy: bool, seed: int = 0, first: str = "") -> dict:
-    """toolcalc episodes of `rows` as the RL sampler plays them (rl/episodes.py), at temperature 1 with
+    """toolcalc episodes of `rows` as the RL sampler plays them (rl/agent/episodes.py), at temperature 1 with
     no top-k/top-p or greedily: turns of at most the task's `rollout.max_new_tokens` up to <eos>, read
-    by the plain format (rl/turns.py), calls run on the task's environment (rl/env.py, the
+    by the plain format (rl/agent/turns.py), calls run on the task's environment (rl/agent/env.py, the
     `Calculator`) and their results inserted, at most `env.max_turns` turns; the reward is the
     trainer's (`score` of the last message). `first` forces the start of the first turn ("[": the tool
     path). Returns the mean reward, the share of episodes whose first turn calls the tool, the reward

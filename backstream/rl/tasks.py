@@ -29,7 +29,7 @@ scored by the `answer` reward, which reads the answer from the response (its "An
   samples of a GRPO group share that whole prompt, which is the case prefix sharing exists for.
 - `toolcalc`: a multi-turn, tool-using task (docs/design.md §6d). The sum of three two-digit numbers, which
   the tiny default model gets right more often with the environment's `add(a, b)` tool than without:
-  an episode in the plain format (rl/turns.py) reads
+  an episode in the plain format (rl/agent/turns.py) reads
 
       "12+34+56=[add 12 34]<eos>" "\n=46\n" "[add 46 56]<eos>" "\n=102\n" "102<eos>"
 
