@@ -5,7 +5,7 @@ client solves a tool task (the add tool, Hermes-style `<tool_call>` blocks) in T
 for each of P tasks, all sharing a system prompt of ~S characters. Behind the endpoint a scripted
 policy answers (no model samples: the bench is about training): `<think>` + ~R random characters +
 `</think>`, then a tool call for the first T - 1 requests and a final answer for the last. The chat
-template (tests/rl/test_endpoint.py's THINKING, with tools) drops an assistant turn's reasoning once
+template (tests/rl/agent/test_endpoint.py's THINKING, with tools) drops an assistant turn's reasoning once
 the conversation goes on. Qwen3's own template does that to the turns before the last user message;
 this one does it to every earlier turn, as Qwen3's does in a conversation that asks a new question
 at each request. So no request extends what was sampled before it and every request starts a branch

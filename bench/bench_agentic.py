@@ -9,7 +9,7 @@ layouts, each with the no-grad log-prob pass a PPO-style trainer runs before its
             backward per episode (reference_backward)
   per-turn  one sample per turn (verl's, slime's and AReaL's layout): turn k's sample holds the whole
             context up to it with the loss on turn k only; a no-grad forward and a forward+backward each
-The three give the same gradient (tests/rl/test_episodes.py checks it in float64); what differs is the
+The three give the same gradient (tests/rl/agent/test_episodes.py checks it in float64); what differs is the
 tokens forwarded and the time. Targets (issue 21): tree ≥ 3× faster than per-turn; against rows, a
 speed-up ≥ 85% of the token ratio rows/tree (the bound for the linear layers, ≈ 1.4 for this shape).
 

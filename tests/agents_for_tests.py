@@ -1,4 +1,4 @@
-"""Agent programs and a scripted policy for the endpoint's tests (tests/rl/test_endpoint.py,
+"""Agent programs and a scripted policy for the endpoint's tests (tests/rl/agent/test_endpoint.py,
 test_agent_runner.py): agents written with the `openai` client, as users write them."""
 
 import json

@@ -237,7 +237,7 @@ def single_process_reference(tmp: str, names: list[str], store: str) -> dict:
 
 
 def vllm_job(out: str, overrides: list[str]) -> dict:
-    """A run on the vLLM backend on this rank (tests/rl/test_vllm.py): the server's URL and log as this
+    """A run on the vLLM backend on this rank (tests/rl/vllm/test_vllm.py): the server's URL and log as this
     rank saw them, whether this rank started it (rank 0; the others are its clients) and whether its
     process is gone after the run, how many times the publisher published; then a request that only rank 1 sends
     to the stopped server: the error every rank raises."""

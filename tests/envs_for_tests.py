@@ -1,4 +1,4 @@
-"""Environments for tests/rl/test_episodes.py (imported by module name: `envs_for_tests:Calc`)."""
+"""Environments for tests/rl/agent/test_episodes.py (imported by module name: `envs_for_tests:Calc`)."""
 
 import time
 

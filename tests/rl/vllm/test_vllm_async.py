@@ -160,7 +160,7 @@ def test_an_agent_program_one_step_ahead(tmp_path, vllm_python):
     the stream's in order, no agent error."""
     pytest.importorskip("fastapi")
     pytest.importorskip("openai")
-    example = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "toolcalc_agent.py")
+    example = os.path.join(os.path.dirname(__file__), "..", "..", "..", "examples", "toolcalc_agent.py")
     cfg = _async_run(tmp_path, "run", f'vllm.python="{vllm_python}"', 'data.task="toolcalc"', "train.steps=3",
                      f'env.agent="{os.path.abspath(example)}:agent"', 'env.format="plain"', "env.max_turns=4",
                      "rollout.max_new_tokens=32", "train.prompts_per_step=4", "rollout.group_size=4")

@@ -373,7 +373,7 @@ def test_an_agent_program_through_the_server(served):
     fresh, _ = load_default()
     model.load_state_dict(fresh.state_dict())  # the shipped weights, which call the tool
     cfg = SamplingConfig(group_size=4, max_new_tokens=32)
-    example = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "toolcalc_agent.py")
+    example = os.path.join(os.path.dirname(__file__), "..", "..", "..", "examples", "toolcalc_agent.py")
     s = AgentSampler(cfg, EnvConfig(agent=f"{os.path.abspath(example)}:agent", max_turns=4, format="plain"), tok,
                      [tok.eos_token_id], 512, ServerBackend(cfg, [tok.eos_token_id], pub))
     try:

@@ -52,7 +52,7 @@ def test_a_command_agent_gets_the_episode_in_its_environment_and_prints_its_rewa
     script = tmp_path / "agent.py"
     script.write_text(
         "import json, os, sys\n"
-        f"sys.path.insert(0, {os.path.dirname(os.path.dirname(__file__))!r})\n"
+        f"sys.path.insert(0, {os.path.dirname(os.path.dirname(os.path.dirname(__file__)))!r})\n"
         "from agents_for_tests import calculator_agent\n"
         "row = json.load(sys.stdin)\n"
         "print('working...')\n"
