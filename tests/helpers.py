@@ -488,3 +488,28 @@ def tiny_hybrid(dtype=torch.float64, seed=0):
         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     model = AutoModelForCausalLM.from_config(cfg).to(dtype).eval()
     return (exact_norms(model) if dtype == torch.float64 else model), tok
+
+
+# -- vLLM servers (tests/rl/vllm/) ----------------------------------------------------------------
+
+KEY = "test-key-1"
+
+
+def vllm_python() -> str:
+    """The vLLM environment's python: built here if it is missing (a few minutes, once per machine)."""
+    from backstream.rl.vllm.setup import default_dir, python_of, setup
+
+    python = python_of(default_dir())
+    return str(python if python.is_file() else setup())
+
+
+def children(pid: int) -> list[int]:
+    out = []
+    for p in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    out.append(int(p))
+        except (OSError, IndexError):
+            continue
+    return out

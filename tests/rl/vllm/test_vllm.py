@@ -517,7 +517,7 @@ def test_a_model_built_from_a_config_with_qwen3s_context_trains_on_the_default_v
     context is the run's longest sequence, its longest prompt + rollout.max_new_tokens."""
     model, tok = _qwen3_context_model()
     t = trainer.Trainer(_vllm_run(tmp_path, "run", "train.steps=2", "train.seed=1"), model=model, tokenizer=tok)
-    longest = t.backend.publisher.longest
+    longest = t.backend.publisher.context.longest
     assert longest == max(len(p) for p in t.sampler.prompts) + 6
     run = t.run()
     rows = [json.loads(x) for x in open(os.path.join(run, "metrics.jsonl"))]

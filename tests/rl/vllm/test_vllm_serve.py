@@ -22,7 +22,7 @@ import urllib.error
 import urllib.request
 
 import pytest
-from helpers import no_run_written, run_cfg
+from helpers import KEY, no_run_written, run_cfg, vllm_python
 
 from backstream import trainer
 from backstream.checks import UserError
@@ -30,9 +30,7 @@ from backstream.cli import main
 from backstream.default_model import DEFAULT_MODEL_DIR
 from backstream.rl.vllm import serve as serve_mod
 from backstream.rl.vllm.serve import Needs, ServeArgs, check_server, command
-from backstream.rl.vllm.server import Server, VLLMConfig, _group_alive, ext_path, free_port, server_env
-
-KEY = "test-key-1"
+from backstream.rl.vllm.server import Server, VLLMConfig, ext_path, free_port, server_env
 
 
 @pytest.mark.parametrize("url, words", [
@@ -180,10 +178,7 @@ def test_a_server_without_dev_routes_or_the_served_name_is_refused_with_the_comm
 # --- against real servers -------------------------------------------------------------------------
 
 def _vllm_python():
-    from backstream.rl.vllm.setup import default_dir, python_of, setup
-
-    python = python_of(default_dir())
-    return str(python if python.is_file() else setup())
+    return vllm_python()
 
 
 def _wait_health(url, proc, seconds=300):
@@ -198,46 +193,10 @@ def _wait_health(url, proc, seconds=300):
     raise AssertionError(f"no /health at {url} within {seconds} s")
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    """`backstream vllm serve default --api-key KEY` in a session of its own, its cwd elsewhere than the
-    tests' (test_a_run_folder_the_server_cannot_see_is_refused); killed outright (SIGKILL) after the
-    module, which must leave nothing of the server behind: it runs under the guard a run's server has."""
-    cwd = tmp_path_factory.mktemp("serve-cwd")
-    port = free_port()
-    out = open(cwd / "serve.log", "w+")
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_API_KEY"}
-    proc = subprocess.Popen([sys.executable, "-m", "backstream", "vllm", "serve", "default", "--port", str(port),
-                             "--api-key", KEY, "--python", _vllm_python()], cwd=cwd, stdout=out,
-                            stderr=subprocess.STDOUT, start_new_session=True, env=env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        t0 = time.monotonic()
-        while f'url = "{url}"' not in (cwd / "serve.log").read_text():  # printed once it answers
-            assert proc.poll() is None and time.monotonic() - t0 < 300, (cwd / "serve.log").read_text()[-3000:]
-            time.sleep(0.5)
-        yield url, proc
-    finally:
-        guards = _children(proc.pid)  # the guard leads the server's own process group
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(10)
-    assert len(guards) == 1
-    deadline = time.monotonic() + 30
-    while _group_alive(guards[0]) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not _group_alive(guards[0])  # the API server, its engine and worker: gone with the command
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for p in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{p}/stat") as f:
-                if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                    out.append(int(p))
-        except (OSError, IndexError):
-            continue
-    return out
+@pytest.fixture
+def served(vllm_served):
+    """The session's `backstream vllm serve default` server (conftest.py): (url, its command's process)."""
+    return vllm_served
 
 
 def _status(url, path, key=None, method="GET"):
