@@ -26,7 +26,7 @@ import os
 
 import pytest
 import torch
-from helpers import kill_the_server_then_step, no_run_written, run_cfg
+from helpers import KEY, kill_the_server_then_step, no_run_written, run_cfg
 
 from backstream import logprobs, trainer
 from backstream.default_model import load_default
@@ -395,22 +395,23 @@ def _vllm_run(tmp_path, name, *extra):
                    'data.task="arith"', "data.num_examples=64", "rollout.max_new_tokens=6", *extra)
 
 
-def test_the_trainer_on_vllm_and_a_server_killed_mid_run(tmp_path, vllm_python):
-    """Two steps with a checkpoint each, DAPO's dynamic sampling and [eval] on: mismatch/kl ~ 0 (the
-    server samples with the learner's weights every step); the server killed after step 3: step 4
-    stops with an error naming vllm.log, the checkpoint is intact, and --resume finishes the run with
-    a new server."""
-    cfg = _vllm_run(tmp_path, "run", "train.steps=2", "train.save_every=1", f'vllm.python="{vllm_python}"',
-                    "algorithm.dynamic_sampling=true", "eval.every=2", "eval.prompts=4", "eval.samples=2")
+def test_the_trainer_on_vllm_and_a_server_killed_mid_run(tmp_path, vllm_python, vllm_served):
+    """Two steps with a checkpoint each, DAPO's dynamic sampling and [eval] on, on the session's server
+    (vllm.url): mismatch/kl ~ 0 (the server samples with the learner's weights every step); resumed on
+    a server the run starts, killed after step 3: step 4 stops with an error naming vllm.log, the
+    checkpoint is intact, and --resume finishes the run with a new server."""
+    cfg = _vllm_run(tmp_path, "run", "train.steps=2", "train.save_every=1", f'vllm.url="{vllm_served[0]}"',
+                    f'vllm.api_key="{KEY}"', "algorithm.dynamic_sampling=true", "eval.every=2", "eval.prompts=4",
+                    "eval.samples=2")
     run = trainer.train(cfg)
     rows = [json.loads(x) for x in open(os.path.join(run, "metrics.jsonl"))]
     assert [r["step"] for r in rows] == [1, 2] and _agree(rows)
     assert rows[1]["eval/pass@2"] is not None  # [eval] samples through the same server
     assert [r["vllm/weight_version"] for r in rows] == _versions(rows)
-    assert os.path.exists(os.path.join(run, "vllm.log"))
     assert not os.path.exists(os.path.join(run, "vllm"))  # no copy of the weights outlives the run
-    # a server that dies mid-run
-    t = trainer.Trainer(config_of(run, "train.steps=4"), run_dir=run, resume=True)
+    # a server of the run's own that dies mid-run
+    t = trainer.Trainer(config_of(run, "train.steps=4", 'vllm.url=""', f'vllm.python="{vllm_python}"'), run_dir=run,
+                        resume=True)
     t.train_step()
     assert os.listdir(os.path.join(run, "vllm")) == []  # the server loaded initial/: it is gone
     kill_the_server_then_step(t)
