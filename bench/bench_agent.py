@@ -55,7 +55,7 @@ from backstream.default_model import build_tokenizer
 from backstream.rl.agent.env import EnvConfig
 from backstream.rl.agent.programs import AgentSampler
 from backstream.rl.agent.transcript import common_prefix
-from backstream.rl.backends.base import Completion
+from backstream.rl.backends.base import Completion, NoRounds
 from backstream.rl.rollout import SamplingConfig
 from bench import common
 from bench.bench_agentic import logprob_pass, qwen3_06b_shaped
@@ -99,7 +99,7 @@ def tool_agent(base_url, api_key, model, row):
             messages.append({"role": "tool", "tool_call_id": c.id, "content": str(args["a"] + args["b"])})
 
 
-class Scripted:
+class Scripted(NoRounds):
     """The backend behind the endpoint (`AgentSampler`'s), scripted: request k of an episode (k = the tool
     results it was fed) is answered with ~R characters of reasoning, then a call of add while k < T - 1,
     else an answer; seeded by the request's seed. Records (fed ids, answer)."""
@@ -115,15 +115,6 @@ class Scripted:
 
     def metrics(self, versions) -> dict:
         return {}
-
-    def start_round(self) -> None:
-        pass
-
-    def end_round(self) -> None:
-        pass
-
-    def playing(self, n: int) -> None:
-        pass
 
     def generate(self, ids: list[int], max_tokens: int, seed: int) -> Completion:
         g = torch.Generator().manual_seed(seed)

@@ -13,10 +13,10 @@ import time
 
 import torch
 
-from backstream.rl.backends.base import Completion, Played, oldest
+from backstream.rl.backends.base import Completion, NoRounds, Played, oldest
 
 
-class FakeBackend:
+class FakeBackend(NoRounds):
     in_process = False
     metric_keys = ("fake/weight_version",)
 
@@ -98,12 +98,3 @@ class FakeBackend:
         if self.fail:
             raise RuntimeError(self.fail)
         return self._tokens(torch.Generator().manual_seed(seed), max_tokens)
-
-    def start_round(self) -> None:
-        pass
-
-    def end_round(self) -> None:
-        pass
-
-    def playing(self, n: int) -> None:
-        pass

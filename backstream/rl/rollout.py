@@ -111,6 +111,12 @@ class Fork:
     versions: Tensor | None = None
 
 
+def versions_behind(versions: Tensor, version: int) -> Tensor:
+    """How many versions each token's weights are behind `version`; -1 at a token no policy sampled
+    (version -1: inserted, context)."""
+    return torch.where(versions >= 0, version - versions.long(), -1)
+
+
 @dataclass
 class TrainingRows:
     """What the update trains: one entry per sequence, a sample's own and then every sample's forks;
@@ -198,7 +204,7 @@ class Rollout:
         """Per sample, over `sequences()[i]`: how many versions each sampled token's weights are behind
         `version` (0 without versions), -1 at the prompt and at inserted tokens."""
         versions = self.weight_version or [torch.full((len(c),), version) for c in self.completion_ids]
-        return [torch.cat([torch.full((len(p),), -1, dtype=torch.long), torch.where(v >= 0, version - v.long(), -1)])
+        return [torch.cat([torch.full((len(p),), -1, dtype=torch.long), versions_behind(v, version)])
                 for p, v in zip(self.prompt_ids, versions)]
 
     def training(self, version: int) -> TrainingRows:
@@ -209,7 +215,7 @@ class Rollout:
         for i, fs in enumerate(self.forks or []):
             for f in fs:
                 behind = (torch.zeros(len(f.ids), dtype=torch.long) if f.versions is None else
-                          torch.where(f.versions >= 0, version - f.versions, -1))
+                          versions_behind(f.versions, version))
                 rows.seqs.append(f.ids)
                 rows.mask.append(f.sampled)
                 rows.logprobs.append(f.logprobs)

@@ -47,6 +47,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import torch
+
+from backstream.checks import UserError
 from backstream.log import log
 from backstream.quant.linear import quantized, set_int8_gemm
 from backstream.rl.rollout import Rollout
@@ -289,8 +292,6 @@ def check_backend(cfg, backend) -> None:
     shares the learner's machine)."""
     k = cfg.rollout.max_staleness
     if k and backend.in_process:
-        from backstream.checks import UserError  # noqa: PLC0415
-
         raise UserError(f"rollout.max_staleness = {k}: the local sampler runs in the learner's process, on its "
                         "weights, so nothing samples while the learner trains; set rollout.backend = \"vllm\" (a "
                         "server samples ahead), or rollout.max_staleness = 0")
@@ -303,8 +304,6 @@ def build_source(cfg, sampler, backend, examples: list[dict], stream, dp, model,
     if not k:
         return RolloutSource(sampler, backend, examples, stream, dp, model, cfg.quant, phase)
     if cfg.rollout.backend == "vllm" and not cfg.vllm.url:
-        import torch  # noqa: PLC0415
-
         dp.on_main(lambda: log.warning(SHARED_WARNING.format(
             k=k, what="GPUs" if torch.cuda.is_available() else "CPU cores")))
     return AsyncSource(sampler, backend, examples, stream, dp, model, cfg.quant, cfg.train.prompts_per_step, k, phase)

@@ -107,6 +107,20 @@ class Backend(Protocol):
         """Stop what the backend started."""
 
 
+class NoRounds:
+    """The request rounds of a backend that takes requests whenever they come and batches what is in
+    flight itself (a server, a test's fake): nothing to open, close or count."""
+
+    def start_round(self) -> None:
+        """Nothing: requests are taken whenever they come."""
+
+    def end_round(self) -> None:
+        """Nothing: a request after its episode ended is the endpoint's to refuse."""
+
+    def playing(self, n: int) -> None:
+        """Nothing: what is in flight is batched as it comes."""
+
+
 @dataclass
 class Played:
     """An episode as the backend played it: every token it fed the model, in order (for the fidelity

@@ -21,13 +21,13 @@ import concurrent.futures
 import torch
 from torch import Tensor
 
-from backstream.rl.backends.base import Completion, Played, oldest
+from backstream.rl.backends.base import Completion, NoRounds, Played, oldest
 from backstream.rl.rollout import SamplingConfig
 from backstream.rl.vllm.publisher import WeightPublisher, starting
 from backstream.rl.vllm.requests import ServerRequests, sampling_args
 
 
-class ServerBackend:
+class ServerBackend(NoRounds):
     """A vLLM server as the run's backend (see the module docstring); `publisher`: the server and the
     weights on it, shared by the run's samplers; `config`: the run's sampling settings."""
 
@@ -111,12 +111,3 @@ class ServerBackend:
     def generate(self, ids: list[int], max_tokens: int, seed: int) -> Completion:
         (c,) = self.requests.generate(list(ids), self._params(max_tokens), 1, seed, self.eos)
         return c
-
-    def start_round(self) -> None:
-        """Nothing: the server takes requests whenever they come."""
-
-    def end_round(self) -> None:
-        """Nothing: a request after its episode ended is the endpoint's to refuse."""
-
-    def playing(self, n: int) -> None:
-        """Nothing: the server batches what is in flight."""
