@@ -1,6 +1,7 @@
 """Rollouts on a real vLLM server (issue 27): the vLLM environment is built on first use
-(`backstream vllm setup`; .ci/run builds it before the tests), so these never skip. One server of the
-built-in default model serves the module; the tests:
+(`backstream vllm setup`; .ci/run builds it before the tests), so these never skip. Most tests sample from
+the session's server of the default model (conftest.py: `backstream vllm serve default`), publishing
+the module's weights to it first; those about what a run's own server does start one. The tests:
 
 - sampling fidelity: the ids a group request returns are the prompt as sent plus the sampled tokens,
   and the server's log-probs equal the learner's (float32, ≤ 1e-4 absolute);
@@ -12,10 +13,12 @@ built-in default model serves the module; the tests:
   before the run, with the numbers;
 - `url` mode: a run connects to a server it did not start and publishes its weights to it;
 - a server killed mid-run: the step stops with an error naming vllm.log, the last checkpoint is
-  intact and `--resume` goes on with a new server;
+  intact and `--resume` goes on;
 - the trainer on the vLLM backend: the update equals the local sampler's update on the same samples'
   shape of run (mismatch/kl ~ 0), and what the backend refuses is refused before the run folder;
 - torchrun: 2 ranks are clients of one server that rank 0 starts, publishing from FSDP shards;
+- a LoRA policy: the server holds the base and loads the adapter (a run's own server, whose start-up
+  the progress line shows);
 - QaRL: low-bit (W8A8) weights published in compressed-tensors, sampled as the learner's quantized
   forward computes them, before and after an optimizer step.
 """
@@ -50,23 +53,22 @@ def vllm_python():
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory, vllm_python):
-    """A server of the default model, started the way a run starts it; stopped after the module."""
+def _module_publisher(tmp_path_factory, vllm_served):
     model, tok = load_default()
     run_dir = str(tmp_path_factory.mktemp("vllm-run"))
-    pub = WeightPublisher(VLLMConfig(python=vllm_python), tok, run_dir, seed=0)
-    notes = []
-    pub.ensure(model, starting(lambda done, n, what: notes.append(what), 1))
-    pub.start_notes = notes  # what a progress line showed during the start-up (test_start_up_is_shown)
+    pub = WeightPublisher(VLLMConfig(url=vllm_served[0], api_key=KEY), tok, run_dir, seed=0)
     yield model, tok, pub, run_dir
     pub.close()
 
 
-def test_start_up_is_shown(served):
-    notes = served[2].start_notes
-    assert notes and all(n.startswith("starting the vLLM server, ") for n in notes)
-    seconds = [float(n.split(", ")[1].removesuffix(" s")) for n in notes]
-    assert seconds == sorted(seconds) and seconds[-1] > 1
+@pytest.fixture
+def served(_module_publisher):
+    """The module's model, tokenizer, publisher and run folder: the session's server (conftest.py) with
+    the module's weights, published again at each test's start (other tests publish theirs between)."""
+    model, _, pub, _ = _module_publisher
+    pub.seen = None
+    pub.ensure(model)
+    return _module_publisher
 
 
 def _sampler(tok, pub, prompts, G=4, max_new=12, cfg=None):
@@ -167,7 +169,7 @@ def test_weights_published_after_a_change_are_the_ones_sampled(served):
     assert _max_logprob_gap(fresh, r) > 1e-2  # and not the old ones'
     r2 = _sample(s, model, [{}], [0], [torch.Generator().manual_seed(6)])
     assert pub.published == published + 1 and _sampled_with(r2, pub.version)  # unchanged: no publish
-    assert os.listdir(os.path.join(run_dir, "vllm")) == [f"weights-{pub.published}"]  # initial/ went after start-up
+    assert os.listdir(os.path.join(run_dir, "vllm")) == [f"weights-{pub.published}"]  # the weights before went at the publish
 
 
 def _long_prompts(n: int, tokens: int = 400) -> list[torch.Tensor]:
@@ -294,7 +296,11 @@ def test_a_lora_policy_publishes_its_adapter(tmp_path, vllm_python):
     model.eval()
     pub = WeightPublisher(VLLMConfig(python=vllm_python), tok, str(tmp_path), seed=0)
     try:
-        pub.ensure(model)
+        notes = []  # what a progress line shows while the run's server starts
+        pub.ensure(model, starting(lambda done, n, what: notes.append(what), 1))
+        assert notes and all(n.startswith("starting the vLLM server, ") for n in notes)
+        seconds = [float(n.split(", ")[1].removesuffix(" s")) for n in notes]
+        assert seconds == sorted(seconds) and seconds[-1] > 1
         assert pub.lora and pub.model_name() == "policy-lora" and pub.published == 1 and pub.version == 0
         prompts = [torch.tensor(tok("12+34=", add_special_tokens=True)["input_ids"]), *_long_prompts(1)]
         s = _sampler(tok, pub, prompts, G=8)
@@ -312,7 +318,7 @@ def test_a_lora_policy_publishes_its_adapter(tmp_path, vllm_python):
 
 def test_url_mode_connects_and_publishes(served, tmp_path, vllm_python):
     model, tok, pub, _ = served
-    other = WeightPublisher(VLLMConfig(url=pub.server.url), tok, str(tmp_path), seed=0)
+    other = WeightPublisher(VLLMConfig(url=pub.server.url, api_key=KEY), tok, str(tmp_path), seed=0)
     other.ensure(model)
     assert other.server.proc is None and other.published == 1  # nothing started; our weights published
     prompts = [torch.tensor(tok("3+4=", add_special_tokens=True)["input_ids"])]
@@ -399,7 +405,7 @@ def test_the_trainer_on_vllm_and_a_server_killed_mid_run(tmp_path, vllm_python, 
     """Two steps with a checkpoint each, DAPO's dynamic sampling and [eval] on, on the session's server
     (vllm.url): mismatch/kl ~ 0 (the server samples with the learner's weights every step); resumed on
     a server the run starts, killed after step 3: step 4 stops with an error naming vllm.log, the
-    checkpoint is intact, and --resume finishes the run with a new server."""
+    checkpoint is intact, and --resume finishes the run on the session's server again."""
     cfg = _vllm_run(tmp_path, "run", "train.steps=2", "train.save_every=1", f'vllm.url="{vllm_served[0]}"',
                     f'vllm.api_key="{KEY}"', "algorithm.dynamic_sampling=true", "eval.every=2", "eval.prompts=4",
                     "eval.samples=2")
@@ -415,10 +421,11 @@ def test_the_trainer_on_vllm_and_a_server_killed_mid_run(tmp_path, vllm_python, 
     t.train_step()
     assert os.listdir(os.path.join(run, "vllm")) == []  # the server loaded initial/: it is gone
     kill_the_server_then_step(t)
-    run2 = trainer.train(resume=run, overrides=["train.steps=4", "vllm.request_timeout_s=900"])  # may change
+    run2 = trainer.train(resume=run, overrides=["train.steps=4", "vllm.request_timeout_s=900",  # may change
+                                                 f'vllm.url="{vllm_served[0]}"', f'vllm.api_key="{KEY}"'])
     rows = [json.loads(x) for x in open(os.path.join(run2, "metrics.jsonl"))]
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and _agree(rows)
-    # a new server, started with the checkpoint's weights
+    # step 3 on the server the resumed run started with the checkpoint's weights, step 4 on the session's
     assert [r["vllm/weight_version"] for r in rows][2:] == _versions(rows[2:])
 
 
@@ -454,11 +461,9 @@ def test_two_ranks_share_one_server(served, tmp_path, vllm_python):
     assert len(two[0]["shares"]) == len(two[1]["shares"]) and 0 in two[0]["shares"] + two[1]["shares"]
     assert sum(two[0]["shares"]) + sum(two[1]["shares"]) > 3 * 4 + 2  # refills were drawn
     assert "no answer" in two[0]["error"] and two[0]["error"] == two[1]["error"] and log in two[0]["error"]
-    try:  # one rank, on the module's server (vllm.url): the run publishes its own weights to it
-        one = dist.run(workers.vllm_job, 1, str(tmp_path / "one"), [*cfg, f'vllm.url="{pub.server.url}"'],
-                       init=False)
-    finally:
-        pub.seen = None  # the module's weights are published again at the server's next use
+    # one rank, on the session's server (vllm.url): the run publishes its own weights to it
+    one = dist.run(workers.vllm_job, 1, str(tmp_path / "one"), [*cfg, f'vllm.url="{pub.server.url}"',
+                                                                f'vllm.api_key="{KEY}"'], init=False)
     first = json.loads(open(tmp_path / "one" / "metrics.jsonl").readline())
     assert one[0]["version"] == 4 and first["mismatch/kl"] < 1e-4  # its start published once more
     for key in ("reward/mean", "response_length/mean", "batch/groups"):
