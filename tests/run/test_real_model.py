@@ -75,23 +75,26 @@ def test_three_steps_of_chat_arith_score_above_zero(smol, tmp_path):
 
 
 def test_a_long_chat_prompt_trains_in_less_memory(smol):
-    """A 1.6K-token chat prompt (200 key=value pairs) with G = 2 answers: the streamed engine's peak live bytes
-    against the reference's (one full forward and backward per sequence), counted by LiveBytes."""
+    """A ~1K-token chat prompt (120 key=value pairs) with G = 2 answers: the streamed engine's peak live bytes
+    against the reference's (one full forward and backward per sequence), counted by LiveBytes, beyond
+    what both hold whatever the length: the weights and their gradients (1.08 GB of the 1.51 and 2.55 GB
+    peaks: 0.30 of the reference's activations; at 1.6K tokens 0.36, in twice the time)."""
     import random
 
     from backstream.rl.tasks import kvlookup_chat, kvlookup_row
 
     _, model, tok = smol
-    prompt = chat_ids(tok, kvlookup_chat(kvlookup_row(random.Random(0), n_pairs=200)))
-    assert len(prompt) > 1500
+    prompt = chat_ids(tok, kvlookup_chat(kvlookup_row(random.Random(0), n_pairs=120)))
+    assert len(prompt) > 900
     g = torch.Generator().manual_seed(0)
     seqs = [torch.cat([prompt, torch.randint(0, 49152, (32,), generator=g)]) for _ in range(2)]
     weights = [torch.cat([torch.zeros(len(prompt)), torch.randn(32, generator=g)]) for _ in seqs]
     peaks = {}
-    for name, fn, kw in (("stream", stream_backward, {"block_size": 512}), ("reference", reference_backward, {})):
+    for name, fn, kw in (("stream", stream_backward, {"block_size": 256}), ("reference", reference_backward, {})):
         model.zero_grad(set_to_none=True)
         with LiveBytes(model) as m:
             fn(model, seqs, weights, **kw)
         peaks[name] = m.peak
     model.zero_grad(set_to_none=True)
-    assert peaks["stream"] <= 0.6 * peaks["reference"], peaks
+    fixed = 2 * sum(p.numel() * p.element_size() for p in model.parameters())  # weights and their gradients
+    assert peaks["stream"] - fixed <= 0.5 * (peaks["reference"] - fixed), (peaks, fixed)
