@@ -4,9 +4,10 @@ Mamba 2 layers and the states of short convolutions, streamed exactly.
 Every hybrid and state-space family transformers ships that the engine drives is checked here in float64
 (its miniature, `keep_float64` so that the layers' float32 kernels add no 1e-7 noise) on a token tree with
 a shared 70-token prompt, unequal responses, a second turn, a branch one token after the prompt and a
-one-token response, at block sizes that cut convolution windows (2, 5), Mamba 2's 8-token chunks and
-Gated DeltaNet's 64-token chunks (37, 100); the families whose transformers code drops the state it is
-handed are refused by name."""
+one-token response, at block sizes shorter than a convolution's window (2: its state spans blocks),
+that cut Mamba 2's 8-token chunks and Gated DeltaNet's 64-token chunks (37, 100); the families whose
+transformers code drops the state it is handed are refused by name. (Block 5, a window cut once, ran
+here before: its cases are covered by 2 and 37, and it cost a quarter of the module's time.)"""
 
 import pytest
 import torch
@@ -31,7 +32,7 @@ HYBRIDS = {
 }
 # transformers' Mamba 1 scan (`mamba_selective_scan`) takes no initial state
 DROPS_THE_STATE = ["mamba", "falcon_mamba", "jamba"]
-BLOCKS = (2, 5, 37, 100)
+BLOCKS = (2, 37, 100)
 
 
 def hybrid(model_type: str, seed: int = 0, **extra):
