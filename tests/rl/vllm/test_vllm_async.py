@@ -50,9 +50,11 @@ def _learner_logprobs(model, prompt: list[int], ids: list[int]) -> torch.Tensor:
 
 @pytest.mark.parametrize("in_flight", ["resume", "keep"])
 def test_a_publish_mid_request_labels_every_token_with_its_version(tmp_path, vllm_python, in_flight):
-    """On a server of its own, the request the first long one it serves (3,000 tokens in 2-5 s here): on
-    a server that had served one before, the request came back whole at the publish, every token
-    labelled 0, with the publish 0.3 s or 1.5 s in (not understood; the shared server is not used)."""
+    """On a server of its own, the request the first long one it serves (3,000 tokens in 2-5 s here). On
+    a server that had served one before, this process stalls on 2 shared cores until the request ends,
+    so the publish came after it (measured: the main thread's 0.1-s sleep took 3-5 s, with the request
+    in a thread of this process, urllib or curl alike; no stall with the request in another process,
+    nor in another process's sleep; cause not found): the session's server is not used."""
     model, tok = load_default()
     model.eval()
     pub = WeightPublisher(VLLMConfig(python=vllm_python), tok, str(tmp_path), seed=0, in_flight=in_flight)
