@@ -108,14 +108,21 @@ def cmd_vllm(args) -> int:
     return 0
 
 
-def cmd_vllm_serve(args) -> int:
-    from backstream.rl.vllm.serve import ServeArgs, serve  # noqa: PLC0415
+def serve_args(args):
+    """`backstream vllm serve`'s parsed arguments as the server's `ServeArgs`."""
+    from backstream.rl.vllm.serve import ServeArgs  # noqa: PLC0415
 
-    return serve(ServeArgs(model=args.model, host=args.host, port=args.port, api_key=args.api_key or "",
-                           python=args.python or "", dtype=args.dtype, max_model_len=args.max_model_len,
-                           top_p=args.top_p, top_k=args.top_k, logprobs_mode=args.logprobs_mode or "",
-                           lora_rank=args.lora_rank, kv_cache_gb=args.kv_cache_gb, seed=args.seed,
-                           extra=tuple(args.vllm_args)))
+    return ServeArgs(model=args.model, host=args.host, port=args.port, api_key=args.api_key or "",
+                     python=args.python or "", dtype=args.dtype, max_model_len=args.max_model_len,
+                     top_p=args.top_p, top_k=args.top_k, logprobs_mode=args.logprobs_mode or "",
+                     lora_rank=args.lora_rank, kv_cache_gb=args.kv_cache_gb, seed=args.seed,
+                     extra=tuple(args.vllm_args))
+
+
+def cmd_vllm_serve(args) -> int:
+    from backstream.rl.vllm.serve import serve  # noqa: PLC0415
+
+    return serve(serve_args(args))
 
 
 def _has_matplotlib() -> bool:
@@ -191,7 +198,9 @@ def main(argv=None) -> int:
         return 130
 
 
-def _main(argv=None) -> int:
+def parse(argv=None) -> argparse.Namespace:
+    """The command line's arguments (`argv`: sys.argv[1:] if None); after `vllm serve ... --`, vLLM's own
+    (`vllm_args`)."""
     ap = argparse.ArgumentParser(prog="backstream",
                                  description="Exact streamed-backward RL post-training of causal LMs")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -248,6 +257,11 @@ def _main(argv=None) -> int:
         argv, vllm_args = argv[:argv.index("--")], argv[argv.index("--") + 1:]
     args = ap.parse_args(argv)
     args.vllm_args = vllm_args
+    return args
+
+
+def _main(argv=None) -> int:
+    args = parse(argv)
     from backstream.trainer import Interrupted  # noqa: PLC0415
 
     try:

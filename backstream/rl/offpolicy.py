@@ -208,8 +208,11 @@ ERROR_NGRAM = 16
 ERROR_MIN_COUNT = 4
 
 
-def repeated_ngram(ids: Tensor, n: int = ERROR_NGRAM, min_count: int = ERROR_MIN_COUNT) -> bool:
-    """Does the token sequence `ids` hold some n-gram at least `min_count` times (overlaps count)?"""
+def repeated_ngram(ids: Tensor, n: int = ERROR_NGRAM, min_count: int = ERROR_MIN_COUNT,
+                   hash_mult: Tensor | None = None) -> bool:
+    """Does the token sequence `ids` hold some n-gram at least `min_count` times (overlaps count)?
+    `hash_mult`: the multipliers of the windows' hash (default fixed random ones); with all zeros every
+    window hashes alike and the exact comparison alone decides (what the tests check)."""
     if n < 1 or min_count < 2:
         raise UserError(f"n / min_count: expected n >= 1 and min_count >= 2, got {n}, {min_count}")
     ids = ids.reshape(-1).to("cpu", torch.long)
@@ -219,7 +222,8 @@ def repeated_ngram(ids: Tensor, n: int = ERROR_NGRAM, min_count: int = ERROR_MIN
     # a 1-D sort of one hash per window instead of a row-wise unique (10× faster on 16K tokens);
     # hashing can merge n-grams, never split them, so only windows whose hash reaches min_count are
     # compared exactly. Each term < 2^31 (mod a prime), so the sum cannot overflow int64.
-    mult_N = _HASH_MULT[torch.arange(n) % len(_HASH_MULT)]
+    mult = _HASH_MULT if hash_mult is None else hash_mult
+    mult_N = mult[torch.arange(n) % len(mult)]
     key_G = ((grams_GN % _HASH_P) * mult_N % _HASH_P).sum(1)
     _, inv_G, counts = torch.unique(key_G, return_inverse=True, return_counts=True)
     for c in torch.nonzero(counts >= min_count).flatten():

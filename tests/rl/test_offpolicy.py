@@ -17,7 +17,6 @@ from helpers import (
     streamed_total,
 )
 
-from backstream.rl import offpolicy
 from backstream.rl.losses import (
     GSPOConfig,
     PPOClipConfig,
@@ -299,12 +298,12 @@ def test_repeated_ngram():
         repeated_ngram(loop, n=3, min_count=1)
 
 
-def test_repeated_ngram_is_exact_under_hash_collisions(monkeypatch):
+def test_repeated_ngram_is_exact_under_hash_collisions():
     """Every window hashed alike: the exact comparison of the candidates still decides."""
-    monkeypatch.setattr(offpolicy, "_HASH_MULT", torch.zeros(64, dtype=torch.long))
-    assert not repeated_ngram(torch.arange(100), n=4, min_count=3)
-    assert not repeated_ngram(torch.tensor([1, 2, 3, 9, 1, 2, 3]), n=3, min_count=3)
-    assert repeated_ngram(torch.tensor([7, 5, 6, 7, 5, 6, 7, 5, 6, 7]), n=3, min_count=3)
+    zero = torch.zeros(64, dtype=torch.long)
+    assert not repeated_ngram(torch.arange(100), n=4, min_count=3, hash_mult=zero)
+    assert not repeated_ngram(torch.tensor([1, 2, 3, 9, 1, 2, 3]), n=3, min_count=3, hash_mult=zero)
+    assert repeated_ngram(torch.tensor([7, 5, 6, 7, 5, 6, 7, 5, 6, 7]), n=3, min_count=3, hash_mult=zero)
 
 
 # --- config and input errors ---------------------------------------------------------------------

@@ -169,7 +169,7 @@ def test_weights_published_after_a_change_are_the_ones_sampled(served):
     assert _max_logprob_gap(fresh, r) > 1e-2  # and not the old ones'
     r2 = _sample(s, model, [{}], [0], [torch.Generator().manual_seed(6)])
     assert pub.published == published + 1 and _sampled_with(r2, pub.version)  # unchanged: no publish
-    assert os.listdir(os.path.join(run_dir, "vllm")) == [f"weights-{pub.published}"]  # the weights before went at the publish
+    assert os.listdir(os.path.join(run_dir, "vllm")) == [f"weights-{pub.published}"]  # the weights before: gone
 
 
 def _long_prompts(n: int, tokens: int = 400) -> list[torch.Tensor]:

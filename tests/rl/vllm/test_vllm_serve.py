@@ -26,9 +26,8 @@ from helpers import KEY, no_run_written, run_cfg, vllm_python
 
 from backstream import trainer
 from backstream.checks import UserError
-from backstream.cli import main
+from backstream.cli import cmd_vllm_serve, parse, serve_args
 from backstream.default_model import DEFAULT_MODEL_DIR
-from backstream.rl.vllm import serve as serve_mod
 from backstream.rl.vllm.serve import Needs, ServeArgs, check_server, command
 from backstream.rl.vllm.server import Server, VLLMConfig, ext_path, free_port, server_env
 
@@ -112,12 +111,11 @@ def test_the_serve_command_refuses_the_network_without_a_key(monkeypatch):
         ServeArgs(model="default", python="/no/such/python").command()
 
 
-def test_the_cli_passes_its_options_and_vllms_own(monkeypatch):
-    seen = []
-    monkeypatch.setattr(serve_mod, "serve", lambda a: seen.append(a) or 0)
-    assert main(["vllm", "serve", "default", "--port", "8124", "--top-p", "0.8", "--lora-rank", "4",
-                 "--", "--max-num-seqs", "64", "--enforce-eager"]) == 0
-    (a,) = seen
+def test_the_cli_passes_its_options_and_vllms_own():
+    args = parse(["vllm", "serve", "default", "--port", "8124", "--top-p", "0.8", "--lora-rank", "4",
+                  "--", "--max-num-seqs", "64", "--enforce-eager"])
+    assert args.fn is cmd_vllm_serve
+    a = serve_args(args)
     assert (a.model, a.port, a.mode(), a.lora_rank) == ("default", 8124, "raw_logprobs", 4)
     assert a.extra == ("--max-num-seqs", "64", "--enforce-eager")
     assert a.url() == "http://127.0.0.1:8124"
