@@ -3,6 +3,7 @@
     bench/gpu_check.sh [OUTDIR]                          # all of it; OUTDIR defaults to bench/results/
     python -m bench.bench_gpu --out OUTDIR [--parts tests,shape:0.6b,...] [--total 470]
     python -m bench.bench_gpu --cpu-smoke --out /tmp/x   # the plumbing on CPU, tiny shapes, seconds
+    python -m bench.bench_gpu --cpu-smoke --jobs 2 ...   # the same, two parts side by side (CPU only)
 
 Parts, each in a child process with its own time box (the parent kills it at the box; what it
 printed until then is kept). A part that fails, runs out of memory or out of time writes its error
@@ -58,6 +59,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GiB = 2**30
@@ -624,15 +626,28 @@ def summary(res: dict) -> str:
     return "\n".join(lines)
 
 
+def _start(pool, part: str, a, start: float):
+    """(its time box, the future of `run_part`) for `part`, or (0, None) where the total is used up."""
+    box = min(BOXES.get(part, 60), a.total - (time.time() - start) - 5)
+    if box < 10:
+        return 0, None
+    return box, pool.submit(run_part, part, box, a.cpu_smoke, a.out)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.path.join(REPO, "bench", "results"))
     ap.add_argument("--parts", default=",".join(BOXES))
     ap.add_argument("--total", type=float, default=TOTAL, help="seconds for all parts together")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on CPU: the plumbing, not the numbers")
+    ap.add_argument("--jobs", type=int, default=1, help="parts run side by side (--cpu-smoke only: on a GPU they "
+                    "share the device, whose memory and time they measure)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--box", type=float, default=60, help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.jobs < 1 or (a.jobs > 1 and not a.cpu_smoke):
+        sys.exit(f"bench_gpu: --jobs {a.jobs}: expected 1, or more with --cpu-smoke only (on a GPU the parts "
+                 "run one at a time)")
     os.makedirs(a.out, exist_ok=True)
     if a.child:
         child(a.child, a.box, a.cpu_smoke, a.out)
@@ -643,14 +658,23 @@ def main():
         sys.exit("bench_gpu: no CUDA device; --cpu-smoke runs the plumbing on CPU")
     print(json.dumps(res["env"]), flush=True)
     path = os.path.join(a.out, "gpu_check.json")
-    for part in a.parts.split(","):
-        left = a.total - (time.time() - start)
-        box = min(BOXES.get(part, 60), left - 5)
-        if box < 10:
+    pool, parts, running = ThreadPoolExecutor(a.jobs), a.parts.split(","), {}
+
+    def launch(k: int) -> None:  # parts[k], if any, starts: its box is what the total leaves now
+        if k < len(parts):
+            running[parts[k]] = _start(pool, parts[k], a, start)
+
+    for k in range(a.jobs):
+        launch(k)
+    for i, part in enumerate(parts):
+        box, future = running.pop(part)
+        if future is None:
             res["parts"][part] = {"rows": [], "error": "skipped: the check's total time was used up"}
+            launch(i + a.jobs)
         else:
             print(f"-- {part} (box {box:.0f} s)", flush=True)
-            res["parts"][part] = run_part(part, box, a.cpu_smoke, a.out)
+            res["parts"][part] = future.result()
+            launch(i + a.jobs)  # one at a time by default: the next part starts once this one is done
             for row in res["parts"][part]["rows"]:
                 print("  ", json.dumps(row, default=str), flush=True)
             if res["parts"][part]["error"]:

@@ -2,6 +2,7 @@
 # The GPU check of issue 31 on one H100/H200, in at most 8 minutes:
 #   bench/gpu_check.sh [OUTDIR] [ARGS…]   (default OUTDIR: bench/results/; ARGS go to bench_gpu.py)
 #   bench/gpu_check.sh /tmp/smoke --cpu-smoke   # a dry run on CPU: tiny shapes, the plumbing only
+#   bench/gpu_check.sh /tmp/smoke --cpu-smoke --jobs 2   # the same, two parts at a time (the tests' way)
 # Runs bench/bench_gpu.py (its docstring says what each part measures): the CUDA tests (fused vs
 # naive, the engine's float64 suite on the naive path), peak memory / tokens/s / longest trajectory
 # on random-init Qwen3-0.6B, 1.7B and 8B (LoRA) shapes, the prefix-sharing speed-up, one

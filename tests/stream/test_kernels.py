@@ -19,6 +19,7 @@ import json
 import math
 import os
 import subprocess
+import sys
 from collections import Counter
 
 import pytest
@@ -695,12 +696,18 @@ def smoke(out, *args):
     return proc.stdout, json.loads((out / "gpu_check.json").read_text())
 
 
+def test_gpu_check_runs_its_parts_side_by_side_on_cpu_only(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "bench.bench_gpu", "--jobs", "2", "--out", str(tmp_path)], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and "--jobs 2: expected 1, or more with --cpu-smoke only" in proc.stderr
+
+
 @pytest.mark.slow
 def test_gpu_check_cpu_smoke_all_parts(tmp_path):
     """Every part of the GPU check in the tiny CPU mode (the CUDA tests skip): each runs, records
     what the summary reads, and the train step's time split comes back; a shape part (the 8B one:
     LoRA) has its memory rows, the longest-trajectory search and its line in the summary table."""
-    stdout, res = smoke(tmp_path)
+    stdout, res = smoke(tmp_path, "--jobs", "2")  # two parts at a time: the machine's 2 cores (each part: 1 thread)
     assert set(res["parts"]) == {"tests", "shape:0.6b", "shape:1.7b", "shape:8b", "prefix", "hybrid", "train",
                                  "vllm-hybrid"}
     for name, part in res["parts"].items():
