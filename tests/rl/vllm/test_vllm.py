@@ -13,7 +13,7 @@ the module's weights to it first; those about what a run's own server does start
   before the run, with the numbers;
 - `url` mode: a run connects to a server it did not start and publishes its weights to it;
 - a server killed mid-run: the step stops with an error naming vllm.log, the last checkpoint is
-  intact and `--resume` goes on;
+  intact; `--resume` goes on;
 - the trainer on the vLLM backend: the update equals the local sampler's update on the same samples'
   shape of run (mismatch/kl ~ 0), and what the backend refuses is refused before the run folder;
 - torchrun: 2 ranks are clients of one server that rank 0 starts, publishing from FSDP shards;
@@ -409,11 +409,12 @@ def _vllm_run(tmp_path, name, *extra):
                    'data.task="arith"', "data.num_examples=64", "rollout.max_new_tokens=6", *extra)
 
 
-def test_the_trainer_on_vllm_and_a_server_killed_mid_run(tmp_path, vllm_python, vllm_served):
+def test_the_trainer_on_vllm_checkpoints_and_resumes(tmp_path, vllm_served):
     """Two steps with a checkpoint each, DAPO's dynamic sampling and [eval] on, on the session's server
-    (vllm.url): mismatch/kl ~ 0 (the server samples with the learner's weights every step); resumed on
-    a server the run starts, killed after step 3: step 4 stops with an error naming vllm.log, the
-    checkpoint is intact, and --resume finishes the run on the session's server again."""
+    (vllm.url): mismatch/kl ~ 0 (the server samples with the learner's weights every step); --resume
+    goes on with the checkpoint's weights published to the server. (A server the run starts, killed
+    mid-run: test_a_model_built_from_a_config_with_qwen3s_context...; a resumed run's own server starts
+    with the checkpoint's weights: test_vllm_async.py's run one step ahead.)"""
     cfg = _vllm_run(tmp_path, "run", "train.steps=2", "train.save_every=1", f'vllm.url="{vllm_served[0]}"',
                     f'vllm.api_key="{KEY}"', "algorithm.dynamic_sampling=true", "eval.every=2", "eval.prompts=4",
                     "eval.samples=2")
@@ -423,17 +424,10 @@ def test_the_trainer_on_vllm_and_a_server_killed_mid_run(tmp_path, vllm_python, 
     assert rows[1]["eval/pass@2"] is not None  # [eval] samples through the same server
     assert [r["vllm/weight_version"] for r in rows] == _versions(rows)
     assert not os.path.exists(os.path.join(run, "vllm"))  # no copy of the weights outlives the run
-    # a server of the run's own that dies mid-run
-    t = trainer.Trainer(config_of(run, "train.steps=4", 'vllm.url=""', f'vllm.python="{vllm_python}"'), run_dir=run,
-                        resume=True)
-    t.train_step()
-    assert os.listdir(os.path.join(run, "vllm")) == []  # the server loaded initial/: it is gone
-    kill_the_server_then_step(t)
     run2 = trainer.train(resume=run, overrides=["train.steps=4", "vllm.request_timeout_s=900",  # may change
-                                                 f'vllm.url="{vllm_served[0]}"', f'vllm.api_key="{KEY}"'])
+                                                 f'vllm.api_key="{KEY}"'])  # a run folder keeps no key
     rows = [json.loads(x) for x in open(os.path.join(run2, "metrics.jsonl"))]
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and _agree(rows)
-    # step 3 on the server the resumed run started with the checkpoint's weights, step 4 on the session's
     assert [r["vllm/weight_version"] for r in rows][2:] == _versions(rows[2:])
 
 
@@ -528,15 +522,25 @@ def test_a_model_built_from_a_config_with_qwen3s_context_trains_on_the_default_v
     the state dict it is handed, and the publisher read the dtype from it afterwards; a model from
     from_pretrained lost only its tied head there); with that fixed, the server exited during start-up
     (max_model_len = the model's 40,960 tokens, 1.25 GiB of K/V in a 1 GiB cache). Now the server's
-    context is the run's longest sequence, its longest prompt + rollout.max_new_tokens."""
+    context is the run's longest sequence, its longest prompt + rollout.max_new_tokens. Then the server
+    the run started is killed: the next step stops with an error naming vllm.log and --resume, and the
+    last checkpoint is intact."""
+    from backstream.checkpoint import latest_intact
+
     model, tok = _qwen3_context_model()
-    t = trainer.Trainer(_vllm_run(tmp_path, "run", "train.steps=2", "train.seed=1"), model=model, tokenizer=tok)
+    t = trainer.Trainer(_vllm_run(tmp_path, "run", "train.steps=3", "train.seed=1", "train.save_every=1"),
+                        model=model, tokenizer=tok)
     longest = t.backend.publisher.context.longest
     assert longest == max(len(p) for p in t.sampler.prompts) + 6
-    run = t.run()
-    rows = [json.loads(x) for x in open(os.path.join(run, "metrics.jsonl"))]
+    run = t.run_dir
+    rows = [t.train_step()]
+    assert os.listdir(os.path.join(run, "vllm")) == []  # the server loaded initial/: it is gone
+    rows.append(t.train_step())
+    t.save()
     assert [r["step"] for r in rows] == [1, 2] and _agree(rows)
     assert f"'max_model_len': {longest}," in open(os.path.join(run, "vllm.log")).read()
+    kill_the_server_then_step(t)  # a server of the run's own that dies mid-run
+    assert latest_intact(run).endswith("step-2")
 
 
 @pytest.mark.parametrize("extra, words", [

@@ -150,7 +150,8 @@ def test_a_run_one_step_ahead_keeps_the_bound_and_resumes_without_taking_a_promp
     again = config.load(os.path.join(run, "config.toml"), ["train.steps=6", 'vllm.url=""', 'vllm.api_key=""',
                                                            f'vllm.python="{vllm_python}"'])
     t = trainer.Trainer(again, run_dir=run, resume=True, backend=Slowed(again, run))
-    t.train_step()
+    step5 = t.train_step()
+    assert step5["step"] == 5 and step5["vllm/weight_version"] == 4  # started with the checkpoint's weights
     kill_the_server_then_step(t)
 
 
