@@ -97,4 +97,5 @@ def test_a_long_chat_prompt_trains_in_less_memory(smol):
         peaks[name] = m.peak
     model.zero_grad(set_to_none=True)
     fixed = 2 * sum(p.numel() * p.element_size() for p in model.parameters())  # weights and their gradients
-    assert peaks["stream"] - fixed <= 0.5 * (peaks["reference"] - fixed), (peaks, fixed)
+    # 0.4: what the former bound on the whole peaks at 1.6K tokens, stream <= 0.6 x reference, allowed
+    assert peaks["stream"] - fixed <= 0.4 * (peaks["reference"] - fixed), (peaks, fixed)

@@ -324,7 +324,7 @@ def test_top_p_top_k_at_temperature_1_report_the_learners_logprobs(served, lora_
             assert (rank < 3).all()
 
 
-def test_url_mode_connects_and_publishes(served, tmp_path, vllm_python):
+def test_url_mode_connects_and_publishes(served, tmp_path):
     model, tok, pub, _ = served
     other = WeightPublisher(VLLMConfig(url=pub.server.url, api_key=KEY), tok, str(tmp_path), seed=0)
     other.ensure(model)
@@ -432,18 +432,17 @@ def test_the_trainer_on_vllm_checkpoints_and_resumes(tmp_path, vllm_served):
 
 
 @pytest.mark.distributed
-def test_two_ranks_share_one_server(served, tmp_path, vllm_python):
+def test_two_ranks_share_one_server(vllm_served, tmp_path, vllm_python):
     """torchrun, 2 gloo ranks, one server that rank 0 starts: each rank samples its own groups (DAPO
     refills, an [eval] of one prompt, so rank 1's share is empty), the weights are gathered from their
     FSDP shards and published before every rollout after a step: mismatch/kl ~ 0 at every step, the
     versions advance alike on both ranks, rank 0 stops the server at the end, and a request that fails
     on rank 1 stops rank 0 with the same error naming vllm.log. The same global batch on one rank
-    (torchrun with one process: the same per-group seeds), sampled by the module's server, draws the
+    (torchrun with one process: the same per-group seeds), sampled by the session's server, draws the
     same first step."""
     import dist
     import distributed_workers as workers
 
-    _, _, pub, _ = served
     cfg = [f'vllm.python="{vllm_python}"', 'rollout.backend="vllm"', "train.steps=3", "train.prompts_per_step=4",
            "rollout.group_size=4", "algorithm.dynamic_sampling=true", "eval.every=2", "eval.prompts=1",
            "eval.samples=2", "train.progress=false", "train.plots=false", "distributed.timeout_s=300",
@@ -464,7 +463,7 @@ def test_two_ranks_share_one_server(served, tmp_path, vllm_python):
     assert sum(two[0]["shares"]) + sum(two[1]["shares"]) > 3 * 4 + 2  # refills were drawn
     assert "no answer" in two[0]["error"] and two[0]["error"] == two[1]["error"] and log in two[0]["error"]
     # one rank, on the session's server (vllm.url): the run publishes its own weights to it
-    one = dist.run(workers.vllm_job, 1, str(tmp_path / "one"), [*cfg, f'vllm.url="{pub.server.url}"',
+    one = dist.run(workers.vllm_job, 1, str(tmp_path / "one"), [*cfg, f'vllm.url="{vllm_served[0]}"',
                                                                 f'vllm.api_key="{KEY}"'], init=False)
     first = json.loads(open(tmp_path / "one" / "metrics.jsonl").readline())
     assert one[0]["version"] == 4 and first["mismatch/kl"] < 1e-4  # its start published once more
@@ -485,12 +484,6 @@ def _agree(rows) -> bool:
     advantage is 0 computes none: its mismatch is null)."""
     kls = [r["mismatch/kl"] for r in rows if r["batch/zero_adv_frac"] < 1]
     return bool(kls) and all(k is not None and k < 1e-4 for k in kls)
-
-
-def config_of(run, *overrides):
-    from backstream import config
-
-    return config.load(os.path.join(run, "config.toml"), list(overrides))
 
 
 @pytest.mark.parametrize("extra, words", [
