@@ -7,7 +7,14 @@ a shared 70-token prompt, unequal responses, a second turn, a branch one token a
 one-token response, at block sizes shorter than a convolution's window (2: its state spans blocks),
 that cut Mamba 2's 8-token chunks and Gated DeltaNet's 64-token chunks (37, 100); the families whose
 transformers code drops the state it is handed are refused by name. (Block 5, a window cut once, ran
-here before: its cases are covered by 2 and 37, and it cost a quarter of the module's time.)"""
+here before: its cases are covered by 2 and 37, and it cost a quarter of the module's time.)
+
+The gradient of a state read by several blocks is the sum over its readers (the shared-prefix rule,
+`BoundaryState._deposit`). Inside one block batch autograd sums it already; only readers in different
+batches reach the sum the engine keeps. So every family also runs with one row per batch
+(`batch_tokens=1`: the prompt's four responses in four batches), and a group of twelve runs with the
+default batch of eight rows: a deposit that overwrote instead of adding would be 7.8% off there.
+(K/V's twin, `KVStore.add_grad`, is guarded by tests/stream/test_engine.py's one-row batches.)"""
 
 import pytest
 import torch
@@ -33,6 +40,7 @@ HYBRIDS = {
 # transformers' Mamba 1 scan (`mamba_selective_scan`) takes no initial state
 DROPS_THE_STATE = ["mamba", "falcon_mamba", "jamba"]
 BLOCKS = (2, 37, 100)
+ONE_ROW = (37, 1)  # (block_size, batch_tokens): one row per batch, so a state's readers span batches
 
 
 def hybrid(model_type: str, seed: int = 0, **extra):
@@ -67,14 +75,17 @@ def grads(model, fn, seqs, weights, **kw):
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, res
 
 
-def assert_exact(model, seqs, weights, blocks=BLOCKS, **kw):
+def assert_exact(model, seqs, weights, blocks=BLOCKS, one_row=(), **kw):
+    """Streamed = reference at every block size of `blocks` (default batches) and every (block_size,
+    batch_tokens) of `one_row`."""
     g_ref, r_ref = grads(model, reference_backward, seqs, weights)
     assert g_ref and max(float(x.norm()) for x in g_ref.values()) > 0
-    for b in blocks:
-        g, r = grads(model, stream_backward, seqs, weights, block_size=b, **kw)
+    runs = [(b, None) for b in blocks] + list(one_row)
+    for b, rows in runs:
+        g, r = grads(model, stream_backward, seqs, weights, block_size=b, batch_tokens=rows, **kw)
         assert g.keys() == g_ref.keys()
         for n, err in relative_errors(g, g_ref).items():
-            assert err <= 1e-10, f"block {b}: {n}: relative error {err:.3g}"
+            assert err <= 1e-10, f"block {b}, batch_tokens {rows}: {n}: relative error {err:.3g}"
         for i, (a, b_) in enumerate(zip(r.logprobs, r_ref.logprobs)):
             m = weights[i] != 0
             assert torch.allclose(a[m], b_[m], atol=1e-12, rtol=0), f"block {b}: log-probs of sequence {i}"
@@ -87,7 +98,21 @@ def test_hybrid_family_streamed_exactly(model_type):
     model = hybrid(model_type)
     layout = probe_layout(model)
     assert layout.states, f"{model_type}: the miniature keeps no recurrent or convolution state"
-    assert_exact(model, *tree())
+    assert_exact(model, *tree(), one_row=[ONE_ROW])
+
+
+def test_a_group_larger_than_one_batch():
+    """Twelve responses of a 70-token prompt (a GRPO group of 12) at the default batch of 8 rows: the
+    prompt's final states are read from two batches, and their gradients are summed across them."""
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(7, 55, (70,), generator=g)
+    seqs = [torch.cat([prompt, torch.randint(7, 55, (n,), generator=g)]) for n in range(30, 42)]
+    weights = [torch.randn(len(s), generator=g, dtype=torch.float64) for s in seqs]
+    for w in weights:
+        w[:70] = 0
+    t = TokenTree([s.tolist() for s in seqs], stateful=True)
+    assert any(len(rows) < 12 and parent >= 0 for parent, rows in batches(t, 37, 8 * 37, stateful=True))
+    assert_exact(hybrid("qwen3_5_text"), seqs, weights, blocks=(37,))
 
 
 @pytest.mark.parametrize("model_type", DROPS_THE_STATE)
