@@ -238,17 +238,19 @@ class RunConfig:
 
     def for_tokenizer(self, tokenizer) -> RunConfig:
         """The config with what the tokenizer decides resolved (the run folder's config.toml then
-        states it): a built-in task's data.format ("auto" → "chat" or "plain"), and in the chat format
-        the task's chat reward ("answer") where reward.functions is left at its default."""
+        states it): a built-in task's data.format ("auto" → "chat" or "plain"), in the chat format the
+        task's chat reward ("answer") where reward.functions is left at its default, and in the plain
+        format the task's stop (a newline for arith and kvlookup) where rollout.stop is left empty."""
         if self.data.path:
             return self
         from backstream.rl.tasks import TASKS  # noqa: PLC0415  (the tasks import the rewards)
 
-        fmt = self.data.resolved_format(tokenizer)
+        fmt, task = self.data.resolved_format(tokenizer), TASKS[self.data.task]
         cfg = dataclasses.replace(self, data=dataclasses.replace(self.data, format=fmt))
         if fmt == "chat" and self.reward.functions == RewardConfig().functions:
-            cfg = dataclasses.replace(cfg, reward=dataclasses.replace(self.reward,
-                                                                      functions=[TASKS[self.data.task].chat_reward]))
+            cfg = dataclasses.replace(cfg, reward=dataclasses.replace(self.reward, functions=[task.chat_reward]))
+        if fmt == "plain" and not self.rollout.stop and task.stop:  # the answer's line ends the completion
+            cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(self.rollout, stop=list(task.stop)))
         return cfg
 
     def validate(self, world_size: int | None = None) -> None:

@@ -131,7 +131,6 @@ class Trainer:
         self.source = build_source(cfg, self.sampler, self.backend, self.examples, self.stream, self.dp, self.model,
                                    lambda what: self.logger.phase(self.step + 1, what))
         self.collector = Collector(cfg, self.source, self.sampler, self.rewards, self.examples, self.dp)
-        self.collector = Collector(cfg, self.source, self.sampler, self.rewards, self.examples, self.dp)
         self._open_run(resume, overwrite, changes, allow_changed_files)
         self.source.at_step(self.step)  # a resumed run's weights are its checkpoint's step's
 
@@ -299,7 +298,8 @@ class Trainer:
         loss = [k if "/" in k else f"loss/{k}" for k in self.cfg.loss.metric_keys()]
         loss += ["loss/router_aux"] * (self.cfg.loss.router_aux_coef > 0)
         dapo = ["dapo/refill_rounds", "dapo/groups_dropped"] if self.cfg.algorithm.dynamic_sampling else []
-        return ["step", *self.evaluator.keys(), "reward/mean", "reward/std", "response_length/mean", "batch/groups",
+        return ["step", *self.evaluator.keys(), "reward/mean", "reward/std", "response_length/mean",
+                "response/truncated", "batch/groups",
                 "batch/zero_adv_frac", *dapo,
                 *[f"reward/{name}" for name in self.rewards.functions], *self.sampler.metric_keys,
                 "tree/tokens_total", "tree/tokens_unique", *loss, "optim/grad_norm", *MISMATCH_KEYS, *STALENESS_KEYS,
@@ -315,6 +315,7 @@ class Trainer:
         r, n, ro = batch.scored, len(batch.rollout), batch.rollout
         m = {"step": self.step, "reward/mean": float(r.mean()), "reward/std": float(r.std()) if len(r) > 1 else 0.0,
              "response_length/mean": float(sum(ro.sampled_tokens()) / n),  # the policy's tokens (of an episode too)
+             "response/truncated": sum(x == "length" for x in ro.finish_reason) / n,  # ran to the token limit
              "batch/groups": n // ro.group_size, "batch/zero_adv_frac": float((adv == 0).float().mean())}
         if self.cfg.algorithm.dynamic_sampling:
             m.update({"dapo/refill_rounds": batch.refill_rounds, "dapo/groups_dropped": batch.groups_dropped})
@@ -358,7 +359,7 @@ class Trainer:
                     if self.evaluator.due(self.step, tc.steps):
                         m.update(self.evaluate())
                     self.logger.log(m)
-                    if self.zero_adv.saw(m["batch/zero_adv_frac"] == 1.0, self.step):
+                    if self.zero_adv.saw(m["batch/zero_adv_frac"] == 1.0, self.step, m["response/truncated"] == 1.0):
                         log.warning(self.zero_adv.warning)
                     if run.checkpoint_due():
                         self.save()

@@ -60,19 +60,26 @@ ADVANTAGES: dict[str, Callable[[Tensor, int], Tensor]] = {
 
 class ZeroAdvantageWatch:
     """`STEPS` steps in a row on which every advantage was 0 learn nothing: `saw` says when to warn
-    (once), with `hint`, the likely cause the run's set-up suggests (`format_hint`)."""
+    (once), with `hint`, the likely cause the run's set-up suggests (`format_hint`), and, when every
+    sample of those steps ran to rollout.max_new_tokens, that the model never stopped (a base model on
+    text it continues past the answer)."""
 
     STEPS = 5
 
     def __init__(self, hint: str = ""):
-        self.in_a_row, self.warning, self.hint = 0, "", hint
+        self.in_a_row, self.cut_in_a_row, self.warning, self.hint = 0, 0, "", hint
 
-    def saw(self, all_zero: bool, step: int) -> bool:
+    def saw(self, all_zero: bool, step: int, all_cut: bool = False) -> bool:
+        """`all_zero`: every advantage of the step was 0; `all_cut`: every sample ran to the token limit."""
         self.in_a_row = self.in_a_row + 1 if all_zero else 0
+        self.cut_in_a_row = self.cut_in_a_row + 1 if all_zero and all_cut else 0
         first = step - self.STEPS + 1
+        never = ("; every sample of those steps ran to rollout.max_new_tokens: the model never stopped: set "
+                 "rollout.stop (e.g. [\"\\n\"] for one-line answers) or use a model with a chat template "
+                 "(data.format = \"chat\")") if self.cut_in_a_row >= self.STEPS else ""
         self.warning = (f"steps {first}-{step} had every advantage 0: within each group every "
-                        "sample got the same reward, so nothing is learned. Check that the reward functions tell "
-                        "samples apart (reward/<function> in metrics.jsonl), raise rollout.temperature or "
-                        "rollout.group_size, or set algorithm.dynamic_sampling = true to replace the groups without "
-                        "signal" + (f". {self.hint}" if self.hint else ""))
+                        "sample got the same reward, so nothing is learned" + never + ". Check that the reward "
+                        "functions tell samples apart (reward/<function> in metrics.jsonl), raise "
+                        "rollout.temperature or rollout.group_size, or set algorithm.dynamic_sampling = true to "
+                        "replace the groups without signal" + (f". {self.hint}" if self.hint else ""))
         return self.in_a_row == self.STEPS

@@ -373,7 +373,7 @@ class Sampler:
                        weight_version=[c.versions for c in out])
 
     def reward_inputs(self, r: Rollout, rows: list[dict]) -> tuple[list, list, dict]:
-        return completion_reward_inputs(r, rows, self.tok, self.prompt_text)
+        return completion_reward_inputs(r, rows, self.tok, self.prompt_text, self.config.stop)
 
     def metrics(self, r: Rollout) -> dict[str, float]:
         return self.backend.metrics(r.weight_version)
@@ -393,11 +393,23 @@ class Sampler:
         return max((len(p) for p in self.prompts), default=0)
 
 
-def completion_reward_inputs(r: Rollout, rows: list[dict], tokenizer, prompt_text: list[str]):
+def before_stop(text: str, stop: list[str]) -> str:
+    """The text of a completion that a stop string ended, up to that string: what the reward reads (the
+    trained tokens keep the stop, as the policy sampled it; vLLM's and TRL's completion text is cut
+    so too). A token may hold more than the stop ("\n\n" for "\n"): the text is cut where the stop
+    first occurs."""
+    cut = min((i for s in stop if (i := text.find(s)) >= 0), default=len(text))
+    return text[:cut]
+
+
+def completion_reward_inputs(r: Rollout, rows: list[dict], tokenizer, prompt_text: list[str],
+                             stop: list[str] = ()):
     """(completions, prompts, extra keyword arguments) of single-turn samples as TRL passes them: chat
     prompts give the prompt's messages and the completion as an assistant message, text prompts
-    strings; `prompt_text`: each example's rendered prompt."""
-    texts = r.texts(tokenizer)
+    strings; `prompt_text`: each example's rendered prompt; `stop`: rollout.stop (a completion that
+    one ended is read up to it, `before_stop`)."""
+    texts = [before_stop(t, stop) if reason == "stop" else t
+             for t, reason in zip(r.texts(tokenizer), r.finish_reason)]
     chat = [isinstance(row["prompt"], list) for row in rows]
     prompts = [row["prompt"] if c else prompt_text[i] for row, c, i in zip(rows, chat, r.prompt_index)]
     completions = [[{"role": "assistant", "content": t}] if c else t for t, c in zip(texts, chat)]

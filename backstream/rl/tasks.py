@@ -9,9 +9,13 @@ answer format is the bare answer string, e.g.
     kvlookup  prompt "Remember these pairs.\\nqkxe=381\\n...What is qkxe?\\nqkxe="   answer "381"
 
 scored by `exact_match`, which gives 1.0 when the stripped completion (or the text after its last
-"####") equals the answer, numbers compared numerically. `score` below is that reward for a single
-pair, so scripts that use only this module (scripts/check_learnable.py) reward exactly as the
-trainer does.
+"####") equals the answer, numbers compared numerically. A plain answer is one line: arith and
+kvlookup stop a completion at its first newline (`Task.stop`, rollout.stop unless the run sets its
+own), so that a pretrained base model, which goes on after the answer instead of ending with its
+end-of-sequence token ("82\n\n38+46=84..."), is scored on the line it answered; the reward reads the
+text before the stop (rl/rollout.py `before_stop`), the trained tokens keep it. `score` below is
+that reward for a single pair, so scripts that use only this module (scripts/check_learnable.py)
+reward exactly as the trainer does.
 
 In the chat format (a chat model: `data.format = "chat"`, or "auto" with a tokenizer that has a chat
 template) the row's prompt is one user message, `Task.chat(row)`, which asks the question in words and
@@ -72,6 +76,10 @@ class Task:
     the answer's form."""
     defaults: dict = field(default_factory=dict)
     """Config keys ("section.key": value) a run file gets for this task unless it sets them."""
+    stop: tuple[str, ...] = ()
+    """Where a completion ends in the plain format (rollout.stop unless the run sets it): the answer is
+    one line, and a pretrained base model does not end it with its end-of-sequence token but goes on
+    with more text ("82\n\n38+46=84..."), as the evaluation harnesses' `until` stops it."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -176,6 +184,7 @@ TASKS: dict[str, Task] = {
         max_new_tokens=6,
         description="two-digit addition, 'a+b=' -> 'a+b' (e.g. '37+45=' -> '82')",
         chat=arith_chat,
+        stop=("\n",),
     ),
     "kvlookup": Task(
         name="kvlookup",
@@ -183,6 +192,7 @@ TASKS: dict[str, Task] = {
         max_new_tokens=6,
         description=f"retrieve one of {KV_PAIRS} key=value pairs from a >1024-token prompt",
         chat=kvlookup_chat,
+        stop=("\n",),
     ),
     "toolcalc": Task(
         name="toolcalc",

@@ -179,6 +179,44 @@ def test_format_auto_follows_the_tokenizer_and_picks_the_reward():
     assert plain.data.format == "plain" and plain.reward.functions == ["exact_match"]
 
 
+@pytest.mark.parametrize("name", sorted(TASKS))
+def test_the_plain_format_stops_at_the_end_of_the_answer(name):
+    """A plain answer is one line: arith and kvlookup stop a completion at a newline (a base model goes on
+    after the answer); toolcalc's turns end with the end-of-sequence token; the chat format ends with the
+    template's end of turn; a stop of the run's own is kept."""
+    from backstream import config
+
+    plain = config.load(None, [f'data.task="{name}"']).for_tokenizer(_Tok(None))
+    assert plain.rollout.stop == (["\n"] if name in ("arith", "kvlookup") else [])
+    chat = config.load(None, [f'data.task="{name}"']).for_tokenizer(_Tok("{{ x }}"))
+    assert chat.rollout.stop == []
+    own = config.load(None, [f'data.task="{name}"', "rollout.stop=['.']"]).for_tokenizer(_Tok(None))
+    assert own.rollout.stop == ["."]
+    data = config.load(None, ['data.path="x.jsonl"']).for_tokenizer(_Tok(None))
+    assert data.rollout.stop == []  # a user's own data: rollout.stop as set
+
+
+def test_the_reward_reads_the_answer_before_the_stop():
+    """A base model's completion "82\n" (or a token "\n\n" holding more than the stop) is scored on "82";
+    one that ended otherwise is read whole; the trained tokens keep the stop."""
+    import torch
+
+    from backstream.rl.rollout import Rollout, before_stop, completion_reward_inputs
+
+    class Chars:
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(chr(i) for i in ids)
+
+    texts, reasons = ["82\n", "82\n\n", "8 2", "82\n38"], ["stop", "stop", "length", "eos"]
+    r = Rollout(prompt_index=[0] * 4, prompt_ids=[torch.tensor([61])] * 4,
+                completion_ids=[torch.tensor([ord(c) for c in t]) for t in texts],
+                logprobs=[torch.zeros(len(t)) for t in texts], finish_reason=reasons, group_size=4)
+    completions, _, extra = completion_reward_inputs(r, [{"prompt": "37+45="}] * 4, Chars(), ["37+45="], ["\n"])
+    assert completions == ["82", "82", "8 2", "82\n38"]
+    assert extra["completion_ids"][0] == [56, 50, 10]  # the stop stays in what is trained
+    assert before_stop("a;b.c", [".", ";"]) == "a" and before_stop("abc", ["."]) == "abc"
+
+
 def test_kvlookup_in_words_keeps_every_pair():
     row = make_dataset("kvlookup", 1, seed=2)[0]
     text = TASKS["kvlookup"].chat(row)

@@ -147,6 +147,19 @@ def test_steps_with_every_advantage_zero_warn(tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"steps 1-{ZeroAdvantageWatch.STEPS} had every advantage 0" in err
     assert "algorithm.dynamic_sampling" in err and err.count("had every advantage 0") == 1
+    assert "never stopped" not in err  # the tiny model's samples end with its EOS at times
+
+
+def test_a_model_that_never_stops_is_named_in_the_warning():
+    """Every sample of the five steps ran to the token limit: the warning says the model never stopped and
+    names rollout.stop; one step with a stopped sample among them does not."""
+    watch = ZeroAdvantageWatch()
+    assert [watch.saw(True, s, all_cut=True) for s in range(1, 6)] == [False] * 4 + [True]
+    assert "the model never stopped: set rollout.stop" in watch.warning
+    other = ZeroAdvantageWatch()
+    cut = [True, True, False, True, True]
+    assert [other.saw(True, s, all_cut=c) for s, c in zip(range(1, 6), cut)][-1]
+    assert "never stopped" not in other.warning
 
 
 # -- 4. checkpoints by default ---------------------------------------------------------------------

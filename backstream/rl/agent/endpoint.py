@@ -13,7 +13,10 @@ OpenAI `tool_calls`, with `finish_reason` "tool_calls".
 Honoured: `model` (the served name), `messages`, `tools`, `tool_choice` ("auto", "none": no call is
 parsed; "required" or a named function are taken as "auto": the policy samples freely, nothing forces
 a call), `stream`, `max_tokens` / `max_completion_tokens` (at most rollout.max_new_tokens), `seed`.
-Refused with an OpenAI-shaped error the client reads: malformed JSON or fields (400), another key
+Refused with an OpenAI-shaped error the client reads: `tools` that the chat template renders no trace of
+(400, code "tools_not_rendered": rendered with and without them, the prompt is the same, as with
+SmolLM2's template, which has no `tools` variable; the plain format writes no schema by design),
+malformed JSON or fields (400), another key
 (401), a finished episode (403), an unknown model (404), a body over `MAX_BODY` bytes (413), `n` > 1,
 `temperature` / `top_p` other than the run's (the policy is trained at its own sampling settings),
 more requests than `max_requests` (400). A conversation that leaves no room in the model's context
@@ -38,6 +41,16 @@ from backstream.rl.agent.transcript import Transcript
 from backstream.rl.backends.base import Completion
 
 MAX_BODY = 4 * 2**20  # bytes of one request
+TOOLS_DROPPED = "tools_not_rendered"  # the error code of a request whose tools the chat template dropped
+
+
+def tools_dropped(fmt) -> str:
+    """What a request whose tools the chat template renders no trace of is told (and the run says once)."""
+    names = ", ".join(s["function"]["name"] for s in fmt.schemas)
+    return (f"the request's tools ({names}) are not in the prompt: {fmt.source} renders the conversation the same "
+            "with their schemas as without (it has no `tools` variable), so the policy would never see them. Use a "
+            "template that renders tools (env.chat_template = a .jinja file or the template text, e.g. Qwen3's), "
+            "or data.format / env.format = \"plain\" with the tools written into the prompt")
 MAX_IN_FLIGHT = 1024  # requests answered at once (more wait their turn)
 
 
@@ -53,6 +66,7 @@ class EpisodeSession:
     transcript: Transcript = field(default_factory=Transcript)
     finished: bool = False
     errors: int = 0  # requests refused
+    refused: dict = field(default_factory=dict)  # requests refused, by error code (None: no code)
     tool_calls: int = 0  # calls answered
 
     @property
@@ -116,6 +130,7 @@ class Endpoint:
         self.temperature, self.top_p, self.max_new_tokens = temperature, top_p, max_new_tokens
         self.context, self.max_requests = context, max_requests
         self.episodes: dict[str, EpisodeSession] = {}
+        self.dropped = ""  # what the last request whose tools the template dropped was told (`tools_dropped`)
         self.finished: dict[str, str] = {}  # finished episodes' keys
         # a thread per request in flight (the backend's `generate` blocks until its batch is decoded):
         # asyncio's default pool (cores + 4 threads) would let only that many episodes batch
@@ -237,11 +252,14 @@ class Endpoint:
         try:
             self._check(ep, req)
             messages = [_for_template(m.model_dump(exclude_none=True), i) for i, m in enumerate(req.messages)]
-        except APIError:
+            fmt = self.format_for((req.tools or []) if req.tool_choice != "none" else [])
+            if fmt.renders_tools and fmt.drops_tools(messages):
+                self.dropped = tools_dropped(fmt)
+                raise APIError(400, self.dropped, param="tools", code=TOOLS_DROPPED)
+        except APIError as e:
             ep.errors += 1
+            ep.refused[e.code] = ep.refused.get(e.code, 0) + 1
             raise
-        tools = req.tools or []
-        fmt = self.format_for(tools if req.tool_choice != "none" else [])
         ids = fmt.conversation(messages, self.eos)
         number = ep.transcript.requests
         branch = ep.transcript.request(ids)

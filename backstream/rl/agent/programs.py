@@ -30,7 +30,7 @@ import torch
 
 from backstream.checks import UserError
 from backstream.log import log
-from backstream.rl.agent.endpoint import Endpoint, EpisodeSession
+from backstream.rl.agent.endpoint import TOOLS_DROPPED, Endpoint, EpisodeSession
 from backstream.rl.agent.runner import AgentResult, run_command, run_function
 from backstream.rl.agent.transcript import Branch
 from backstream.rl.agent.turns import make_format, prompt_head
@@ -105,6 +105,7 @@ class AgentSampler:
         self.endpoint: Endpoint | None = None
         self.serving = threading.Lock()  # an asynchronous source samples groups from threads
         self.served_name = "policy"
+        self.said_tools = False  # the episodes whose tools the template dropped were said (once a run)
 
     def check_prompts(self, examples: list[dict]) -> int:
         """Nothing to render: the program writes its own prompts (their length is checked per request)."""
@@ -150,7 +151,22 @@ class AgentSampler:
             self.backend.end_round()
         if round_.failure is not None:  # the backend failed, not the agent: the step stops
             raise round_.failure
+        self._tools_dropped(sessions, results)
         return self._rollout(sessions, results, rows, indices, round_.dtype)
+
+    def _tools_dropped(self, sessions: list[EpisodeSession], results: list[AgentResult]) -> None:
+        """Episodes whose requests' tools the chat template dropped (the endpoint refused them, code
+        "tools_not_rendered"): said once, with their count; a round in which every episode failed so
+        stops the run (nothing could be learned: the policy never sees a tool)."""
+        hit = [k for k, s in enumerate(sessions) if s.refused.get(TOOLS_DROPPED)]
+        if not hit:
+            return
+        text = f"env: {len(hit)} of {len(sessions)} agent episodes had requests refused: {self.endpoint.dropped}"
+        if all(results[k].error is not None for k in range(len(sessions))) and len(hit) == len(sessions):
+            raise UserError(f"{text}. Every episode of the round failed so: stopping before anything is trained")
+        if not self.said_tools:
+            self.said_tools = True
+            log.warning(text)
 
     def _play(self, session: EpisodeSession, row: dict) -> AgentResult:
         timeout = self.env_cfg.agent_timeout_s
@@ -183,7 +199,7 @@ class AgentSampler:
             reason = ("timeout" if res.timed_out else "error" if res.error else
                       s.conversation[-1]["finish_reason"] if s.conversation else "stop")
             out.finish_reason.append({"stop": "eos", "tool_calls": "eos"}.get(reason, reason))
-            if res.error:
+            if res.error and not s.refused.get(TOOLS_DROPPED):  # (those are said once: `_tools_dropped`)
                 log.warning(f"env: an agent episode of row {indices[k // G]} ended with an error: {res.error}")
             after = [dict(m) for m in s.conversation[prompt_head(s.conversation):]]
             messages = after or [{"role": "assistant", "content": "", "finish_reason": out.finish_reason[-1]}]

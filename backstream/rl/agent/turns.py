@@ -37,6 +37,7 @@ class PlainFormat:
     """The default model's text format (see the module docstring)."""
 
     name = "plain"
+    renders_tools = False  # a tool's schema is not written into the prompt: the prompt's text says what it is
 
     def __init__(self, tokenizer, schemas: list[dict]):
         self.tok = tokenizer
@@ -105,6 +106,7 @@ class ChatFormat:
     """The tokenizer's chat template (see the module docstring)."""
 
     name = "chat"
+    renders_tools = True  # the tools' schemas are the template's to render (`tools=`)
 
     def __init__(self, tokenizer, schemas: list[dict], end_of_turn: set[int], template: str = "",
                  check: bool = True):
@@ -128,16 +130,13 @@ class ChatFormat:
         never sees its tools."""
         if self.schemas:
             probe = [{"role": "user", "content": "ok"}]
-            with_tools = self._render(probe, True)
-            if with_tools == list(self.tok.apply_chat_template(probe, tokenize=True, add_generation_prompt=True,
-                                                               return_dict=False, chat_template=self.template)):
+            if self.drops_tools(probe):
                 names = [x["function"]["name"] for x in self.schemas]
                 raise UserError(
-                    f"env.format: {'env.chat_template' if self.template else 'the tokenizer’s chat template'} ignores "
-                    f"the tools: it renders a prompt the same with their schemas ({', '.join(names)}) as without, so "
-                    "the model would never see them. Set env.chat_template to a template that renders tools= (a "
-                    ".jinja file or the template text), or env.format = \"plain\" (tool calls as text turns "
-                    "\"[name arg ...]\")")
+                    f"env.format: {self.source} ignores the tools: it renders a prompt the same with their schemas "
+                    f"({', '.join(names)}) as without, so the model would never see them. Set env.chat_template to a "
+                    "template that renders tools= (a .jinja file or the template text), or env.format = \"plain\" "
+                    "(tool calls as text turns \"[name arg ...]\")")
         try:
             for name in [s["function"]["name"] for s in self.schemas][:1] or [None]:
                 if name is not None:
@@ -149,8 +148,21 @@ class ChatFormat:
                              "env.chat_template to a training template that renders earlier turns as they were "
                              "(TRL ships one for such families, e.g. Qwen3's, which drops earlier reasoning)") from None
 
-    def _render(self, messages: list[dict], generation_prompt: bool) -> list[int]:
-        out = self.tok.apply_chat_template(messages, tools=self.schemas or None, tokenize=True,
+    @property
+    def source(self) -> str:
+        """The template, as a user names it."""
+        if self.template:
+            return "env.chat_template"
+        return f"the chat template of {getattr(self.tok, 'name_or_path', '') or 'the tokenizer'}"
+
+    def drops_tools(self, messages: list[dict]) -> bool:
+        """Whether the template renders `messages` the same with this format's tools as without: a
+        template without a `tools` variable (SmolLM2's) drops their schemas, and the policy never sees
+        them. False without tools."""
+        return bool(self.schemas) and self._render(messages, True) == self._render(messages, True, tools=False)
+
+    def _render(self, messages: list[dict], generation_prompt: bool, tools: bool = True) -> list[int]:
+        out = self.tok.apply_chat_template(messages, tools=(self.schemas or None) if tools else None, tokenize=True,
                                            add_generation_prompt=generation_prompt, return_dict=False,
                                            chat_template=self.template)
         return list(out[0] if out and isinstance(out[0], list) else out)

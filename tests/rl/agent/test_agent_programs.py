@@ -120,6 +120,19 @@ def test_a_failing_agent_scores_zero_and_the_run_goes_on(tmp_path):
     assert all(e["reward"] in (0.0, 1.0) for e in episodes)
 
 
+def test_an_agent_whose_tools_the_template_drops_stops_before_step_one(tmp_path):
+    """Every episode's requests carry tools that the chat template renders no trace of: the run stops with
+    the template, the tools, the fix and the episode count, before anything is trained."""
+    model, tok = _chat_tiny()
+    with pytest.raises(UserError, match=r"^env: 4 of 4 agent episodes had requests refused: the request's tools "
+                       r"\(add\) are not in the prompt: .*\"plain\".* Every episode of the round failed so"):
+        trainer.train(run_cfg(tmp_path, "dropped", 'env.agent="agents_for_tests:calculator_agent"',
+                              'env.format="chat"', "train.prompts_per_step=1", 'data.task="arith"'),
+                      model=model, tokenizer=tok)
+    metrics = tmp_path / "dropped" / "metrics.jsonl"
+    assert not os.path.exists(metrics) or not open(metrics).read().strip()  # no step was trained
+
+
 @pytest.mark.parametrize("extra, words", [
     (['env.agent="agents_for_tests:rewriting_agent"', 'env.agent_command="python a.py"'], "both are set"),
     (['env.agent="agents_for_tests:rewriting_agent"', 'env.tools=["envs_for_tests:double"]'],

@@ -224,6 +224,48 @@ def test_a_template_that_strips_earlier_reasoning_trains_as_branches(tok):
         assert b.ids[:len(fed)] == fed and not any(b.sampled[:len(fed)]) and all(b.sampled[len(fed):])
 
 
+# THINKING with the tools' names rendered before the conversation: a template that renders tools
+WITH_TOOLS = ("{%- if tools -%}T:{%- for t in tools -%}{{ t.function.name }};{%- endfor -%}{%- endif -%}"
+              + THINKING)
+
+
+def test_tools_that_the_chat_template_drops_are_refused(tok):
+    """A template without a `tools` variable (SmolLM2's) renders a request the same with its tools as
+    without: a 400 whose message names the template, the tools and the fix, and the episode counts the
+    refusal; a template that renders them, a request without tools and tool_choice "none" are answered."""
+    import copy
+
+    from backstream.rl.agent.turns import ChatFormat
+
+    eos = {tok.eos_token_id}
+    for template, refused in ((THINKING, True), (WITH_TOOLS, False)):
+        chat_tok = copy.copy(tok)
+        chat_tok.chat_template = template
+        policy = Scripted(tok, ["2"] * 4)
+        ep = Endpoint(lambda tools, t=chat_tok: ChatFormat(t, tools, eos, check=False), policy, tok.eos_token_id,
+                      max_new_tokens=8)
+        ep.start()
+        try:
+            s = ep.open()
+            client = openai.OpenAI(base_url=s.base_url, api_key=s.key, max_retries=0)
+            user = [{"role": "user", "content": "1+1="}]
+            if refused:
+                with pytest.raises(openai.BadRequestError, match=r"tools \(add\) are not in the prompt: the chat "
+                                   r"template of .* renders the conversation the same .* data.format / env.format "
+                                   r"= \"plain\"") as e:
+                    client.chat.completions.create(model="policy", messages=user, tools=[ADD])
+                assert e.value.code == "tools_not_rendered" and s.refused == {"tools_not_rendered": 1}
+                assert policy.fed == []  # nothing was sampled for it
+            else:
+                client.chat.completions.create(model="policy", messages=user, tools=[ADD])
+                assert tok.decode(policy.fed[-1]).startswith("T:add;")
+            client.chat.completions.create(model="policy", messages=user)
+            client.chat.completions.create(model="policy", messages=user, tools=[ADD], tool_choice="none")
+            assert len(policy.fed) == (2 if refused else 3)
+        finally:
+            ep.stop()
+
+
 def test_an_openai_agents_sdk_agent_plays_a_tool_episode(tok):
     """The OpenAI Agents SDK (its Runner, a function tool, chat completions) drives a three-request tool
     episode: its calls come back as tool calls it runs, its history extends one branch."""

@@ -369,7 +369,7 @@ def test_a_template_that_ignores_the_tools_is_refused():
     model, tok = tiny(torch.float32)
     tok.chat_template = ("{% for m in messages %}<u>{{ m['content'] }}</u>\n{% endfor %}"
                          "{% if add_generation_prompt %}<a>{% endif %}")
-    with pytest.raises(ValueError, match=r"^env.format: the tokenizer’s chat template ignores the tools: it renders "
+    with pytest.raises(ValueError, match=r"^env.format: the chat template of .* ignores the tools: it renders "
                                          r"a prompt the same with their schemas \(add, boom\).*env.chat_template.*"
                                          r'env.format = "plain"'):
         sampler(tok, format="chat")
