@@ -34,8 +34,10 @@ from transformers import DynamicCache
 from transformers.cache_utils import DummyLayer, DynamicLayer, LinearAttentionLayer
 
 from backstream.checks import UserError
+from backstream.rl.prefix import SHARE_MIN, DecodeCache, DecodeLayer, Prefix, shares, sharing
 from backstream.stream.adapter import probe_layout
 from backstream.stream.hf import cache_arg, text_config
+from backstream.stream.kvstore import Pieces
 
 KV = list[tuple[Tensor, Tensor]]  # per layer, (K, V) [Hkv, L, D] of one row
 StateKey = tuple[str, int]  # ("conv" | "recurrent", state index) within a layer
@@ -147,6 +149,11 @@ class HybridLayer(StateLayer, DynamicLayer):
         StateLayer.__init__(self, number_of_states=number_of_states)
         DynamicLayer.__init__(self)
 
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        if self.keys is None:  # the states' lazy initialisation set `is_initialized`, the flag both halves share
+            DynamicLayer.lazy_initialization(self, key_states, value_states)
+        return DynamicLayer.update(self, key_states, value_states, *args, **kwargs)
+
     def batch_select_indices(self, indices: Tensor) -> None:
         StateLayer.batch_select_indices(self, indices)
         DynamicLayer.batch_select_indices(self, indices)
@@ -192,12 +199,15 @@ def check_return_kv(model, return_kv: bool) -> None:
 @dataclass
 class RowCache:
     """One row's cache over its fed positions, what a later prefill continues (`prefill(history=)`):
-    per layer its K and V [Hkv, L, D] (None for a layer without K/V) and, in a model whose layers keep
-    recurrent or convolution state, those states [1, ...] by layer and (kind, index)."""
+    `prefix`, its prompt's K/V shared with the other rows of its group (rl/prefix.py; None: none), then
+    per layer the K and V [Hkv, L, D] of the positions after it (None for a layer without K/V) and, in a
+    model whose layers keep recurrent or convolution state, those states [1, ...] by layer and (kind,
+    index); `length`: every fed position, the prefix's included."""
 
     kv: list[tuple[Tensor, Tensor] | None]
     states: dict[int, dict[StateKey, Tensor]]
     length: int
+    prefix: Prefix | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -205,16 +215,20 @@ class RowCache:
         return first.dtype if first is not None else next(iter(next(iter(self.states.values())).values())).dtype
 
     def as_kv(self) -> KV:
-        """The K/V of every layer, for `stream_backward(kv=)` (an attention-only model)."""
+        """The K/V of every layer over every fed position, for `stream_backward(kv=)` (an attention-only
+        model): a shared prefix stays one copy (`kvstore.Pieces`: the prefix, then the row's own)."""
         assert not self.states and all(x is not None for x in self.kv), "as_kv: a model with layer state"
-        return self.kv
+        if self.prefix is None:
+            return self.kv
+        return [(Pieces([pk, k]), Pieces([pv, v])) for (pk, pv), (k, v) in
+                zip((self.prefix.layer(i) for i in range(len(self.kv))), self.kv)]
 
 
 def forward_last(model, ids_BL: Tensor, start: int | Tensor, cache: DynamicCache, keep_last: bool,
                  mask_BT: Tensor | None = None) -> Tensor:
     """Logits [B, V] of the last position of `ids_BL`, which sit at positions start.. (an int shared by
     every row, or one per row [B]); `mask_BT`: the 2-D mask of the cache's positions and these (None:
-    every position is real)."""
+    every position is real). A batch whose rows read shared prefixes attends through rl/prefix.py."""
     L = ids_BL.shape[1]
     arange_L = torch.arange(L, device=ids_BL.device)
     pos = arange_L[None] + start if isinstance(start, int) else start[:, None] + arange_L
@@ -222,121 +236,153 @@ def forward_last(model, ids_BL: Tensor, start: int | Tensor, cache: DynamicCache
     extra[cache_arg(model) or "past_key_values"] = cache
     if mask_BT is not None:
         extra["attention_mask"] = mask_BT
-    with sdpa_kernel(SDPA_BACKENDS):
+    with sdpa_kernel(SDPA_BACKENDS), sharing(model, cache):
         out = model(input_ids=ids_BL, position_ids=pos, use_cache=True, **extra)
     return out.logits[:, -1]
 
 
 def prefill(model, ids: list[list[int]], device, keep_last: bool, history: RowCache | None = None):
     """The cache and next-token logits [n, V] of `ids` (sequences of one length, as one batch), after
-    `history` (one row's cache; its sequences then continue it)."""
-    cache = new_cache(model)
-    start = 0
-    if history is not None:
-        for layer, kv in enumerate(history.kv):
-            if kv is not None:
-                cache.update(kv[0][None], kv[1][None], layer)
-        for layer, states in history.states.items():
-            cache.layers[layer].load(states)
-        start = history.length
-    logits = forward_last(model, torch.tensor(ids, dtype=torch.long, device=device), start, cache, keep_last)
-    cache.fed = start + len(ids[0])
-    return cache, logits
+    `history` (one row's cache; its one sequence then continues it, its prefix read where it is)."""
+    if history is None:
+        cache = new_cache(model)
+        logits = forward_last(model, torch.tensor(ids, dtype=torch.long, device=device), 0, cache, keep_last)
+        cache.fed = len(ids[0])
+        return cache, logits
+    assert len(ids) == 1, "prefill(history=): one sequence continues a row's cache"
+    rows = stack([([0], history, None, None)], 1, len(ids[0]))
+    logits = forward_last(model, torch.tensor(ids, dtype=torch.long, device=device), history.length, rows.cache,
+                          keep_last)
+    rows.cache.fed = history.length + len(ids[0])
+    return rows.cache, logits
 
 
-def row_kv(cache: DynamicCache, row: int, begin: int, end: int) -> list[tuple[Tensor, Tensor] | None]:
-    """Positions begin..end of row `row` of every K/V layer of a cache, as views [Hkv, L, D] (None for
-    a layer without K/V)."""
-    out = []
+def row_cache(cache: DecodeCache, row: int, begin: int, end: int) -> RowCache:
+    """Row `row` of a decode batch's cache over its fed positions, which are the batch's columns
+    begin..end (begin: the row's first, after its padding): its prefix as it is (shared), the rest
+    copied out."""
+    kv = []
     for layer in cache.layers:
-        if isinstance(layer, (DummyLayer, StateLayer)) and not isinstance(layer, DynamicLayer):
-            out.append(None)
-        elif not isinstance(layer, (DynamicLayer, GrowingLayer)) or type(layer).__name__.startswith("DynamicSliding"):
-            raise UserError(f"return_kv: cache layer {type(layer).__name__} does not keep the full K/V history")
-        else:
-            out.append((layer.keys[row, :, begin:end], layer.values[row, :, begin:end]))
-    return out
-
-
-def row_cache(cache: DynamicCache, row: int, begin: int, end: int) -> RowCache:
-    """Row `row` of a decode batch's cache over its fed positions begin..end, copied out."""
-    kv = [None if x is None else (x[0].clone(), x[1].clone()) for x in row_kv(cache, row, begin, end)]
+        own = layer.own(row, end) if isinstance(layer, DecodeLayer) else None
+        kv.append(None if own is None else (own[0].clone(), own[1].clone()))
     states = {i: {k: t[row:row + 1].clone() for k, t in layer.items().items()}
               for i, layer in enumerate(cache.layers) if isinstance(layer, StateLayer)}
-    return RowCache(kv, states, end - begin)
+    return RowCache(kv, states, end - begin, cache.prefixes[row])
 
 
-class GrowingLayer(DynamicLayer):
-    """A decode batch's K/V of one layer, in buffers with room to grow (doubled when full): a step writes
-    its one position in place, where DynamicLayer's torch.cat copied the whole history (20% of a
-    tiny model's decode on CPU). `keys`/`values` are views of the filled part."""
+class HybridDecodeLayer(StateLayer, DecodeLayer):
+    """A decode batch's layer with both K/V (its rows' prefixes and own buffers) and states."""
 
-    def __init__(self, keys: Tensor, values: Tensor, room: int):
-        super().__init__()
-        self.is_initialized, self.device = True, keys.device
-        self.bufs = [t.new_empty((*t.shape[:2], t.shape[2] + room, t.shape[3])) for t in (keys, values)]
-        self.n = 0
-        self.update(keys, values)
-
-    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
-        n = self.n + key_states.shape[-2]
-        if n > self.bufs[0].shape[-2]:
-            grown = [b.new_empty((*b.shape[:2], max(n, 2 * b.shape[2]), b.shape[3])) for b in self.bufs]
-            for new, old in zip(grown, self.bufs):
-                new[:, :, :self.n] = old[:, :, :self.n]
-            self.bufs = grown
-        self.bufs[0][:, :, self.n:n] = key_states
-        self.bufs[1][:, :, self.n:n] = value_states
-        self.n = n
-        self._views()
-        return self.keys, self.values
-
-    def batch_select_indices(self, indices: Tensor) -> None:
-        self.bufs = [b[indices] for b in self.bufs]
-        self._views()
-
-    def drop_front(self, cut: int) -> None:
-        """Forget the first `cut` positions of every row."""
-        self.bufs = [b[:, :, cut:] for b in self.bufs]
-        self.n -= cut
-        self._views()
-
-    def _views(self) -> None:
-        self.keys, self.values = self.bufs[0][:, :, :self.n], self.bufs[1][:, :, :self.n]
-
-
-class HybridGrowingLayer(StateLayer, GrowingLayer):
-    """A decode batch's layer with both K/V (in growing buffers) and states."""
-
-    def __init__(self, keys: Tensor, values: Tensor, room: int, states: dict[StateKey, Tensor]):
+    def __init__(self, own_k: Tensor, own_v: Tensor, opad: Tensor, room: int, prefixes: list, layer: int,
+                 width: int, states: dict[StateKey, Tensor]):
         StateLayer.__init__(self, number_of_states=1 + max(i for _, i in states))
-        GrowingLayer.__init__(self, keys, values, room)
+        DecodeLayer.__init__(self, own_k, own_v, opad, room, prefixes, layer, width)
         self.load(states)
 
     def batch_select_indices(self, indices: Tensor) -> None:
         StateLayer.batch_select_indices(self, indices)
-        GrowingLayer.batch_select_indices(self, indices)
+        DecodeLayer.batch_select_indices(self, indices)
 
     def drop_front(self, cut: int) -> None:
-        GrowingLayer.drop_front(self, cut)
+        DecodeLayer.drop_front(self, cut)
+
+
+def _row_parts(cache, which: int, share: bool) -> tuple[Prefix | None, list, dict, int]:
+    """What row `which` of a part's cache is made of: (its prefix, its own K/V per layer [Hkv, L, D]
+    (None: a layer without K/V), its states per layer ([1, ...] by (kind, index)), its length). A fresh
+    prefill's row (a prompt) is a prefix when `share`, else its own K/V; a decode cache's row and a
+    `RowCache` keep their prefix and their own K/V."""
+    if isinstance(cache, RowCache):
+        return cache.prefix, cache.kv, cache.states, cache.length
+    states = {i: {k: t[which:which + 1] for k, t in layer.items().items()}
+              for i, layer in enumerate(cache.layers) if isinstance(layer, StateLayer)}
+    if isinstance(cache, DecodeCache):
+        own = [layer.own(which, cache.fed) if isinstance(layer, DecodeLayer) else None for layer in cache.layers]
+        prefix = cache.prefixes[which]
+        pad = next((x.C + int(x.opad[which]) - (prefix.length if prefix is not None else 0)
+                    for x in cache.layers if isinstance(x, DecodeLayer)), 0)
+        return prefix, own, states, cache.fed - pad
+    kv = [(layer.keys, layer.values) if isinstance(layer, DynamicLayer) else None for layer in cache.layers]
+    if share:
+        empty = [None if x is None else (x[0][which, :, :0], x[1][which, :, :0]) for x in kv]
+        return Prefix(kv, which, cache.fed), empty, states, cache.fed
+    return None, [None if x is None else (x[0][which], x[1][which]) for x in kv], states, cache.fed
+
+
+def stack(parts: list, n: int, room: int, share_min: float = math.inf) -> Rows:
+    """`n` rows gathered from prefilled parts: (the rows it fills, its cache, its logits, `which`): a
+    fresh prefill's cache (one batch row per distinct sequence, `which[k]` the one that row k of the
+    part continues), a decode cache or a `RowCache` of one row per filled row (`which` None); logits
+    None: none yet (`prefill(history=)` forwards next). A fresh prompt of `share_min` tokens or more is
+    a shared prefix its rows read (rl/prefix.py), a shorter one is copied into each row's own K/V. Own
+    K/V are left-padded to the longest row; states are not (one per row, whatever its length)."""
+    rows_of: list = [None] * n  # per row: (prefix, own K/V per layer, states per layer, length)
+    logits = None
+    for filled, cache, part_logits, which in parts:
+        share = not isinstance(cache, (RowCache, DecodeCache)) and cache.fed >= share_min
+        made: dict[int, tuple] = {}  # a fresh prompt's parts, one Prefix for all of its rows
+        for k, r in enumerate(filled):
+            j = which[k] if which is not None else k
+            rows_of[r] = made[j] if share and j in made else _row_parts(cache, j, share)
+            made[j] = rows_of[r]
+        if part_logits is not None:
+            if logits is None:
+                logits = part_logits.new_empty((n, part_logits.shape[-1]))
+            pick = torch.tensor(which if which is not None else range(len(filled)), device=part_logits.device)
+            logits[torch.tensor(filled, device=logits.device)] = part_logits[pick]
+    prefixes = [x[0] for x in rows_of]
+    lengths = [x[3] for x in rows_of]
+    own_len = [x[3] - (x[0].length if x[0] is not None else 0) for x in rows_of]
+    width, n_own = max(lengths), max(own_len)
+    some = next(t for x in rows_of[0][1] if x is not None for t in x) if any(rows_of[0][1]) else \
+        next(t for per_layer in rows_of[0][2].values() for t in per_layer.values())
+    opad = torch.tensor([n_own - o for o in own_len], device=some.device)
+    layers = []
+    for i in range(len(rows_of[0][1])):
+        own = [x[1][i] for x in rows_of]
+        padded = []
+        if own[0] is not None:
+            for j in (0, 1):  # K, V: their head sizes may differ (MLA)
+                like = own[0][j]
+                out = like.new_zeros((n, like.shape[0], n_own, like.shape[2]))
+                for r, x in enumerate(own):
+                    if own_len[r]:
+                        out[r, :, n_own - own_len[r]:] = x[j]
+                padded.append(out)
+        states = {key: torch.cat([x[2][i][key] for x in rows_of]) for key in rows_of[0][2].get(i, {})}
+        if padded and states:
+            layers.append(HybridDecodeLayer(*padded, opad, room, prefixes, i, width, states))
+        elif padded:
+            layers.append(DecodeLayer(*padded, opad, room, prefixes, i, width))
+        elif states:
+            layers.append(StateLayer(number_of_states=1 + max(k for _, k in states)))
+            layers[-1].load(states)
+        else:
+            layers.append(DummyLayer())
+    return Rows(DecodeCache(layers, prefixes, width), lengths, [width - x for x in lengths], logits)
 
 
 @dataclass
 class Rows:
-    """A decode batch: its cache (rows left-padded to the longest), each row's real length and pads,
-    and each row's next-token logits [B, V]."""
+    """A decode batch: its cache (rl/prefix.py `DecodeCache`: each row's prompt read from one shared copy,
+    its own K/V left-padded to the longest row), each row's real length and pads, and each row's
+    next-token logits [B, V]."""
 
-    cache: DynamicCache
+    cache: DecodeCache
     lengths: list[int]
     pads: list[int]
     logits: Tensor
 
     @staticmethod
-    def of_prompts(model, prompts: list[list[int]], keep_last: bool, room: int) -> Rows:
+    def of_prompts(model, prompts: list[list[int]], keep_last: bool, room: int, share_min: float | None = None) -> Rows:
         """One row per prompt of `prompts`: one prefill per distinct prompt (a group's G rows share
-        one), prompts of one length as one batch, each prompt's K/V then copied to its rows; `room`:
-        the positions the decode will add."""
-        return Rows.stack(Rows.prefilled(model, prompts, keep_last), len(prompts), room)
+        one), prompts of one length as one batch, each prompt's K/V then read by its rows from one copy
+        (rl/prefix.py); a prompt shorter than `share_min` tokens (default rl/prefix.py's SHARE_MIN), or
+        one of a model whose attention cannot read it so, is copied to its rows; `room`: the positions
+        the decode will add."""
+        if share_min is None:
+            share_min = SHARE_MIN if shares(model) else math.inf
+        return Rows.stack(Rows.prefilled(model, prompts, keep_last), len(prompts), room, share_min)
 
     @staticmethod
     def prefilled(model, prompts: list[list[int]], keep_last: bool, rows: list[int] | None = None) -> list:
@@ -353,53 +399,11 @@ class Rows:
         parts = []
         for same in by_length.values():
             cache, logits = prefill(model, [list(p) for p in same], device, keep_last)
-            which = torch.tensor([k for k, p in enumerate(same) for _ in rows_of[p]], device=logits.device)
-            cache.batch_select_indices(which)
-            parts.append(([i for p in same for i in rows_of[p]], cache, logits[which]))
+            parts.append(([i for p in same for i in rows_of[p]], cache, logits,
+                          [k for k, p in enumerate(same) for _ in rows_of[p]]))
         return parts
 
-    @staticmethod
-    def stack(parts: list[tuple[list[int], DynamicCache, Tensor]], n: int, room: int) -> Rows:
-        """`n` rows gathered from prefilled parts: (the rows it fills, its cache (all of one length, one
-        batch row per filled row), its logits); `room`: the positions the decode will add. K/V are
-        left-padded to the longest part; states are not (one per row, whatever its length)."""
-        longest = max(c.fed for _, c, _ in parts)
-        lengths, pads = [0] * n, [0] * n
-        first = parts[0][1]
-        logits = parts[0][2].new_empty((n, parts[0][2].shape[-1]))
-        cache = DynamicCache()
-        for layer in range(len(first.layers)):
-            like_layer = first.layers[layer]
-            padded = []
-            if getattr(like_layer, "keys", None) is not None:
-                for name in ("keys", "values"):  # their head sizes may differ (MLA)
-                    like = getattr(like_layer, name)
-                    out = like.new_zeros((n, like.shape[1], longest, like.shape[3]))
-                    for rows, c, _ in parts:
-                        out[torch.tensor(rows, device=out.device), :, longest - c.fed:] = getattr(c.layers[layer], name)
-                    padded.append(out)
-            states = {}
-            if isinstance(like_layer, StateLayer):
-                for key, like in like_layer.items().items():
-                    out = like.new_empty((n, *like.shape[1:]))
-                    for rows, c, _ in parts:
-                        out[torch.tensor(rows, device=out.device)] = c.layers[layer].items()[key]
-                    states[key] = out
-            if padded and states:
-                cache.layers.append(HybridGrowingLayer(*padded, room, states))
-            elif padded:
-                cache.layers.append(GrowingLayer(*padded, room))
-            elif states:
-                cache.layers.append(StateLayer(number_of_states=1 + max(i for _, i in states)))
-                cache.layers[-1].load(states)
-            else:
-                cache.layers.append(DummyLayer())
-        cache.fed = longest
-        for rows, c, part_logits in parts:
-            logits[torch.tensor(rows, device=logits.device)] = part_logits
-            for r in rows:
-                lengths[r], pads[r] = c.fed, longest - c.fed
-        return Rows(cache, lengths, pads, logits)
+    stack = staticmethod(stack)
 
 
 def _stop_hit(tokenizer, ids: list[int], stop: list[str], window: int) -> bool:

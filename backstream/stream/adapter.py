@@ -370,15 +370,16 @@ def _configs(model: nn.Module) -> list[PretrainedConfig]:
 
 
 class use_backstream_attention:
-    """Route the model's attention (and mask building) through this adapter for the duration of a call."""
+    """Route the model's attention (and mask building) through this adapter for the duration of a call
+    (`name`: another function registered under that name in both interfaces, the sampler's)."""
 
-    def __init__(self, model):
-        self.configs = _configs(model)
+    def __init__(self, model, name: str = ATTN_NAME):
+        self.configs, self.name = _configs(model), name
 
     def __enter__(self):
         self.saved = [c._attn_implementation_internal for c in self.configs]
         for c in self.configs:
-            c._attn_implementation_internal = ATTN_NAME
+            c._attn_implementation_internal = self.name
 
     def __exit__(self, *exc):
         for c, v in zip(self.configs, self.saved):

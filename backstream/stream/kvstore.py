@@ -27,6 +27,33 @@ from backstream.stream.schedule import Row
 from backstream.stream.tree import TokenTree
 
 
+class Pieces:
+    """The K or V of one sequence given as consecutive pieces [Hkv, L_i, D] (a rollout's prompt, shared
+    by its group's samples, then a sample's own tokens: rl/decode.py `RowCache.as_kv`), so that the
+    prompt is not copied once per sample: a slice [:, a:b] within one piece is a view of it, one across
+    pieces a copy of that slice alone."""
+
+    def __init__(self, parts: list[Tensor]):
+        self.parts = parts
+        self.shape = torch.Size((parts[0].shape[0], sum(p.shape[1] for p in parts), parts[0].shape[2]))
+        self.dtype, self.device = parts[0].dtype, parts[0].device
+
+    def dim(self) -> int:
+        return 3
+
+    def __getitem__(self, key) -> Tensor:
+        heads, span = key
+        assert heads == slice(None) and span.step is None, "Pieces: only [:, a:b] slices"
+        a, b, _ = span.indices(self.shape[1])
+        out, lo = [], 0
+        for p in self.parts:
+            hi = lo + p.shape[1]
+            if a < hi and b > lo:
+                out.append(p[:, max(a, lo) - lo:min(b, hi) - lo])
+            lo = hi
+        return out[0] if len(out) == 1 else torch.cat(out, dim=1)
+
+
 class KVStore:
     def __init__(self, tree: TokenTree, extent: dict[int, int]):
         self.tree = tree

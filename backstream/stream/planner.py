@@ -19,7 +19,11 @@ tensor storages; `bench/bench_memory.py` prints estimate beside measurement):
   LM head's input) and 2·head_dim (RoPE tables); routing keeps ~(4·experts + 4·top_k)·4 bytes; in
   a bf16/fp16 model the norms' two saved copies per norm are float32;
 - logits: at the start of the backward the log-softmax kept for it, its gradient and the logits'
-  gradient, float32 (or wider), [P × V] each, P = rows × block targets at most;
+  gradient, float32 (or wider), [P × V] each, P = the most target positions of one batch of the
+  schedule (`batch_sizes`: a prompt's blocks have none, G completions of 16 tokens 16·G; without
+  targets in the tree, rows × block size); the block terms (activations, seeds, logits) are those
+  of the batch of the schedule that holds the most (rows × its longest chunk tokens, its targets),
+  not rows × block size where the chunks are shorter;
 - history gradient: the flash backward returns one layer's gradient for the K and V of the whole
   history the batch reads before it is added into gK/gV; it replaces the logits' three tensors as
   the batch's transient when the history is long.
@@ -39,7 +43,7 @@ from backstream.stream import fsdp
 from backstream.stream.family import Unsupported
 from backstream.stream.grads import head_in_place
 from backstream.stream.hf import base_model, num_experts
-from backstream.stream.schedule import chunks, read_extent
+from backstream.stream.schedule import batches, chunks, read_extent
 
 DEFAULT_BLOCK = 512
 DEFAULT_ROWS = 8
@@ -120,13 +124,16 @@ def boundaries(tree, block_size: int) -> int:
 
 def estimate(model, *, tree_tokens: int, longest_path: int, block_size: int, rows: int,
              stored_tokens: int | None = None, boundaries: int = 0, layout=None,
-             act_per_token: int | None = None) -> Plan:
+             act_per_token: int | None = None, batches: list[tuple[int, int]] | None = None) -> Plan:
     """The peak live bytes of a streamed call (weights included). stored_tokens: tree tokens whose
     K/V a later block reads (default: all of them; `plan` counts them for the block size).
     boundaries, layout: the block boundaries whose recurrent / convolution states are kept, and the
     states' sizes (`adapter.probe_layout`). act_per_token: bytes a block keeps per token, measured
     (`engine.measured_activations`: the engine passes it for a model with layer state, whose token
-    mixers no formula here covers); None = the Qwen3/Llama-type formula of the module docstring."""
+    mixers no formula here covers); None = the Qwen3/Llama-type formula of the module docstring.
+    batches: (tokens, targets) of each batch the schedule runs (`batch_sizes`: a prompt's blocks have
+    no targets, G completions of 16 tokens are a batch of 16·G tokens): the block terms are those of
+    the batch that holds the most; None = a full batch of rows × block_size tokens, every one a target."""
     d = _dims(model)
     params = list(model.parameters())
     elt = params[0].element_size()
@@ -134,27 +141,34 @@ def estimate(model, *, tree_tokens: int, longest_path: int, block_size: int, row
     weights = sum(x.numel() * x.element_size() for x in params)
     grads = sum(x.numel() * max(x.element_size(), 4) for x in params if x.requires_grad)
     stored = tree_tokens if stored_tokens is None else stored_tokens
-    tokens = rows * block_size
     per_layer = (6 * d.hidden + 4 * d.heads * d.head_dim + 4 * d.kv_heads * d.head_dim + d.mlp
                  + 2 + 2 * d.heads + d.kv_heads)
     act_tok = d.layers * per_layer + 3 * d.hidden + 2 * d.head_dim
     history = min(tree_tokens, rows * longest_path)  # keys one batch reads (shared once, private per row)
     stateful = layout is not None and bool(layout.states)
     kv_tok = (len(layout.kv_layers) * 2 * d.kv_heads * d.head_dim) if stateful else d.kv_per_token
+
+    def block(tokens: int, logits: int) -> dict[str, int]:
+        return {
+            # RMSNorms compute in float32 whatever the model's dtype: their saved input and normalised
+            # copies (two per norm) are float32
+            "block_activations": tokens * (act_per_token if act_per_token is not None else act_tok * elt
+                                           + d.layers * d.router + (acc - elt) * (4 * d.layers + 2) * d.hidden),
+            "block_seeds": tokens * kv_tok * elt,
+            # the logits' three [P × V] tensors at the start of the backward (P: the batch's targets), or
+            # one layer's history gradient, or the LM head's weight gradient beside the logits' (where it
+            # is made whole: FSDP, other heads)
+            "block_transient": max(3 * logits * d.vocab * acc, 2 * history * d.kv_heads * d.head_dim * elt,
+                                   _head_grad_bytes(model) + logits * d.vocab * acc),
+        }
+
+    shapes = batches or [(rows * block_size, rows * block_size)]
     b = {
         "weights": weights,
         "grads": grads,
         "kv_store": stored * kv_tok * elt,
         "kv_grads": stored * kv_tok * acc,
-        # RMSNorms compute in float32 whatever the model's dtype: their saved input and normalised
-        # copies (two per norm) are float32
-        "block_activations": tokens * (act_per_token if act_per_token is not None else act_tok * elt
-                                       + d.layers * d.router + (acc - elt) * (4 * d.layers + 2) * d.hidden),
-        "block_seeds": tokens * kv_tok * elt,
-        # the logits' three [P × V] tensors at the start of the backward, or one layer's history gradient,
-        # or the LM head's weight gradient beside the logits' (where it is made whole: FSDP, other heads)
-        "block_transient": max(3 * tokens * d.vocab * acc, 2 * history * d.kv_heads * d.head_dim * elt,
-                               _head_grad_bytes(model) + tokens * d.vocab * acc),
+        **max((block(*x) for x in shapes), key=lambda terms: sum(terms.values())),
         # per tree token: the returned log-probs and their copy for `setup`, the loss mask, the
         # per-layer pending-gradient masks
         "bookkeeping": tree_tokens * (16 + d.layers),
@@ -164,7 +178,22 @@ def estimate(model, *, tree_tokens: int, longest_path: int, block_size: int, row
         b["state_store"] = boundaries * layout.bytes_per_row()
         b["state_grads"] = boundaries * layout.bytes_per_row(acc=True)
         b["block_states"] = rows * 3 * layout.bytes_per_row(acc=True)
-    return Plan(block_size, tokens, sum(b.values()), b)
+    return Plan(block_size, rows * block_size, sum(b.values()), b)
+
+
+def batch_sizes(tree, block_size: int, batch_tokens: int, stateful: bool = False) -> list[tuple[int, int]]:
+    """The block batches of the schedule (`schedule.batches`), each as (its tokens: rows × its longest
+    chunk, as padded; its target positions: tokens whose log-prob the objective reads, the logits it
+    computes), the distinct ones."""
+    out = set()
+    for _, rows in batches(tree, block_size, batch_tokens, stateful):
+        n = 0
+        for r in rows:
+            tg = tree.targets.get(r.node)
+            if tg is not None:
+                n += sum(1 for o in tg.offset if r.lo <= o < r.hi)
+        out.add((len(rows) * max(r.hi - r.lo for r in rows), n))
+    return sorted(out)
 
 
 def plan(model, tree, *, block_size=None, batch_tokens=None, memory_budget=None, layout=None,
@@ -181,11 +210,12 @@ def plan(model, tree, *, block_size=None, batch_tokens=None, memory_budget=None,
 
     def est(T, rows):
         # a batch never holds more rows than there are siblings, whatever batch_tokens allows
+        rows = max(1, min(rows, siblings))
         return estimate(model, tree_tokens=tree.num_tokens(), longest_path=longest_path, block_size=T,
-                        rows=max(1, min(rows, siblings)),
-                        stored_tokens=sum(read_extent(tree, T, stateful).values()),
+                        rows=rows, stored_tokens=sum(read_extent(tree, T, stateful).values()),
                         boundaries=boundaries(tree, T) if stateful else 0, layout=layout,
-                        act_per_token=act_per_token)
+                        act_per_token=act_per_token,
+                        batches=batch_sizes(tree, T, rows * T, stateful) if tree.targets else None)
 
     if memory_budget is None:
         T = block_size or DEFAULT_BLOCK

@@ -11,6 +11,7 @@ from helpers import REPO, episode_sampler, rel, run_cfg, sample, text, tiny_hybr
 from backstream import config, trainer
 from backstream.checks import UserError
 from backstream.rl.agent.env import EnvConfig
+from backstream.rl.prefix import shares
 from backstream.rl.rollout import SamplingConfig, generate
 from backstream.stream.adapter import probe_layout
 from backstream.stream.miniature import keep_float64
@@ -45,7 +46,8 @@ def test_a_prompts_states_are_computed_once_for_its_group():
     decode step forwards one token per row."""
     model, tok = tiny_hybrid(torch.float32)
     prompts = [torch.tensor(tok("12+34=")["input_ids"]), torch.tensor(tok("5+6=")["input_ids"])]
-    probe_layout(model)  # its once-per-model probe forward, before counting
+    probe_layout(model)  # its once-per-model probe forwards, before counting
+    shares(model)
     seen = []
     handle = model.get_input_embeddings().register_forward_hook(lambda m, i, o: seen.append(tuple(i[0].shape)))
     generate(model, prompts, SamplingConfig(group_size=4, max_new_tokens=5), eos_token_id=None,

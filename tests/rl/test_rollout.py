@@ -10,6 +10,7 @@ from helpers import VOCAB, lora, make
 from transformers import DynamicCache
 
 from backstream.rl.decode import NonFiniteLogits
+from backstream.rl.prefix import shares
 from backstream.rl.rollout import Rollout, SamplingConfig, generate
 from backstream.stream.adapter import probe_layout
 from backstream.stream.hf import cache_arg, returned_cache
@@ -136,8 +137,9 @@ def test_stop_strings_cut_after_completing_token():
 
 def spy_shapes(model) -> list:
     """The input_ids shape of every forward call `model` makes from now on (`del model.forward` stops it),
-    after its once-per-model layout probe (`probe_layout`)."""
+    after its once-per-model probes (`probe_layout`, rl/prefix.py `shares`)."""
     probe_layout(model)
+    shares(model)
     shapes, forward = [], model.forward
 
     def spy(*args, **kw):

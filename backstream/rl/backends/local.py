@@ -24,6 +24,7 @@ Every token records the learner's current step (`at_step`) as its weight version
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from torch import Tensor
 
 from backstream.rl.backends.base import Completion, Played, at_version
 from backstream.rl.decode import Rows, check_return_kv, decode, prefill
+from backstream.rl.prefix import SHARE_MIN, shares
 from backstream.rl.rollout import SamplingConfig, generate
 from backstream.stream.hf import takes_logits_to_keep
 
@@ -151,7 +153,7 @@ class LocalBackend:
                 cache, logits = prefill(model, [feed[k]], device, keep_last, history=caches[k])
                 caches[k] = None  # the batch's cache holds it now
                 played[k].fed += feed[k]
-                parts.append(([r], cache, logits))
+                parts.append(([r], cache, logits, None))
             batch = Rows.stack(parts, len(live), config.max_new_tokens)
             del parts
             budgets = [budget(lengths[k]) for k in live]
@@ -236,10 +238,10 @@ class LocalBackend:
                 continue
             self.reused += len(fed)
             cache, logits = prefill(model, [r.ids[len(fed):]], device, keep_last, history=kv)
-            parts.append(([i], cache, logits))
+            parts.append(([i], cache, logits, None))
         if fresh:
             parts += Rows.prefilled(model, [batch[i].ids for i in fresh], keep_last, fresh)
-        rows = Rows.stack(parts, len(batch), max(r.max_tokens for r in batch))
+        rows = Rows.stack(parts, len(batch), max(r.max_tokens for r in batch), SHARE_MIN if shares(model) else math.inf)
         del parts
         gens = [torch.Generator().manual_seed(r.seed) for r in batch]
         out = self.decode_rows(rows, gens, keep_last, [r.max_tokens for r in batch])
