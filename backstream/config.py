@@ -14,6 +14,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import json
 import os
 import textwrap
 import tomllib
@@ -555,8 +556,8 @@ def to_toml(d: dict, notes: list[str] = ()) -> str:
     def val(v):
         if isinstance(v, bool):
             return "true" if v else "false"
-        if isinstance(v, str):
-            return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        if isinstance(v, str):  # JSON's escapes are TOML's basic string's (a stop string's "\n" included)
+            return json.dumps(v, ensure_ascii=False)
         if isinstance(v, list):
             return "[" + ", ".join(val(x) for x in v) + "]"
         return repr(v)

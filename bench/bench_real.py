@@ -245,6 +245,7 @@ def main():
     ap.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
     ap.add_argument("--child")
     ap.add_argument("--n", type=int, default=0)
+    ap.add_argument("--merge", action="store_true", help="--long: keep the points of results/real_long.json")
     a = ap.parse_args()
     steps = a.steps or (LONG_STEPS if a.long or a.n else STEPS)
     if a.child:
@@ -275,9 +276,12 @@ def main():
 def main_long(a, steps: int) -> None:
     sides_wanted = (a.sides or "backstream,rollout,trl,trl-ckpt").split(",")
     lengths = [int(x) for x in a.lengths.split(",")]
+    path = os.path.join(common.RESULTS, "real_long.json")
     res = {"mode": "long", "G": LONG_G, "max_new_tokens": LONG_NEW, "steps": steps, "dtype": "float32",
            "trl": "float32 both (bf16=False); trl: gradient_checkpointing=False, trl-ckpt: True", "points": []}
-    stopped: set[str] = set()
+    if a.merge and os.path.exists(path):  # points of an earlier run kept; a point measured again replaces its own
+        res["points"] = json.load(open(path))["points"]
+    stopped = {p["side"] for p in res["points"] if p.get("oom")}
     for n in lengths:
         for side in sides_wanted:
             if side in stopped:
@@ -286,9 +290,11 @@ def main_long(a, steps: int) -> None:
             if r.get("oom"):
                 stopped.add(side)
                 print(json.dumps({"side": side, "n": n, "oom": True}), flush=True)
+            res["points"] = [p for p in res["points"] if (p["side"], p["n"]) != (side, n)]
             res["points"].append({"side": side, "n": n, **{k: r.get(k) for k in (
-                "oom", "peak_rss_MiB", "s_per_step", "wall_s", "peak_mib_by_step", "prompt_tokens",
-)}})
+                "oom", "peak_rss_MiB", "s_per_step", "wall_s", "peak_mib_by_step", "prompt_tokens")}})
+            common.save("real_long", res)  # after every point: a long run stopped keeps what it measured
+    res["points"].sort(key=lambda p: (p["n"], p["side"]))
     rows_ = [{"n": p["n"], "side": p["side"], "peak_MiB": "OOM" if p["oom"] else p["peak_rss_MiB"],
               "s_per_step": "" if p["oom"] else p["s_per_step"]} for p in res["points"]]
     print(common.table(rows_, list(rows_[0])))

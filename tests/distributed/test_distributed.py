@@ -83,7 +83,10 @@ def test_two_ranks_give_the_single_process_update(job):
                         assert a[k] == b[k] or isinstance(a[k], str), (name, k)
                         continue
                     tol = 1e-4 if name == "float32" else 1e-9
-                    assert a[k] == pytest.approx(b[k], rel=tol, abs=tol * 1e-3), (name, k)
+                    # float32: the sampler's log-probs carry rounding of the batch each rank decoded (its
+                    # rows' padding): the sampler/learner gaps are noise of ~1e-7 either way
+                    noise = 1e-6 if name == "float32" and k.startswith("mismatch/") else tol * 1e-3
+                    assert a[k] == pytest.approx(b[k], rel=tol, abs=noise), (name, k)
     # asynchronous: step 2 trained groups sampled a step ahead, at step 0's weights, on both ranks as in
     # one process (the metrics above, the staleness ones included, are equal)
     assert [json.loads(x)["fake/weight_version"] for x in open(tmp / "async" / "metrics.jsonl")] == [0, 0]

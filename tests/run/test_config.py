@@ -97,6 +97,8 @@ def test_resolved_config_round_trips(tmp_path):
     from backstream.config import to_toml
 
     cfg = config.load(None, ["optim.lr=2e-4", "rollout.stop=['#']", "loss.type=gspo"])
+    # a built-in task's plain stop (a newline), quotes, a backslash, a tab, a non-ASCII character
+    cfg.rollout.stop = ["\n", '"', "\\", "\t", "é"]
     p = tmp_path / "config.toml"
     p.write_text(to_toml(cfg.to_dict()))
     again = config.load(str(p))

@@ -35,6 +35,39 @@ def _spin_less() -> None:
 _spin_less()
 
 
+def _float32_int8_on_onednn() -> None:
+    """vLLM 0.32.0's CPU int8 kernel takes the AMX path (`_apply_weights_sgl`) for every int8 weight on
+    a CPU with AMX, but that kernel quantizes bfloat16 or half activations only: a float32 W8A8 model's
+    first forward raised "int8_scaled_mm_with_quant: expect A to be bfloat16 or half". A layer whose
+    parameters are float32 is built for oneDNN instead (decided by the layer, so a reload keeps it)."""
+    try:
+        from vllm.model_executor.kernels.linear.scaled_mm import cpu  # noqa: PLC0415
+    except ImportError:  # another vLLM, or no such kernel
+        return
+    Int8 = cpu.CPUInt8ScaledMMLinearKernel
+    if getattr(Int8, "backstream_float32_on_onednn", False):
+        return
+    import torch  # noqa: PLC0415
+
+    process = Int8.process_weights_after_loading
+
+    def process_float32_on_onednn(self, layer):
+        if getattr(layer, "params_dtype", None) != torch.float32:
+            return process(self, layer)
+        check = cpu.check_cpu_sgl_kernel
+        cpu.check_cpu_sgl_kernel = lambda n, k, dtype: False
+        try:
+            return process(self, layer)
+        finally:
+            cpu.check_cpu_sgl_kernel = check
+
+    Int8.process_weights_after_loading = process_float32_on_onednn
+    Int8.backstream_float32_on_onednn = True
+
+
+_float32_int8_on_onednn()
+
+
 def _keep_int8_scales(model) -> None:
     """Each CPU int8 kernel keeps the tensor its oneDNN handler reads its weight scales from by pointer
     (vllm 0.32.0's CPUInt8ScaledMMLinearKernel), so that a reload does not free it under the handler."""
