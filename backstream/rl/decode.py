@@ -25,6 +25,7 @@ new tokens: the EOS and stop-string checks need them.
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -34,9 +35,9 @@ from transformers import DynamicCache
 from transformers.cache_utils import DummyLayer, DynamicLayer, LinearAttentionLayer
 
 from backstream.checks import UserError
-from backstream.rl.prefix import SHARE_MIN, DecodeCache, DecodeLayer, Prefix, shares, sharing
+from backstream.rl.prefix import SHARE_MIN, CannotShare, DecodeCache, DecodeLayer, Prefix, sharing
 from backstream.stream.adapter import probe_layout
-from backstream.stream.hf import cache_arg, text_config
+from backstream.stream.hf import base_model, cache_arg, text_config
 from backstream.stream.kvstore import Pieces
 
 KV = list[tuple[Tensor, Tensor]]  # per layer, (K, V) [Hkv, L, D] of one row
@@ -503,3 +504,40 @@ def decode(model, rows: Rows, config, eos: set[int], tokenizer, generators: list
                 mask_BT = None  # every row real again: the unmasked path
     lp_dtype = torch.promote_types(logits_BV.dtype, torch.float32)
     return Decoded(tokens, [torch.tensor(lp, dtype=lp_dtype) for lp in logps], reasons, kept)
+
+
+_SHARES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def shares(model) -> bool:
+    """Whether `model`'s attention can read shared prefixes through `attention`: a model that routes its
+    attention through transformers' AttentionInterface, whose layers attend over the K/V their cache
+    update returned, with no keyword `attention` does not implement (learnt once per model, on a
+    3-token prefix continued by 2 tokens, and checked to give the logits of the model's own attention)."""
+    base = base_model(model)
+    known = _SHARES.get(base)
+    if known is not None:
+        return known
+    # hybrids route their attention layers through the interface without declaring it (stream/adapter.py)
+    ok = bool(getattr(base, "_supports_attention_backend", False) or getattr(base, "_is_stateful", False))
+    if ok:
+        try:
+            ok = _probe(model)
+        except CannotShare:
+            ok = False
+    _SHARES[base] = ok
+    return ok
+
+
+def _probe(model) -> bool:
+    """A 3-token prefix continued by 2 tokens, read once as a shared prefix and once copied into its row:
+    the same logits, to the dtype's rounding, or the model does not share."""
+    param = next(model.parameters())
+    device, out = param.device, []
+    with torch.no_grad():
+        for share_min in (1, math.inf):
+            cache, logits = prefill(model, [[1, 2, 3]], device, False)
+            rows = stack([([0], cache, logits, [0])], 1, 2, share_min=share_min)
+            out.append(forward_last(model, torch.tensor([[4, 5]], device=device), 3, rows.cache, False).double())
+    gap = float((out[0].log_softmax(-1) - out[1].log_softmax(-1)).abs().max())
+    return gap <= {torch.float64: 1e-9, torch.float32: 1e-4}.get(param.dtype, 5e-2)

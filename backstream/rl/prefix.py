@@ -24,14 +24,13 @@ axis, [P, Hkv, rows·group·Q, D]): it is read, never copied.
 Prompts shorter than `SHARE_MIN` tokens are copied into their rows' buffers as before (nothing to
 save; the model's own attention then runs). A model whose attention this function cannot stand in
 for (no AttentionInterface, K/V derived after the cache update, a keyword it does not implement) is
-found by a probe on its first use (`shares`) and decodes with copies, as before.
+found by a probe on its first use (rl/decode.py `shares`) and decodes with copies, as before.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -42,7 +41,6 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from backstream.stream.adapter import use_backstream_attention
 from backstream.stream.family import INERT_KWARGS
-from backstream.stream.hf import base_model
 
 ATTN_NAME = "backstream_decode"
 SHARE_MIN = 32  # the shortest prompt whose K/V the rows of its group read from one copy
@@ -260,42 +258,3 @@ def sharing(model, cache):
             yield
     finally:
         _ACTIVE.pop()
-
-
-_SHARES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def shares(model) -> bool:
-    """Whether `model`'s attention can read shared prefixes through `attention`: a model that routes its
-    attention through transformers' AttentionInterface, whose layers attend over the K/V their cache
-    update returned, with no keyword `attention` does not implement (learnt once per model, on a
-    3-token prefix continued by 2 tokens, and checked to give the logits of the model's own attention)."""
-    base = base_model(model)
-    known = _SHARES.get(base)
-    if known is not None:
-        return known
-    # hybrids route their attention layers through the interface without declaring it (stream/adapter.py)
-    ok = bool(getattr(base, "_supports_attention_backend", False) or getattr(base, "_is_stateful", False))
-    if ok:
-        try:
-            ok = _probe(model)
-        except CannotShare:
-            ok = False
-    _SHARES[base] = ok
-    return ok
-
-
-def _probe(model) -> bool:
-    """A 3-token prefix continued by 2 tokens, read once as a shared prefix and once copied into its row:
-    the same logits, to the dtype's rounding, or the model does not share."""
-    from backstream.rl.decode import forward_last, prefill, stack  # noqa: PLC0415
-
-    param = next(model.parameters())
-    device, out = param.device, []
-    with torch.no_grad():
-        for share_min in (1, math.inf):
-            cache, logits = prefill(model, [[1, 2, 3]], device, False)
-            rows = stack([([0], cache, logits, [0])], 1, 2, share_min=share_min)
-            out.append(forward_last(model, torch.tensor([[4, 5]], device=device), 3, rows.cache, False).double())
-    gap = float((out[0].log_softmax(-1) - out[1].log_softmax(-1)).abs().max())
-    return gap <= {torch.float64: 1e-9, torch.float32: 1e-4}.get(param.dtype, 5e-2)

@@ -11,7 +11,7 @@ from helpers import REPO, episode_sampler, rel, run_cfg, sample, text, tiny_hybr
 from backstream import config, trainer
 from backstream.checks import UserError
 from backstream.rl.agent.env import EnvConfig
-from backstream.rl.prefix import shares
+from backstream.rl.decode import shares
 from backstream.rl.rollout import SamplingConfig, generate
 from backstream.stream.adapter import probe_layout
 from backstream.stream.miniature import keep_float64

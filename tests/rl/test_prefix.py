@@ -15,8 +15,8 @@ from transformers import AutoConfig
 from backstream import reference_backward, stream_backward
 from backstream.rl.backends.base import Completion
 from backstream.rl.backends.local import LocalBackend
-from backstream.rl.decode import Rows, decode
-from backstream.rl.prefix import SHARE_MIN, Prefix, shares
+from backstream.rl.decode import Rows, decode, shares
+from backstream.rl.prefix import SHARE_MIN, Prefix
 from backstream.rl.rollout import SamplingConfig, generate
 from backstream.stream.kvstore import Pieces
 from backstream.stream.memory import LiveBytes

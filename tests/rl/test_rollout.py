@@ -9,8 +9,7 @@ import torch
 from helpers import VOCAB, lora, make
 from transformers import DynamicCache
 
-from backstream.rl.decode import NonFiniteLogits
-from backstream.rl.prefix import shares
+from backstream.rl.decode import NonFiniteLogits, shares
 from backstream.rl.rollout import Rollout, SamplingConfig, generate
 from backstream.stream.adapter import probe_layout
 from backstream.stream.hf import cache_arg, returned_cache

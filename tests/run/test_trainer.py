@@ -214,7 +214,10 @@ def test_streamed_and_reference_runs_agree_float32_20_steps(tmp_path):
 def test_dapo_dynamic_sampling_and_overlong(tmp_path):
     """Groups without signal are dropped and refilled; overlong filtering zeroes the truncated ones."""
     model, tok = tiny(torch.float32)
+    data = tmp_path / "data.jsonl"  # a data file: no stop (the built-in arith task stops at a newline)
+    data.write_text("".join(json.dumps({"prompt": f"{i}+{i}=", "answer": str(2 * i)}) + "\n" for i in range(8)))
     run = trainer.train(run_cfg(tmp_path, "dapo", 'model.dtype="float32"', "algorithm.dynamic_sampling=true",
+                                f'data.path="{data}"',
                                 'algorithm.overlong="filter"', "rollout.max_new_tokens=3", "loss.eps_high=0.28",
                                 "train.steps=2"), model=model, tokenizer=tok)
     rows = [json.loads(x) for x in open(os.path.join(run, "metrics.jsonl"))]

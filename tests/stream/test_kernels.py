@@ -689,7 +689,7 @@ def test_cuda_engine_fused_close_to_float64(dtype):
 def smoke(out, *args):
     """bench/gpu_check.sh in its CPU dry-run mode; returns (stdout, the JSON it wrote)."""
     proc = subprocess.run(["bash", os.path.join("bench", "gpu_check.sh"), str(out), "--cpu-smoke", *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHON": sys.executable})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "gpu_check: exit 0" in proc.stdout, proc.stdout[-3000:]
     assert (out / "gpu_check.log").read_text().strip() == proc.stdout.strip()

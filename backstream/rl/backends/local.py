@@ -33,8 +33,8 @@ import torch
 from torch import Tensor
 
 from backstream.rl.backends.base import Completion, Played, at_version
-from backstream.rl.decode import Rows, check_return_kv, decode, prefill
-from backstream.rl.prefix import SHARE_MIN, shares
+from backstream.rl.decode import Rows, check_return_kv, decode, prefill, shares
+from backstream.rl.prefix import SHARE_MIN
 from backstream.rl.rollout import SamplingConfig, generate
 from backstream.stream.hf import takes_logits_to_keep
 
