@@ -229,7 +229,8 @@ class RunConfig:
         elif self.quant.rollout == "w4a16" and self.model.dtype == "float32":
             what = ("quant.rollout = \"w4a16\" with model.dtype = \"float32\": vLLM's int4 kernels run in 16-bit "
                     "only (on CPU cpu_gemm_wna16 has no float32 path); set model.dtype = \"bfloat16\"")
-        elif (world_size or 1) > 1 and not self.vllm.url and self.distributed.timeout_s < self.vllm.start_timeout_s:
+        elif (world_size or 1) > 1 and not self.vllm.addresses() and \
+                self.distributed.timeout_s < self.vllm.start_timeout_s:
             # the other ranks wait in a collective while rank 0 starts the server
             what = (f"distributed.timeout_s = {self.distributed.timeout_s} is shorter than vllm.start_timeout_s = "
                     f"{self.vllm.start_timeout_s}: under torchrun the other ranks wait for rank 0's server to start; "
@@ -521,9 +522,12 @@ RESUMABLE = {
     # the server a vLLM run samples from: where it is and what it may take, not what it samples (the weights,
     # seeds and log-prob mode are the run's); vllm.extra_args stays the run's, as it can change the sampling
     # (--dtype, --quantization, --generation-config's default sampling parameters)
-    **dict.fromkeys(["vllm.python", "vllm.url", "vllm.api_key"],
-                    "where the server is (it moved, another vLLM environment)"),
+    **dict.fromkeys(["vllm.python", "vllm.url", "vllm.urls", "vllm.api_key", "vllm.servers", "vllm.devices",
+                     "vllm.transfer_host"],
+                    "where the servers are (they moved, more or fewer, another vLLM environment)"),
+    "vllm.weights": "how the weights travel (the same weights either way)",
     "vllm.start_timeout_s": "a time limit", "vllm.request_timeout_s": "a time limit",
+    "vllm.transfer_timeout_s": "a time limit",
     **dict.fromkeys(["vllm.kv_cache_gb", "vllm.max_model_len"],
                     "the server's memory (the run's sequences must fit either way)"),
     "train.output_dir": "the run folder is where --resume found it",

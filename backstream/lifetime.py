@@ -4,7 +4,9 @@
   `python -m backstream.lifetime FD COMMAND...`) that leads a session and process group of its own and
   ends the whole group once the trainer is gone, however the trainer ended. A run's vLLM server
   (rl/vllm/server.py, serve.py) and an agent command (rl/agent/runner.py) run under it.
-- `kill_group(proc)`: a guarded process's whole group killed now (an agent command that overran).
+- `stop(proc, grace, group)`: the one way a process is ended (a server's group with a grace period,
+  an agent command's group at once, an environment's worker or its zygote); `kill_group(proc)` is
+  `stop(proc, group=True)`.
 - `die_with_parent()`: this process gets SIGKILL when its parent dies (an environment's worker,
   rl/agent/worker.py).
 
@@ -99,13 +101,46 @@ def guarded(python: str, command: list[str], **popen) -> tuple[subprocess.Popen,
     return proc, write
 
 
-def kill_group(proc: subprocess.Popen) -> None:
-    """SIGKILL to the process group `proc` leads (a guarded command and whatever it started), reaped."""
+def group_alive(pgid: int) -> bool:
+    """Whether any process of the group `pgid` is still running."""
     try:
-        os.killpg(proc.pid, signal.SIGKILL)
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def stop(target: subprocess.Popen | int, grace: float = 0.0, group: bool = False) -> None:
+    """The one way a process the package started is ended: `target` (a Popen, reaped; or a pid), or with
+    `group` the whole process group it leads (a guarded server's guard, API server, engine and worker;
+    an agent command and what it started). With `grace` > 0: SIGTERM first and that long to exit (vLLM
+    shuts down cleanly), then SIGKILL to whatever is left; gone already is fine."""
+    pid = target if isinstance(target, int) else target.pid
+    send = os.killpg if group else os.kill
+    if grace > 0:
+        try:
+            send(pid, signal.SIGTERM)
+        except (ProcessLookupError, PermissionError):
+            pass
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            gone = not group_alive(pid) if group else isinstance(target, subprocess.Popen) and target.poll() is not None
+            if gone:
+                break
+            time.sleep(0.1)
+    try:
+        send(pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
-    proc.wait()
+    if isinstance(target, subprocess.Popen):
+        target.wait()
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL to the process group `proc` leads (a guarded command and whatever it started), reaped."""
+    stop(proc, group=True)
 
 
 def die_with_parent() -> None:

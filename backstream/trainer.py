@@ -61,8 +61,8 @@ from backstream.rl.offpolicy import (
 )
 from backstream.rl.optim import NonFiniteError, Stepper, check_finite_weights  # noqa: F401  (NonFiniteError: the API's)
 from backstream.rl.parallel import take
+from backstream.rl.records import Rollout
 from backstream.rl.rewards import RewardLog, Rewards
-from backstream.rl.rollout import Rollout
 from backstream.rl.sampling import Samplers, build_backend, eos_ids
 from backstream.rl.source import build_source, check_backend
 from backstream.runfolder import Interrupted  # noqa: F401  (the CLI's: where a stopped run says it stopped)
@@ -80,8 +80,9 @@ class Trainer:
                  model=None, tokenizer=None, overwrite: bool = False, allow_changed_files: bool = False,
                  backend=None):
         """`model`/`tokenizer`: objects to train instead of loading `cfg.model.name` (LoRA and the
-        dtype from `cfg.model` are still applied to it); `backend`: what samples (rl/backends/), instead
-        of the one `rollout.backend` names. `resume`: continue the run in `run_dir`, with
+        dtype from `cfg.model` are still applied to it); `backend`: what samples, (its sampling side, its
+        sync side) (rl/backends/base.py), instead of the one `rollout.backend` names. `resume`: continue
+        the run in `run_dir`, with
         `cfg` its config (config.RESUMABLE keys may differ; others are refused) and the files it read
         unchanged unless `allow_changed_files`. Everything that can fail on bad input is checked
         before the run folder is touched."""
@@ -105,10 +106,10 @@ class Trainer:
         self.cfg = cfg = cfg.for_tokenizer(self.tok)  # a built-in task through a chat model's template
         self.examples = cfg.data.build(tc.seed, prompt_optional=bool(cfg.env.factory or cfg.env.program))
         eos = eos_ids(self.model, self.tok)
-        self.backend = backend or build_backend(cfg, self.tok, eos, self.run_dir, self.dp)
+        self.backend, self.sync = backend or build_backend(cfg, self.tok, eos, self.run_dir, self.dp, self.model)
         check_backend(cfg, self.backend)
         self.samplers = Samplers(cfg, self.tok, eos, getattr(self.model.config, "max_position_embeddings", None),
-                                 self.backend)
+                                 self.backend, self.sync)
         self.sampler = self._sampler_for(self.examples, cfg.rollout.group_size, cfg.engine.reuse_rollout_kv)
         self.sampler.check_prompts(self.examples)
         self.rewards = Rewards(cfg.reward, environment=self.sampler.environment)
@@ -128,7 +129,7 @@ class Trainer:
                                where=lambda: (self.step, checkpoint.latest(self.run_dir)))
         self.times = dict.fromkeys(PHASES, 0.0)
         self.zero_adv = ZeroAdvantageWatch(format_hint(self.tok, cfg.data.format, cfg.reward.functions))
-        self.source = build_source(cfg, self.sampler, self.backend, self.examples, self.stream, self.dp, self.model,
+        self.source = build_source(cfg, self.sampler, self.sync, self.examples, self.stream, self.dp, self.model,
                                    lambda what: self.logger.phase(self.step + 1, what))
         self.collector = Collector(cfg, self.source, self.sampler, self.rewards, self.examples, self.dp)
         self._open_run(resume, overwrite, changes, allow_changed_files)
@@ -385,7 +386,8 @@ def train(config: cfgmod.RunConfig | str | None = None, overrides: list[str] = (
     change, others are refused); `allow_changed_files`: resume although a file the run read (data,
     reward source) changed; `model`/`tokenizer` objects to train instead of loading `model.name`;
     `overwrite` moves an earlier run in `train.output_dir` aside (a new run refuses a folder that
-    holds one otherwise); `backend` samples instead of the one `rollout.backend` names (rl/backends/).
+    holds one otherwise); `backend`: (sampling side, sync side) that sample instead of the one
+    `rollout.backend` names (rl/backends/base.py).
     Raises `Interrupted` after SIGINT/SIGTERM."""
     if resume and not os.path.exists(os.path.join(resume, "config.toml")):
         raise UserError(f"--resume: {resume} is not a run folder (no config.toml)")

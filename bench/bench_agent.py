@@ -55,7 +55,8 @@ from backstream.default_model import build_tokenizer
 from backstream.rl.agent.env import EnvConfig
 from backstream.rl.agent.programs import AgentSampler
 from backstream.rl.agent.transcript import common_prefix
-from backstream.rl.backends.base import Completion, NoRounds
+from backstream.rl.backends.base import no_rounds
+from backstream.rl.records import Completion
 from backstream.rl.rollout import SamplingConfig
 from bench import common
 from bench.bench_agentic import logprob_pass, qwen3_06b_shaped
@@ -99,7 +100,7 @@ def tool_agent(base_url, api_key, model, row):
             messages.append({"role": "tool", "tool_call_id": c.id, "content": str(args["a"] + args["b"])})
 
 
-class Scripted(NoRounds):
+class Scripted:
     """The backend behind the endpoint (`AgentSampler`'s), scripted: request k of an episode (k = the tool
     results it was fed) is answered with ~R characters of reasoning, then a call of add while k < T - 1,
     else an answer; seeded by the request's seed. Records (fed ids, answer)."""
@@ -108,7 +109,8 @@ class Scripted(NoRounds):
         self.tok, self.T, self.R = tok, T, R
         self.calls: list[tuple[list[int], list[int]]] = []
 
-    in_process, metric_keys = True, ()  # a backend of rl/backends/base.py's protocol (the parts agents use)
+    metric_keys = ()  # a backend of rl/backends/base.py's protocol (the parts agents use)
+    round = staticmethod(no_rounds)
 
     def need_context(self, tokens: int, why: str) -> None:
         pass
@@ -116,7 +118,7 @@ class Scripted(NoRounds):
     def metrics(self, versions) -> dict:
         return {}
 
-    def generate(self, ids: list[int], max_tokens: int, seed: int) -> Completion:
+    def generate(self, ids: list[int], max_tokens: int, seed: int, key: str | None = None) -> Completion:
         g = torch.Generator().manual_seed(seed)
         k = self.tok.decode(ids).count("<tool_response>")
         n = self.R + int(torch.randint(-self.R // 5, self.R // 5 + 1, (1,), generator=g))
@@ -324,7 +326,7 @@ def reuse(rounds: int = 2) -> dict:
     from openai import DefaultHttpxClient
 
     from backstream.default_model import load_default
-    from backstream.rl.backends.local import LocalBackend
+    from backstream.rl.backends.local import LocalBackend, LocalSync
 
     global HTTP
     HTTP = DefaultHttpxClient()
@@ -336,7 +338,7 @@ def reuse(rounds: int = 2) -> dict:
     for _ in range(rounds):
         for name, reuse_min in (("prefill whole", 10**9), ("continue the K/V", 256)):
             answers = LocalBackend(cfg, [tok.eos_token_id], tok)
-            answers.sync(model)
+            LocalSync(answers).sync(model, 0)
             answers.reuse_min = reuse_min
             s = AgentSampler(cfg, EnvConfig(agent="bench.bench_agent:appending_agent", format="plain"), tok,
                              [tok.eos_token_id], 4096, answers)

@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from backstream.rl.backends.base import Completion
+from backstream.rl.records import Completion
 
 ADD = {"type": "function", "function": {"name": "add", "description": "a + b", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}
@@ -18,7 +18,7 @@ class Scripted:
     def __init__(self, tok, turns: list[str]):
         self.tok, self.turns, self.fed = tok, list(turns), []
 
-    def __call__(self, ids: list[int], max_tokens: int, seed: int) -> Completion:
+    def __call__(self, ids: list[int], max_tokens: int, seed: int, key: str | None = None) -> Completion:
         self.fed.append(list(ids))
         out = self.tok(self.turns.pop(0), add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id]
         out = out[:max_tokens]

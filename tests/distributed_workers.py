@@ -115,7 +115,7 @@ def _train(out: str, overrides: list[str], resume: str | None = None):
         model, tok = tiny_moe()
     else:
         model, tok = tiny(torch.float32 if 'model.dtype="float32"' in overrides else torch.float64)
-    backend = FakeBackend(len(tok), tok.eos_token_id) if "rollout.max_staleness=1" in overrides else None
+    backend = FakeBackend(len(tok), tok.eos_token_id).sides() if "rollout.max_staleness=1" in overrides else None
     if resume:
         t = trainer.Trainer(config.load(os.path.join(resume, "config.toml"), overrides), run_dir=resume,
                             resume=True, model=model, tokenizer=tok)
@@ -237,33 +237,35 @@ def single_process_reference(tmp: str, names: list[str], store: str) -> dict:
 
 
 def vllm_job(out: str, overrides: list[str]) -> dict:
-    """A run on the vLLM backend on this rank (tests/rl/vllm/test_vllm.py): the server's URL and log as this
-    rank saw them, whether this rank started it (rank 0; the others are its clients) and whether its
-    process is gone after the run, how many times the publisher published; then a request that only rank 1 sends
-    to the stopped server: the error every rank raises."""
+    """A run on the vLLM backend on this rank (tests/rl/vllm/): its first server's URL and log as this rank
+    saw them, whether this rank started it (rank 0; the others are its clients) and whether its process is
+    gone after the run, how many times the weights were published and how, every server's URL; then a
+    request that only rank 1 sends to the stopped server: the error every rank raises."""
     from backstream.rl.vllm.server import Server, ServerError
 
     t = trainer.Trainer(config.load(None, [f'train.output_dir="{out}"', *overrides]))
-    pub, seen = t.backend.publisher, {}
-    close = pub.close
+    sync, seen = t.sync, {}
+    close = sync.close
 
-    def recorded():  # the server as the run leaves it
-        seen.update(url=pub.server.url, proc=pub.server.proc, log=pub.server.log_path)
+    def recorded():  # the servers as the run leaves them
+        seen.update(servers=[(m.server.url, m.server.proc, m.server.log_path) for m in sync.pool.members],
+                    published=sync.weights.published, kind=sync.weights.kind)
         close()
 
-    pub.close = recorded
+    sync.close = recorded
     shares = []  # the number of groups of each `sample` call of this rank (training, then [eval])
     for s in (t.sampler, t.evaluator.sampler):
         s.sample = _counted(s.sample, shares)
     t.run()
-    proc = seen["proc"]
-    res = {"url": seen["url"], "log": seen["log"], "started": proc is not None,
-           "stopped": proc is None or proc.poll() is not None, "version": pub.published, "shares": shares}
-    dist.barrier()  # rank 0 has stopped the server
+    url, proc, log = seen["servers"][0]
+    res = {"url": url, "log": log, "started": proc is not None, "stopped": proc is None or proc.poll() is not None,
+           "version": seen["published"], "shares": shares, "kind": seen["kind"],
+           "urls": [u for u, _, _ in seen["servers"]]}
+    dist.barrier()  # rank 0 has stopped its servers
     error = None
     try:
         if parallel.rank() == 1:
-            Server(seen["url"], None, seen["log"], 10).post("/v1/completions", {})
+            Server(url, None, log, 10).post("/v1/completions", {})
     except ServerError as e:
         error = e
     try:

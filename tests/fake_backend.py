@@ -1,5 +1,6 @@
-"""A fake of the backend protocol (rl/backends/base.py) for the rollout layer's tests: it samples
-without a model, so what is tested is the rollout source, the samplers and the trainer around it.
+"""A fake of both sides of the backend protocol (rl/backends/base.py: `Backend`, `Sync`) for the rollout
+layer's tests: it samples without a model, so what is tested is the rollout source, the samplers and
+the trainer around it (`sides()`: the pair a trainer takes as `backend=`).
 
 Each group's tokens are drawn from the seed its generator gives (as a server's would be), never the
 end-of-sequence token, with fixed log-probs; every token is labelled with the weight version synced at
@@ -8,17 +9,20 @@ syncs). `fail`: every request raises it (a dead server)."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
 import torch
 
-from backstream.rl.backends.base import Completion, NoRounds, Played, oldest
+from backstream.rl.backends.base import no_rounds
+from backstream.rl.records import Completion, Played, oldest
 
 
-class FakeBackend(NoRounds):
+class FakeBackend:
     in_process = False
     metric_keys = ("fake/weight_version",)
+    round = staticmethod(no_rounds)
 
     def __init__(self, vocab: int, eos: int | None = None, seconds: float = 0.0, fail: str | None = None):
         self.vocab, self.eos, self.seconds, self.fail = vocab, eos, seconds, fail
@@ -34,12 +38,20 @@ class FakeBackend(NoRounds):
     def check(self, model) -> None:
         pass
 
-    def at_step(self, step: int) -> None:
-        self.step = step
+    def sides(self) -> tuple:
+        """(sampling side, sync side): the fake is both."""
+        return self, self
 
-    def sync(self, model, progress=None) -> float:
-        self.version, self.syncs = self.step, self.syncs + 1
+    def view(self, model):
+        return contextlib.nullcontext()
+
+    def sync(self, model, step: int, progress=None) -> float:
+        self.step = step
+        self.version, self.syncs = step, self.syncs + 1
         return 0.0
+
+    def idle(self) -> None:
+        pass
 
     def kernels(self) -> dict:
         return {}
@@ -94,7 +106,7 @@ class FakeBackend(NoRounds):
                 ids, t = ids + c.ids + list(inserted), t + 1
         return played
 
-    def generate(self, ids, max_tokens, seed):
+    def generate(self, ids, max_tokens, seed, key=None):
         if self.fail:
             raise RuntimeError(self.fail)
         return self._tokens(torch.Generator().manual_seed(seed), max_tokens)

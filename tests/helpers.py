@@ -29,7 +29,7 @@ from backstream.default_model import build_tokenizer
 from backstream.rl import decode as D
 from backstream.rl.agent import episodes as E
 from backstream.rl.agent.env import EnvConfig
-from backstream.rl.backends.local import LocalBackend
+from backstream.rl.backends.local import LocalBackend, LocalSync
 from backstream.rl.losses import (
     build_objective,
 )
@@ -255,7 +255,7 @@ def backend_for(config, tok, eos=None, model=None):
     eos = [tok.eos_token_id] if eos is None else eos
     backend = ScriptedBackend(config, eos, tok, SCRIPT) if SCRIPT is not None else LocalBackend(config, eos, tok)
     if model is not None:
-        backend.sync(model)
+        LocalSync(backend).sync(model, 0)
     return backend
 
 
@@ -271,7 +271,7 @@ def sampler(tok, env="envs_for_tests:Calc", G=2, max_new=24, **env_kw):
 
 def sample(s, model, rows, seed=0):
     """The sampler's samples of `rows` at `model`'s weights (its backend synced first)."""
-    s.backend.sync(model)
+    LocalSync(s.backend).sync(model, 0)
     return s.sample(rows, list(range(len(rows))), [torch.Generator().manual_seed(seed) for _ in rows])
 
 

@@ -15,8 +15,8 @@ import torch
 from torch import Tensor
 
 from backstream.metrics import episode_rows
+from backstream.rl.records import Rollout
 from backstream.rl.rewards import RewardLog, TrainerState
-from backstream.rl.rollout import Rollout
 from backstream.rl.shaping import informative_groups, overlong_shaping
 
 
@@ -69,6 +69,7 @@ class Collector:
                 rows = torch.tensor(r.group_rows(groups), dtype=torch.long)
                 r, total, keep = r.select(groups), total[rows], keep[rows]
             kept.append((r, total, keep))
+        self.source.idle()  # the step's samples are in: what samples may rest while the learner trains
         rollouts, rewards, keeps = zip(*kept)
         return Batch(rollout=Rollout.concat(list(rollouts)), rewards=torch.cat(rewards), keep=torch.cat(keeps),
                      scored=torch.cat(scored), scored_by_fn={k: torch.cat(v) for k, v in by_fn.items()},

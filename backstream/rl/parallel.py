@@ -56,7 +56,7 @@ from torch import Tensor, nn
 
 from backstream.checks import UserError, at_least, literals
 from backstream.log import log
-from backstream.rl.rollout import Rollout
+from backstream.rl.records import Rollout
 from backstream.stream import fsdp
 
 MIXED_PRECISION = {"none": False, "bf16": True}  # distributed.mixed_precision → forwards in bfloat16

@@ -12,7 +12,8 @@ from typing import Protocol
 
 from torch import Tensor
 
-from backstream.rl.rollout import Rollout, SamplingConfig
+from backstream.rl.records import Rollout
+from backstream.rl.rollout import SamplingConfig
 
 
 class RolloutSampler(Protocol):
@@ -22,6 +23,8 @@ class RolloutSampler(Protocol):
     """The keys `metrics` adds to a step's line."""
     environment: object
     """The run's `Environment` (its get_reward is a reward), or None."""
+    needs: tuple[int, str] | None
+    """The longest sequence it samples and what sets it (a server's context must hold it), or None."""
 
     def check_prompts(self, examples: list[dict]) -> int:
         """Render every example's prompt once before the run (a mistake fails now); the longest."""
@@ -48,29 +51,28 @@ class RolloutSampler(Protocol):
         """Stop what the sampler started (worker processes, an endpoint)."""
 
 
-def build_backend(cfg, tokenizer, eos: list[int], run_dir: str, dp=None):
-    """The run's backend (`rollout.backend`): in process, or a vLLM server (rl/vllm/publisher.py: started
-    or connected to at the first sync, shared by every rank of a torchrun job)."""
+def build_backend(cfg, tokenizer, eos: list[int], run_dir: str, dp=None, model=None) -> tuple:
+    """The run's backend, its two sides (rl/backends/base.py: `Backend`, `Sync`) for `rollout.backend`: in
+    process, or a pool of vLLM servers (rl/backends/server.py: started or connected to at the first
+    sync, shared by every rank of a torchrun job)."""
     if cfg.rollout.backend != "vllm":
-        from backstream.rl.backends.local import LocalBackend  # noqa: PLC0415
+        from backstream.rl.backends.local import LocalBackend, LocalSync  # noqa: PLC0415
 
-        return LocalBackend(cfg.rollout, eos, tokenizer)
-    from backstream.rl.backends.server import ServerBackend  # noqa: PLC0415  (only a vLLM run needs it)
-    from backstream.rl.vllm.publisher import WeightPublisher  # noqa: PLC0415
-    from backstream.rl.vllm.server import logprobs_mode  # noqa: PLC0415
+        backend = LocalBackend(cfg.rollout, eos, tokenizer)
+        return backend, LocalSync(backend)
+    from backstream.rl.backends.server import build  # noqa: PLC0415  (only a vLLM run needs it)
+    from backstream.rl.parallel import DataParallel  # noqa: PLC0415
 
-    mode = logprobs_mode(cfg.rollout.top_p, cfg.rollout.top_k)
-    in_flight = cfg.rollout.in_flight if cfg.rollout.max_staleness else "wait"
-    publisher = WeightPublisher(cfg.vllm, tokenizer, run_dir, cfg.train.seed, dp, mode, cfg.quant, cfg.model, in_flight)
-    return ServerBackend(cfg.rollout, eos, publisher)
+    return build(cfg, tokenizer, eos, run_dir, dp if dp is not None else DataParallel(), model)
 
 
 class Samplers:
-    """The run's samplers (training, evaluation) over its one backend (`backend`, or `build_backend`'s).
-    `close` stops them and what the backend started."""
+    """The run's samplers (training, evaluation) over its one backend's sampling side (`backend`);
+    `sync`: its sync side. `close` stops them and what the backend started."""
 
-    def __init__(self, cfg, tokenizer, eos: list[int], context: int | None, backend):
-        self.cfg, self.tok, self.eos, self.context, self.backend = cfg, tokenizer, eos, context, backend
+    def __init__(self, cfg, tokenizer, eos: list[int], context: int | None, backend, sync):
+        self.cfg, self.tok, self.eos, self.context = cfg, tokenizer, eos, context
+        self.backend, self.sync = backend, sync
         self.built: list[RolloutSampler] = []
 
     def build(self, config: SamplingConfig, prompts: list[Tensor], prompt_text: list[str],
@@ -95,12 +97,16 @@ class Samplers:
         """What the backend needs of the policy, checked once every sampler is built (they tell the
         longest sequence the run samples) and before the run folder is written: a vLLM server's
         context and K/V cache; nothing locally."""
-        self.backend.check(model)
+        for sampler in self.built:
+            if sampler.needs is not None:
+                self.sync.need_context(*sampler.needs)
+        self.sync.check(model)
 
     def close(self) -> None:
         for sampler in self.built:
             sampler.close()
         self.backend.close()
+        self.sync.close()
 
 
 def eos_ids(model, tokenizer) -> list[int]:

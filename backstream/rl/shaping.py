@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from backstream.rl.rollout import Rollout
+from backstream.rl.records import Rollout
 
 
 def _none(rollout: Rollout, rewards: Tensor, max_new: int, buffer: int) -> tuple[Tensor, Tensor]:

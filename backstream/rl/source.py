@@ -1,16 +1,17 @@
 """Where a step's rollout rounds come from (docs/design.md §1, §6e): the rollout source. The trainer
 asks it for the next `n` prompt groups of the data stream (`take`) and gets a `Round`, the samples
-with the seconds they spent in phases of their own; it says when its weights changed (`at_step`).
+with the seconds they spent in phases of their own; it says which step made its weights (`at_step`).
 The source owns what every round needs, in one place:
 
 - the prompt stream and the position consumed (what a checkpoint holds);
 - the rank split: which groups of a round this rank samples (`dp.round_groups`; an asynchronous
   source's by stream position, `dp.position_groups`), every rank's joined after scoring;
 - the per-position generators (`dp.generator`: what a group draws depends on its position alone);
-- the policy view (`policy`: eval mode, the rollout's quantized forward, FSDP's parameters gathered)
-  and the backend's sync with it (`Backend.sync`: a server's weights published). At the first sync
-  QaRL's alignment is applied here, visibly: the backend reports its int8 GEMM (`Backend.kernels`),
-  the learner's is set to it (`set_int8_gemm`), then the backend checks the learner agrees with it;
+- the policy view (`policy`: eval mode, the rollout's quantized forward, the sync side's view: FSDP's
+  parameters gathered for a sampler in process) and the sync with it (`Sync.sync(model, step)`: a
+  server's weights published, labelled with the step that made them). At the first sync QaRL's
+  alignment is applied here, visibly: the sync side reports its int8 GEMM (`Sync.kernels`), the
+  learner's is set to it (`set_int8_gemm`), then the sync side checks the learner agrees with it;
 - errors: a rank's failed round is raised on every rank (`dp.fail_together`).
 
 Two sources:
@@ -52,8 +53,7 @@ import torch
 from backstream.checks import UserError
 from backstream.log import log
 from backstream.quant.linear import quantized, set_int8_gemm
-from backstream.rl.rollout import Rollout
-from backstream.stream import fsdp
+from backstream.rl.records import Rollout
 
 # The interpreter's thread switch interval while an asynchronous source runs (Python's default: 5 ms).
 # Its threads wake for a moment per server answer (parse it, call a tool, send the next turn) and then
@@ -75,16 +75,18 @@ class Round:
 
 class RolloutSource:
     """The synchronous loop's source (see the module docstring). `sampler`: the run's kind of sampler
-    over `backend`; `examples`: the data; `stream`: its prompt stream (data.PromptStream); `dp`: the
-    run's rl/parallel.py object; `model`: the policy; `quant`: the run's [quant]; `phase(what)`: shows
-    what the step is doing (the progress line)."""
+    over the run's backend; `sync`: that backend's sync side (rl/backends/base.py `Sync`); `examples`:
+    the data; `stream`: its prompt stream (data.PromptStream); `dp`: the run's rl/parallel.py object;
+    `model`: the policy; `quant`: the run's [quant]; `phase(what)`: shows what the step is doing (the
+    progress line)."""
 
     metric_keys: tuple[str, ...] = ()
 
-    def __init__(self, sampler, backend, examples: list[dict], stream, dp, model, quant, phase=None):
-        self.sampler, self.backend, self.examples, self.stream, self.dp = sampler, backend, examples, stream, dp
+    def __init__(self, sampler, sync, examples: list[dict], stream, dp, model, quant, phase=None):
+        self.sampler, self.weights, self.examples, self.stream, self.dp = sampler, sync, examples, stream, dp
         self.model, self.quant, self.phase = model, quant, phase or (lambda what: None)
-        self.synced = False  # the backend has had the policy's weights once (QaRL's alignment applied)
+        self.step = 0  # the learner's step that made its current weights (`at_step`)
+        self.synced = False  # the sync side has had the policy's weights once (QaRL's alignment applied)
 
     @property
     def consumed(self) -> int:
@@ -93,23 +95,25 @@ class RolloutSource:
 
     @contextlib.contextmanager
     def policy(self):
-        """The policy as the backend samples it: no dropout, the rollout's quantized forward, FSDP's
-        parameters gathered once."""
+        """The policy as the backend samples it: no dropout, the rollout's quantized forward, the sync
+        side's view (FSDP's parameters gathered once, for a sampler in process)."""
         self.model.eval()
-        with quantized(self.model, self.quant.enabled), fsdp.gathered(self.model):
+        with quantized(self.model, self.quant.enabled), self.weights.view(self.model):
             yield self.model
 
     def sync(self) -> float:
-        """The backend samples the policy's current weights from now on (inside `policy`); the seconds
-        it spent publishing them. The first time, QaRL's alignment (see the module docstring)."""
-        seconds = self.backend.sync(self.model, lambda done, n, what=None: self.phase(what))
+        """The backend samples the policy's current weights, those of step `self.step`, from now on
+        (inside `policy`); the seconds spent publishing them. The first time, QaRL's alignment (see the
+        module docstring)."""
+        seconds = self.weights.sync(self.model, self.step, lambda seconds: self.phase(
+            f"starting the vLLM servers, {seconds:.0f} s"))
         if not self.synced:
             self.synced = True
-            gemm = self.backend.kernels().get("int8_gemm")
+            gemm = self.weights.kernels().get("int8_gemm")
             if gemm is not None:
                 n = set_int8_gemm(self.model, gemm)
                 log.info(f"quant: the learner's int8 GEMM is the backend's, {gemm} ({n} layers)")
-            self.backend.check_aligned(self.model)
+            self.weights.check_aligned(self.model)
         return seconds
 
     def sample(self, sampler, rows: list[dict], indices: list[int], generators: list, progress=None) -> Round:
@@ -138,7 +142,11 @@ class RolloutSource:
     def at_step(self, step: int) -> None:
         """The learner's weights are now step's: the version the next tokens record (synced at the next
         round)."""
-        self.backend.at_step(step)
+        self.step = step
+
+    def idle(self) -> None:
+        """The step's rounds are in: the sync side may rest (a server on the learner's GPU sleeps)."""
+        self.weights.idle()
 
     def metrics(self) -> dict[str, float]:
         return {}
@@ -155,8 +163,8 @@ class AsyncSource(RolloutSource):
     """Seconds of the step with no group of this rank in flight: the backend idle for want of work the
     bound allows."""
 
-    def __init__(self, sampler, backend, examples, stream, dp, model, quant, per_step: int, k: int, phase=None):
-        super().__init__(sampler, backend, examples, stream, dp, model, quant, phase)
+    def __init__(self, sampler, sync, examples, stream, dp, model, quant, per_step: int, k: int, phase=None):
+        super().__init__(sampler, sync, examples, stream, dp, model, quant, phase)
         self.per_step, self.k = per_step, k
         self.handed: int | None = None  # groups handed to the trainer (once it runs; the stream runs ahead)
         self.limit = 0  # groups at positions below it may start
@@ -201,6 +209,9 @@ class AsyncSource(RolloutSource):
         self._check_bound(r)
         return Round(r, {})
 
+    def idle(self) -> None:
+        """Nothing: the backend samples ahead while the learner trains."""
+
     def _check_bound(self, r: Rollout) -> None:
         oldest = min((int(v.min()) for v in r.sampled_versions() if len(v)), default=self.step)
         if oldest < self.step - self.k:
@@ -211,7 +222,6 @@ class AsyncSource(RolloutSource):
         """The learner's weights are now step's: synced now (once the source runs), and groups up to
         (k + 1) steps ahead of what is consumed may start."""
         self.step = step
-        self.backend.at_step(step)
         if self.feeder is None:
             return
         with self.policy():
@@ -282,7 +292,7 @@ class AsyncSource(RolloutSource):
 SHARED_WARNING = ("rollout.max_staleness = {k}: the vLLM server this run starts shares this machine's {what} with the "
                   "learner, so sampling ahead takes the learner's resources (measured on 2 shared cores: toolcalc "
                   "steps 1.43x slower at k = 1 than k = 0). It pays where the server has resources of its own: start "
-                  "one with `backstream vllm serve` on other cores or GPUs and set vllm.url (docs/vllm.md, \"Sampling "
+                  "one with `backstream vllm serve` on other cores or GPUs and set vllm.urls (docs/vllm.md, \"Sampling "
                   "ahead of the learner\"), or set rollout.max_staleness = 0")
 
 
@@ -297,13 +307,13 @@ def check_backend(cfg, backend) -> None:
                         "server samples ahead), or rollout.max_staleness = 0")
 
 
-def build_source(cfg, sampler, backend, examples: list[dict], stream, dp, model, phase=None) -> RolloutSource:
+def build_source(cfg, sampler, sync, examples: list[dict], stream, dp, model, phase=None) -> RolloutSource:
     """The run's source (`check_backend` passed): synchronous, or asynchronous with rollout.max_staleness
-    = k >= 1."""
+    = k >= 1; `sync`: the backend's sync side."""
     k = cfg.rollout.max_staleness
     if not k:
-        return RolloutSource(sampler, backend, examples, stream, dp, model, cfg.quant, phase)
-    if cfg.rollout.backend == "vllm" and not cfg.vllm.url:
+        return RolloutSource(sampler, sync, examples, stream, dp, model, cfg.quant, phase)
+    if cfg.rollout.backend == "vllm" and not cfg.vllm.addresses():
         dp.on_main(lambda: log.warning(SHARED_WARNING.format(
             k=k, what="GPUs" if torch.cuda.is_available() else "CPU cores")))
-    return AsyncSource(sampler, backend, examples, stream, dp, model, cfg.quant, cfg.train.prompts_per_step, k, phase)
+    return AsyncSource(sampler, sync, examples, stream, dp, model, cfg.quant, cfg.train.prompts_per_step, k, phase)

@@ -243,6 +243,12 @@ def full_state_dict(model: nn.Module, trainable_only: bool = False) -> dict[str,
         full_state_dict=True, cpu_offload=bool(units(model)), ignore_frozen_params=trainable_only))
 
 
+def whole(t: Tensor) -> Tensor:
+    """A parameter whole: a DTensor's shards all-gathered (a collective: every rank calls it, for the
+    same parameters in the same order), any other tensor as it is."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
 def local(t: Tensor) -> Tensor:
     """This rank's shard of a DTensor (the tensor itself otherwise)."""
     return t.to_local() if hasattr(t, "to_local") else t

@@ -191,7 +191,7 @@ def test_group_splits_over_ranks():
 
 def _fake_round(groups: list[int], G: int, with_kv: bool):
     """A rank's rollout of `groups`: completion and reward of sample g·G+i are (g, i); K/V a tag."""
-    from backstream.rl.rollout import Rollout
+    from backstream.rl.records import Rollout
 
     n = len(groups) * G
     ids = [torch.tensor([g, i]) for g in groups for i in range(G)]

@@ -13,10 +13,10 @@ from helpers import make
 from transformers import AutoConfig
 
 from backstream import reference_backward, stream_backward
-from backstream.rl.backends.base import Completion
-from backstream.rl.backends.local import LocalBackend
+from backstream.rl.backends.local import LocalBackend, LocalSync
 from backstream.rl.decode import Rows, decode, shares
 from backstream.rl.prefix import SHARE_MIN, Prefix
+from backstream.rl.records import Completion
 from backstream.rl.rollout import SamplingConfig, generate
 from backstream.stream.kvstore import Pieces
 from backstream.stream.memory import LiveBytes
@@ -107,7 +107,7 @@ def test_episodes_and_requests_keep_reading_their_prompt():
     model = make("qwen3", dtype=torch.float64)
     cfg = SamplingConfig(max_new_tokens=5, group_size=1)
     backend = LocalBackend(cfg, [63], None)
-    backend.sync(model)
+    LocalSync(backend).sync(model, 0)
     start = prompts((3, 60), (40,))[0]
     seen = []
 
@@ -130,17 +130,16 @@ def test_episodes_and_requests_keep_reading_their_prompt():
             ends += len(c.ids) + 3
         got = torch.cat([c.logprobs.double() for c in sampled])
         torch.testing.assert_close(got, ref[at], atol=1e-12, rtol=0)
-    backend.start_round()
-    backend.reuse_min = 8
-    first = backend.generate(start, 4, 0)
-    continued = start + first.ids + [7, 8]
-    again = backend.generate(continued, 4, 1)
-    assert backend.reused == len(start) + len(first.ids) - 1
-    seq = torch.tensor(continued + again.ids)
-    with torch.no_grad():
-        ref = model(seq[None]).logits[0, :-1].log_softmax(-1).gather(-1, seq[1:, None])[:, 0]
-    torch.testing.assert_close(again.logprobs.double(), ref[len(continued) - 1:], atol=1e-12, rtol=0)
-    backend.end_round()
+    with backend.round(1):
+        backend.reuse_min = 8
+        first = backend.generate(start, 4, 0)
+        continued = start + first.ids + [7, 8]
+        again = backend.generate(continued, 4, 1)
+        assert backend.reused == len(start) + len(first.ids) - 1
+        seq = torch.tensor(continued + again.ids)
+        with torch.no_grad():
+            ref = model(seq[None]).logits[0, :-1].log_softmax(-1).gather(-1, seq[1:, None])[:, 0]
+        torch.testing.assert_close(again.logprobs.double(), ref[len(continued) - 1:], atol=1e-12, rtol=0)
 
 
 def _kv_storages(cache) -> int:

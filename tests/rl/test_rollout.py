@@ -10,7 +10,8 @@ from helpers import VOCAB, lora, make
 from transformers import DynamicCache
 
 from backstream.rl.decode import NonFiniteLogits, shares
-from backstream.rl.rollout import Rollout, SamplingConfig, generate
+from backstream.rl.records import Rollout
+from backstream.rl.rollout import SamplingConfig, generate
 from backstream.stream.adapter import probe_layout
 from backstream.stream.hf import cache_arg, returned_cache
 

@@ -22,7 +22,8 @@ from backstream import trainer
 from backstream.quant.linear import QuantConfig, quant_linears, quantize_model
 from backstream.rl.data import PromptStream
 from backstream.rl.parallel import DataParallel, group_generator
-from backstream.rl.rollout import Rollout, Sampler, SamplingConfig
+from backstream.rl.records import Rollout
+from backstream.rl.rollout import Sampler, SamplingConfig
 from backstream.rl.source import AsyncSource, RolloutSource
 
 
@@ -118,7 +119,7 @@ def test_a_trainer_samples_ahead_through_any_backend_of_the_protocol(tmp_path):
     model, tok = tiny(torch.float64)
     backend = FakeBackend(vocab=len(tok), eos=tok.eos_token_id)
     run = trainer.train(run_cfg(tmp_path, "ahead", "train.steps=3", "rollout.max_staleness=1"), model=model,
-                        tokenizer=tok, backend=backend)
+                        tokenizer=tok, backend=backend.sides())
     rows = [json.loads(x) for x in open(os.path.join(run, "metrics.jsonl"))]
     assert [r["step"] for r in rows] == [1, 2, 3] and all("time/sampler_idle" in r for r in rows)
     assert [r["fake/weight_version"] for r in rows] == [0, 0, 1]  # step 2 trains groups sampled at step 0's weights

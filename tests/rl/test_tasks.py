@@ -201,7 +201,8 @@ def test_the_reward_reads_the_answer_before_the_stop():
     one that ended otherwise is read whole; the trained tokens keep the stop."""
     import torch
 
-    from backstream.rl.rollout import Rollout, before_stop, completion_reward_inputs
+    from backstream.rl.records import Rollout
+    from backstream.rl.rollout import before_stop, completion_reward_inputs
 
     class Chars:
         def decode(self, ids, skip_special_tokens=True):

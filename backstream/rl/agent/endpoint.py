@@ -38,7 +38,7 @@ from typing import Any, Literal
 import torch
 
 from backstream.rl.agent.transcript import Transcript
-from backstream.rl.backends.base import Completion
+from backstream.rl.records import Completion
 
 MAX_BODY = 4 * 2**20  # bytes of one request
 TOOLS_DROPPED = "tools_not_rendered"  # the error code of a request whose tools the chat template dropped
@@ -62,7 +62,7 @@ class EpisodeSession:
     key: str
     base_url: str
     seed: int = 0  # a request without `seed` draws with seed (this, its number in the episode)
-    generate: Callable | None = None  # (ids, max_tokens, seed) -> Completion: what samples its requests
+    generate: Callable | None = None  # (ids, max_tokens, seed, session) -> Completion: what samples its requests
     transcript: Transcript = field(default_factory=Transcript)
     finished: bool = False
     errors: int = 0  # requests refused
@@ -123,7 +123,7 @@ class Endpoint:
     `eos`: the token that ends a turn; `temperature` / `top_p` / `max_new_tokens`: the run's sampling;
     `context`: the model's; `max_requests`: per episode (env.max_turns)."""
 
-    def __init__(self, format_for: Callable, generate: Callable[[list[int], int, int], Completion], eos: int,
+    def __init__(self, format_for: Callable, generate: Callable[..., Completion], eos: int,
                  served_name: str = "policy", temperature: float = 1.0, top_p: float = 1.0,
                  max_new_tokens: int = 64, context: int | None = None, max_requests: int = 16):
         self.format_for, self.generate, self.eos, self.served_name = format_for, generate, eos, served_name
@@ -269,7 +269,7 @@ class Endpoint:
             out = Completion([], torch.empty(0), torch.empty(0, dtype=torch.long), "length")
         else:
             seed = req.seed if req.seed is not None else (ep.seed * 1_000_003 + number) % 2**31
-            out = ep.generate(ids, budget, seed)
+            out = ep.generate(ids, budget, seed, ep.id)  # the episode's session: one server of a pool
         message, calls = fmt.parse(out.ids) if out.ids else ({"role": "assistant", "content": ""}, [])
         calls = [c for c in calls if c.error is None]  # a malformed call is text the agent reads
         finish = "length" if out.reason == "length" else "tool_calls" if calls else "stop"

@@ -30,8 +30,8 @@ import torch
 from backstream.checks import UserError
 from backstream.rl.agent.env import EnvConfig, EnvError, Environment, ToolResult
 from backstream.rl.agent.turns import make_format
-from backstream.rl.backends.base import CONTEXT, Completion
-from backstream.rl.rollout import EpisodeInfo, Rollout, SamplingConfig
+from backstream.rl.records import CONTEXT, Completion, EpisodeInfo, Rollout
+from backstream.rl.rollout import SamplingConfig
 
 METRIC_KEYS = ("episode/turns/mean", "episode/tool_calls/mean", "episode/tool_errors/mean", "episode/truncated",
                "episode/timeouts", "episode/results_cut/mean")
@@ -86,9 +86,9 @@ class EpisodeSampler:
         self.environment = self.env
         self.format = make_format(env_cfg.format, tokenizer, self.env.schemas, set(eos), env_cfg.chat_template)
         self.max_tokens = env_cfg.token_limit(context) or 10**9
-        if env_cfg.token_limit(context):  # an episode's budget
-            backend.need_context(self.max_tokens, f"env.max_episode_tokens = {env_cfg.max_episode_tokens}" +
-                                 ("" if self.max_tokens == env_cfg.max_episode_tokens else ": the model's context"))
+        self.needs = (self.max_tokens, f"env.max_episode_tokens = {env_cfg.max_episode_tokens}" + (
+            "" if self.max_tokens == env_cfg.max_episode_tokens else ": the model's context")) \
+            if env_cfg.token_limit(context) else None  # an episode's budget (`Sync.need_context`)
         self.live: list = []  # the environments of the episodes not released yet (`release`)
         self.starting = threading.Lock()  # episodes of concurrent `sample` calls start one at a time
 

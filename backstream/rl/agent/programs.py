@@ -34,8 +34,8 @@ from backstream.rl.agent.endpoint import TOOLS_DROPPED, Endpoint, EpisodeSession
 from backstream.rl.agent.runner import AgentResult, run_command, run_function
 from backstream.rl.agent.transcript import Branch
 from backstream.rl.agent.turns import make_format, prompt_head
-from backstream.rl.backends.base import Completion
-from backstream.rl.rollout import EpisodeInfo, Fork, Rollout, SamplingConfig
+from backstream.rl.records import Completion, EpisodeInfo, Fork, Rollout
+from backstream.rl.rollout import SamplingConfig
 from backstream.rl.specs import load_object
 
 METRIC_KEYS = ("episode/requests/mean", "episode/branches/mean", "episode/tool_calls/mean", "episode/truncated",
@@ -97,11 +97,12 @@ class AgentSampler:
         self.environment = AgentRewards(f"env.agent{'' if env_cfg.agent else '_command'} {self.name}")
         self.format_for = format_for(env_cfg, tokenizer, eos)
         self.context = env_cfg.token_limit(context)
+        self.needs = None  # the longest sequence it samples, and why (a server's context: `Sync.need_context`)
         if self.context:
             why = (f"env.max_episode_tokens = {env_cfg.max_episode_tokens}"
                    if self.context == env_cfg.max_episode_tokens else
                    "the model's context (an agent's conversation may grow to it; env.max_episode_tokens bounds it)")
-            backend.need_context(self.context, why)
+            self.needs = (self.context, why)  # `Sync.need_context`
         self.endpoint: Endpoint | None = None
         self.serving = threading.Lock()  # an asynchronous source samples groups from threads
         self.served_name = "policy"
@@ -132,23 +133,21 @@ class AgentSampler:
         sessions = [endpoint.open(seed, round_.generate) for seed in seeds]
         results: list[AgentResult | None] = [None] * len(sessions)
         done = [0] * len(rows)
-        self.backend.start_round()
-        self.backend.playing(len(sessions))
-        try:
-            with concurrent.futures.ThreadPoolExecutor(max_workers=min(256, max(1, len(sessions)))) as pool:
-                futures = {pool.submit(self._play, s, rows[k // G]): k for k, s in enumerate(sessions)}
-                for f in concurrent.futures.as_completed(futures):
-                    k = futures[f]
-                    results[k] = f.result()
-                    endpoint.finish(sessions[k])
-                    self.backend.playing(-1)
-                    done[k // G] += 1
-                    if progress is not None and done[k // G] == G:
-                        progress(sum(d == G for d in done), len(rows))
-        finally:
-            for s in sessions:
-                endpoint.finish(s)
-            self.backend.end_round()
+        with self.backend.round(len(sessions)) as playing:
+            try:
+                with concurrent.futures.ThreadPoolExecutor(max_workers=min(256, max(1, len(sessions)))) as pool:
+                    futures = {pool.submit(self._play, s, rows[k // G]): k for k, s in enumerate(sessions)}
+                    for f in concurrent.futures.as_completed(futures):
+                        k = futures[f]
+                        results[k] = f.result()
+                        endpoint.finish(sessions[k])
+                        playing.done()
+                        done[k // G] += 1
+                        if progress is not None and done[k // G] == G:
+                            progress(sum(d == G for d in done), len(rows))
+            finally:
+                for s in sessions:
+                    endpoint.finish(s)
         if round_.failure is not None:  # the backend failed, not the agent: the step stops
             raise round_.failure
         self._tools_dropped(sessions, results)
@@ -249,9 +248,9 @@ class _Round:
     def __init__(self, backend):
         self.backend, self.failure, self.dtype = backend, None, torch.float32
 
-    def generate(self, ids: list[int], max_tokens: int, seed: int) -> Completion:
+    def generate(self, ids: list[int], max_tokens: int, seed: int, key: str | None = None) -> Completion:
         try:
-            out = self.backend.generate(ids, max_tokens, seed)
+            out = self.backend.generate(ids, max_tokens, seed, key)
         except Exception as e:
             self.failure = self.failure or e
             raise

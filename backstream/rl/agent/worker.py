@@ -34,7 +34,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from backstream.checks import UserError
-from backstream.lifetime import die_with_parent
+from backstream.lifetime import die_with_parent, stop
 from backstream.rl import usercode
 from backstream.rl.specs import load_object, where_in
 
@@ -182,7 +182,7 @@ class Zygote:
     def _ask(self, msg: tuple, timeout: float):
         self.conn.send(msg)
         if not self.conn.poll(timeout):
-            self.proc.kill()
+            stop(self.proc)
             raise EnvTimeout(f"the environments' zygote did not answer within {timeout:g} s")
         answer = self.conn.recv()
         if answer[0] == "error":
@@ -246,10 +246,7 @@ class Worker:
 
     def kill(self) -> None:
         self.alive = False
-        try:
-            os.kill(self.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        stop(self.pid)  # a child of the zygote, which reaps it
         self.conn.close()
 
     def close(self) -> None:

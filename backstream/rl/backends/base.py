@@ -1,4 +1,6 @@
-"""The backend protocol: who samples the policy's tokens (docs/design.md §1, §6e).
+"""The two sides of whoever samples the policy's tokens (docs/design.md §1, §6e): the sampling side
+(`Backend`) that the samplers ask for tokens, and the sync side (`Sync`) through which the rollout
+source keeps what samples on the learner's current weights.
 
 Every kind of sampler (single-turn completions: rl/rollout.py `Sampler`; episodes against an
 environment: rl/agent/episodes.py; agent programs through the endpoint: rl/agent/programs.py) takes a
@@ -7,76 +9,38 @@ environment: rl/agent/episodes.py; agent programs through the endpoint: rl/agent
 - `complete(prompts, generators, return_kv)`: G samples after each prompt (a rollout round's groups);
 - `play(starts, generators, turn, ...)`: episodes, each a sequence of turns the backend samples and
   the sampler's `turn(k, completion)` continues (the tokens it inserts) or ends (None);
-- `generate(ids, max_tokens, seed)`: one request after exactly `ids`, from any thread (an agent
-  program's), batched with the requests in flight.
+- `generate(ids, max_tokens, seed, key)`: one request after exactly `ids`, from any thread (an agent
+  program's), batched with the requests in flight; `key` names its session (a pool of servers sends
+  a session's requests to one server).
 
-Each answer is a `Completion`: token ids, the log-probs of the learner's convention and the weight
-version of every token. `sync(model)` makes the backend sample the policy's current weights (the
-rollout source calls it inside the policy view: quantized, gathered), `at_step(step)` says which step
-made them. Two backends: rl/backends/local.py (the in-process decoder) and rl/backends/server.py
-(a vLLM server); tests bring fakes of this protocol.
+Each answer is a `Completion` (rl/records.py, with the version convention of every record). Two
+backends: rl/backends/local.py (the in-process decoder) and rl/backends/server.py (a pool of vLLM
+servers); tests bring fakes of both protocols.
 
-One version convention: a sampled token carries the learner step whose weights sampled it (0: the
-initial weights); a token the sampler inserted (a tool result, a template token) carries -1.
+The sync side: `sync(model, step)` makes the backend sample `model`'s current weights, those of the
+learner's step `step` (a server's: published when they changed; the versions its tokens record).
+How weights travel is the sync's alone (rl/vllm/weights/).
 """
 
 from __future__ import annotations
 
-import math
+import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Protocol
 
-import torch
 from torch import Tensor
 
-CONTEXT = -1  # the weight version of a token no policy sampled (inserted, prompt)
-
-
-@dataclass
-class Completion:
-    """One sample after some token ids: its tokens, their log-probs under softmax(logits / T) before
-    truncation, the weight version each was sampled with, how it ended ("eos", "stop" for a stop string,
-    "length"), and in process with `return_kv` the K/V of every position of the sequence but its last."""
-
-    ids: list[int]
-    logprobs: Tensor  # float, one per token
-    versions: Tensor  # int64, one per token
-    reason: str
-    kv: object = None
-
-
-def at_version(ids: list[int], logprobs: Tensor, version: int, reason: str, kv=None) -> Completion:
-    """A completion whose every token was sampled with the weights of `version`."""
-    return Completion(list(ids), logprobs, torch.full((len(ids),), version, dtype=torch.long), reason, kv)
+from backstream.rl.records import Completion, Played
 
 
 class Backend(Protocol):
     """What a sampler asks of whoever samples (see the module docstring)."""
 
     in_process: bool
-    """True: samples the learner's model in this process (its K/V can be handed to the engine)."""
+    """True: the learner's own model samples in this process (its K/V can be handed to the engine, an
+    episode's tools run between its rounds, and nothing samples while the learner trains)."""
     metric_keys: tuple[str, ...]
     """The keys `metrics` adds to a step's line."""
-
-    def need_context(self, tokens: int, why: str) -> None:
-        """A sampler's longest sequence, `why` naming what sets it (a server's context must hold it)."""
-
-    def check(self, model) -> None:
-        """What the backend needs of the policy, before the run folder is written."""
-
-    def at_step(self, step: int) -> None:
-        """The learner's weights are now those of `step`: the version the next tokens record."""
-
-    def sync(self, model, progress=None) -> float:
-        """Sample `model`'s current weights from now on (a server: published if they changed; started at
-        the first call); returns the seconds spent publishing. `progress(seconds)` while a server starts."""
-
-    def kernels(self) -> dict[str, str]:
-        """What the backend's low-bit kernels compute, for the learner to copy ({"int8_gemm": name} or {})."""
-
-    def check_aligned(self, model) -> None:
-        """QaRL: refuse a backend whose quantized forward differs from the learner's (after `kernels`)."""
 
     def complete(self, prompts: list[Tensor], group_size: int, max_tokens: int, generators: list,
                  return_kv: bool = False, progress=None) -> list[Completion]:
@@ -88,49 +52,60 @@ class Backend(Protocol):
         sampled after the episode's ids so far with `budget(length)` tokens at most, then
         `turn(k, completion)` returns the tokens to feed before its next turn, or None when it is over."""
 
-    def generate(self, ids: list[int], max_tokens: int, seed: int) -> Completion:
-        """One request after exactly `ids` (thread-safe), drawn with `seed`."""
+    def generate(self, ids: list[int], max_tokens: int, seed: int, key: str | None = None) -> Completion:
+        """One request after exactly `ids` (thread-safe), drawn with `seed`; `key`: its session."""
 
-    def start_round(self) -> None:
-        """Requests (`generate`) may come now, from a round's agent programs."""
-
-    def end_round(self) -> None:
-        """The round's requests are over: any that still comes is refused."""
-
-    def playing(self, n: int) -> None:
-        """n more episodes may send requests (n < 0: fewer); a local backend batches on it."""
+    def round(self, episodes: int):
+        """A context in which a round's `episodes` agent programs send requests (`generate`); its value's
+        `done()` says one episode is over (a local backend batches on who still plays)."""
 
     def metrics(self, versions: list[Tensor]) -> dict[str, float]:
         """The backend's metrics of a rollout's per-sample token versions (`metric_keys`)."""
 
     def close(self) -> None:
-        """Stop what the backend started."""
+        """Let go of what the sampling side holds (requests in flight on a server of your own)."""
 
 
-class NoRounds:
-    """The request rounds of a backend that takes requests whenever they come and batches what is in
-    flight itself (a server, a test's fake): nothing to open, close or count."""
+class Sync(Protocol):
+    """The sync side: what samples holds the policy's weights (see the module docstring)."""
 
-    def start_round(self) -> None:
+    def need_context(self, tokens: int, why: str) -> None:
+        """A sampler's longest sequence, `why` naming what sets it (a server's context must hold it)."""
+
+    def check(self, model) -> None:
+        """What sampling needs of the policy, before the run folder is written (a server's context)."""
+
+    def view(self, model):
+        """A context in which `model` is as the sampler reads it (FSDP's parameters gathered, for one
+        that samples in process; a server's sync gathers what it publishes itself)."""
+
+    def sync(self, model, step: int, progress=None) -> float:
+        """Sample `model`'s current weights, those of the learner's step `step`, from now on (a server:
+        started at the first call, published when they changed); the seconds spent publishing.
+        `progress(seconds)` while a server starts."""
+
+    def idle(self) -> None:
+        """Sampling is over until the next sync (a server on the learner's GPU sleeps: vllm.colocate)."""
+
+    def kernels(self) -> dict[str, str]:
+        """What the sampler's low-bit kernels compute, for the learner to copy ({"int8_gemm": name} or {})."""
+
+    def check_aligned(self, model) -> None:
+        """QaRL: refuse a sampler whose quantized forward differs from the learner's (after `kernels`)."""
+
+    def close(self) -> None:
+        """Stop what the sync side started (servers), and what it wrote."""
+
+
+class Done:
+    """The value of a round that needs no bookkeeping: `done()` does nothing."""
+
+    def done(self) -> None:
         """Nothing: requests are taken whenever they come."""
 
-    def end_round(self) -> None:
-        """Nothing: a request after its episode ended is the endpoint's to refuse."""
 
-    def playing(self, n: int) -> None:
-        """Nothing: what is in flight is batched as it comes."""
-
-
-@dataclass
-class Played:
-    """An episode as the backend played it: every token it fed the model, in order (for the fidelity
-    test), and with `return_kv` the K/V of every position but the last."""
-
-    fed: list[int]
-    kv: object = None
-
-
-def oldest(versions: list[Tensor] | None) -> float:
-    """The oldest weight version any sampled token of a rollout holds (NaN: no token)."""
-    mins = [int(v[v >= 0].min()) for v in versions or [] if (v >= 0).any()]
-    return float(min(mins)) if mins else math.nan
+@contextlib.contextmanager
+def no_rounds(episodes: int):
+    """`Backend.round` of a backend that takes requests whenever they come and batches what is in flight
+    itself (a server, a test's fake): nothing to open, close or count."""
+    yield Done()

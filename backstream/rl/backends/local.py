@@ -15,14 +15,16 @@ current weights, in this process (rl/decode.py: every row of a call in one batch
   that request's K/V, which it takes over; any other request is prefilled whole, requests of one
   length as one batch (a row prefilled after its own history is a forward of its own: for short
   histories the batched prefill is faster). Every request draws with its own seeded generator: its
-  tokens depend on its seed, not on its batch-mates. Outside `start_round`/`end_round` (a program
-  still running after its episode ended) a request is refused: the model is being trained.
+  tokens depend on its seed, not on its batch-mates. Outside a `round` (a program still running
+  after its episode ended) a request is refused: the model is being trained.
 
-Every token records the learner's current step (`at_step`) as its weight version.
+Every token records the learner's step that made the model's weights (`LocalSync.sync`) as its weight
+version.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import threading
@@ -32,10 +34,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from backstream.rl.backends.base import Completion, Played, at_version
 from backstream.rl.decode import Rows, check_return_kv, decode, prefill, shares
 from backstream.rl.prefix import SHARE_MIN
+from backstream.rl.records import Completion, Played, at_version
 from backstream.rl.rollout import SamplingConfig, generate
+from backstream.stream import fsdp
 from backstream.stream.hf import takes_logits_to_keep
 
 # how long a batch waits for the requests of episodes still playing: until every one has sent its
@@ -55,44 +58,25 @@ class _Request:
 
 class LocalBackend:
     """The learner's model, sampling in this process (see the module docstring). `config`: the run's
-    sampling settings (temperature, top-p/top-k, stop strings, rollout.max_new_tokens)."""
+    sampling settings (temperature, top-p/top-k, stop strings, rollout.max_new_tokens). What it samples
+    with is its `LocalSync`'s to say (`sync`: the model and the step that made its weights)."""
 
     in_process = True
     metric_keys: tuple[str, ...] = ()
 
     def __init__(self, config: SamplingConfig, eos: list[int], tokenizer):
         self.config, self.eos, self.tok = config, set(eos), tokenizer
-        self.model = None  # `sync`'s
-        self.version = 0  # the learner's step (`at_step`)
+        self.model = None  # `LocalSync.sync`'s
+        self.version = 0  # the learner's step that made the model's weights (`LocalSync.sync`)
         self.cond = threading.Condition()
         self.queue: list[_Request] = []
         self.decoding = False
-        self.open = False  # between start_round and end_round
+        self.open = False  # inside a `round`
         self.batches: list[int] = []  # requests per decode batch, this round
         self.live = 0  # episodes playing: each may send a request
         self.prefixes: list[tuple[list[int], object]] = []  # this round's (ids fed, their K/V), each taken once
         self.reused = 0  # tokens of this round's requests not prefilled again
         self.reuse_min = REUSE_MIN
-
-    # -- the policy ---------------------------------------------------------------------------------
-    def need_context(self, tokens: int, why: str) -> None:
-        """Nothing: the prompts were checked against the model's context when the data was loaded."""
-
-    def check(self, model) -> None:
-        """Nothing to check: the model samples itself."""
-
-    def at_step(self, step: int) -> None:
-        self.version = step
-
-    def sync(self, model, progress=None) -> float:
-        self.model = model
-        return 0.0
-
-    def kernels(self) -> dict[str, str]:
-        return {}
-
-    def check_aligned(self, model) -> None:
-        """The learner's own quantized forward samples: aligned by construction."""
 
     def metrics(self, versions: list[Tensor]) -> dict[str, float]:
         return {}
@@ -162,21 +146,25 @@ class LocalBackend:
         return played
 
     # -- requests (agent programs) --------------------------------------------------------------------
-    def start_round(self) -> None:
+    @contextlib.contextmanager
+    def round(self, episodes: int):
+        """A round of `episodes` agent programs: requests are taken inside it (a program still running
+        after it ended is refused: the model is being trained), batched while episodes still play."""
         with self.cond:
-            self.open, self.batches, self.prefixes, self.reused = True, [], [], 0
+            self.open, self.batches, self.prefixes, self.reused, self.live = True, [], [], 0, episodes
+        try:
+            yield _Playing(self)
+        finally:
+            with self.cond:
+                while self.decoding:
+                    self.cond.wait()
+                self.open, self.live, self.prefixes = False, 0, []
+                for r in self.queue:
+                    r.error = RuntimeError("the episode's round is over")
+                self.queue = []
+                self.cond.notify_all()
 
-    def end_round(self) -> None:
-        with self.cond:
-            while self.decoding:
-                self.cond.wait()
-            self.open, self.live, self.prefixes = False, 0, []
-            for r in self.queue:
-                r.error = RuntimeError("the episode's round is over")
-            self.queue = []
-            self.cond.notify_all()
-
-    def generate(self, ids: list[int], max_tokens: int, seed: int) -> Completion:
+    def generate(self, ids: list[int], max_tokens: int, seed: int, key: str | None = None) -> Completion:
         req = _Request(list(ids), max_tokens, seed)
         with self.cond:
             if not self.open or self.model is None:
@@ -202,11 +190,6 @@ class LocalBackend:
         if req.error is not None:
             raise req.error
         return req.answer
-
-    def playing(self, n: int) -> None:
-        with self.cond:
-            self.live += n
-            self.cond.notify_all()
 
     def _gather(self) -> None:
         """Before a batch: wait for the requests of the episodes still playing, while they keep coming
@@ -258,3 +241,49 @@ class LocalBackend:
                         and ids[len(fed) - 1] == fed[-1] and ids[:len(fed)] == fed),
                        key=lambda k: len(self.prefixes[k][0]), default=None)
             return self.prefixes.pop(best) if best is not None else ([], None)
+
+
+class _Playing:
+    """A local round's bookkeeping: `done()` when one of its episodes is over (fewer requests to wait for)."""
+
+    def __init__(self, backend: LocalBackend):
+        self.backend = backend
+
+    def done(self) -> None:
+        with self.backend.cond:
+            self.backend.live -= 1
+            self.backend.cond.notify_all()
+
+
+class LocalSync:
+    """The sync side of the in-process backend: the learner's own model samples, at its weights as they
+    are; `sync` hands it to the backend with the step that made them (every token's version)."""
+
+    def __init__(self, backend: LocalBackend):
+        self.backend = backend
+
+    def need_context(self, tokens: int, why: str) -> None:
+        """Nothing: the prompts were checked against the model's context when the data was loaded."""
+
+    def check(self, model) -> None:
+        """Nothing to check: the model samples itself."""
+
+    def view(self, model):
+        """FSDP's parameters gathered once for the rollout's forwards (no collective inside them)."""
+        return fsdp.gathered(model)
+
+    def sync(self, model, step: int, progress=None) -> float:
+        self.backend.model, self.backend.version = model, step
+        return 0.0
+
+    def idle(self) -> None:
+        """Nothing: the model samples itself."""
+
+    def kernels(self) -> dict[str, str]:
+        return {}
+
+    def check_aligned(self, model) -> None:
+        """The learner's own quantized forward samples: aligned by construction."""
+
+    def close(self) -> None:
+        self.backend.model = None

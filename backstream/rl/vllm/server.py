@@ -19,7 +19,6 @@ import ipaddress
 import json
 import os
 import re
-import signal
 import socket
 import subprocess
 import time
@@ -28,12 +27,17 @@ import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
-from backstream.checks import UserError, at_least
-from backstream.lifetime import guarded
+from backstream.checks import UserError, at_least, literals
+from backstream.lifetime import group_alive, guarded, stop
 from backstream.rl.vllm.setup import default_dir, python_of
+from backstream.rl.vllm.weights import ENGINE
 
 SERVED_NAME = "policy"  # the name requests use for the served base model
+# every server the run starts, or `backstream vllm serve` starts, can take the weights by transfer
+# (rl/vllm/weights/engine.py, registered by the worker extension): vLLM's engine named "backstream"
+TAKES_TRANSFERS = ("--weight-transfer-config", json.dumps({"backend": ENGINE}))
 
 
 @dataclass(kw_only=True)
@@ -41,9 +45,38 @@ class VLLMConfig:
     python: str = ""
     """The interpreter of the vLLM environment (`backstream vllm setup` prints it); "" = the default
     environment's, if `backstream vllm setup` built it."""
+    servers: int = 1
+    """How many servers the run starts (without vllm.url / vllm.urls), each on its own cores or GPUs
+    (`devices`); a group's G samples, an episode's turns and an agent session's requests go to one,
+    each new one to the server with the least work in flight (docs/vllm.md, "Several servers")."""
+    devices: list[str] = field(default_factory=list)
+    """Per started server, what it runs on: GPUs for CUDA_VISIBLE_DEVICES ("4,5") on a GPU machine, cores
+    for VLLM_CPU_OMP_THREADS_BIND ("1" or "2-3") on a CPU; [] = on GPUs the ones the learner does not
+    use (torchrun's LOCAL_WORLD_SIZE first), split evenly; on a CPU the cores dealt out round robin."""
     url: str = ""
     """A server the user runs (e.g. "http://127.0.0.1:8000"), started with `backstream vllm serve`: the
-    run connects to it and starts none, and checks at start-up that it can serve the run."""
+    run connects to it and starts none, and checks at start-up that it can serve the run (the one-server
+    form of `urls`)."""
+    urls: list[str] = field(default_factory=list)
+    """Servers the user runs (`backstream vllm serve` on each sampling machine), each checked at connect
+    as `url` is; the run starts none."""
+    weights: Literal["auto", "transfer", "disk"] = "auto"
+    """How the learner's weights reach the servers after every step: "transfer" (vLLM's weight-transfer
+    engine: one process group, the weights broadcast from the learner's rank 0, no file; through shared
+    memory on one host), "disk" (safetensors the servers reload), "auto" = transfer where every server
+    can take it, disk otherwise (and for low-bit QaRL weights). A LoRA policy publishes its adapter
+    (a few MB) either way. The run says at start-up which it took."""
+    transfer_timeout_s: float = 300.0
+    """Seconds each phase of a weight transfer (join, start, receive, finish) may take on a server
+    before the run stops with an error naming the phase and the server."""
+    transfer_host: str = ""
+    """The learner's address the servers reach for the weight transfer ("" = 127.0.0.1 when every server
+    is on loopback, else this machine's name as it resolves)."""
+    colocate: bool = False
+    """GPU only: the run starts one server on the learner's own GPU, asleep (its K/V cache freed) while
+    the learner trains, the weights handed over by CUDA IPC (docs/vllm.md, "One GPU shared")."""
+    gpu_memory_utilization: float = 0.3
+    """With colocate: the share of the GPU's memory the server may take (vLLM's --gpu-memory-utilization)."""
     api_key: str = ""
     """The key of a server of your own (`backstream vllm serve --api-key`), sent with every request;
     "" = $VLLM_API_KEY, if set. Required for a url off loopback. Never written to the run folder
@@ -65,21 +98,40 @@ class VLLMConfig:
     does not, with the numbers (bytes a token: layers × 2 × K/V heads × head dim × dtype bytes)."""
 
     def __post_init__(self):
-        for key in ("python", "url", "api_key"):
+        for key in ("python", "url", "api_key", "transfer_host"):
             if not isinstance(getattr(self, key), str):
                 raise UserError(f"vllm.{key}: got {getattr(self, key)!r}, expected a string")
-        if self.url:
-            host = check_url(self.url)
+        for key in ("urls", "devices"):
+            v = getattr(self, key)
+            if not isinstance(v, list) or not all(isinstance(x, str) and x for x in v):
+                raise UserError(f"vllm.{key}: got {v!r}, expected a list of strings")
+        if self.url and self.urls:
+            raise UserError(f"vllm.url and vllm.urls are both set ({self.url!r}, {self.urls}); vllm.url is the "
+                            "one-server form of vllm.urls: set one of them")
+        if len(set(self.addresses())) != len(self.addresses()):
+            raise UserError(f"vllm.urls: a server is named twice ({self.urls})")
+        for url in self.addresses():
+            host = check_url(url)
             if not is_loopback(host) and not self.key():
-                raise UserError(f"vllm.api_key: vllm.url = {self.url!r} is off loopback, so the server's weight-"
-                                "reload routes are reachable from the network; start it with `backstream vllm serve "
-                                "... --api-key KEY` and set vllm.api_key = KEY (or VLLM_API_KEY in the run's "
-                                "environment)")
+                raise UserError(f"vllm.api_key: {url!r} is off loopback, so the server's weight-reload routes are "
+                                "reachable from the network; start it with `backstream vllm serve ... --api-key KEY` "
+                                "and set vllm.api_key = KEY (or VLLM_API_KEY in the run's environment)")
+        at_least("vllm.servers", self.servers, 1)
+        if self.devices and len(self.devices) != self.servers:
+            raise UserError(f"vllm.devices: {len(self.devices)} entries for vllm.servers = {self.servers}; give one "
+                            "per server, or [] (split automatically)")
+        literals(self, "vllm")
+        if not (isinstance(self.gpu_memory_utilization, (int, float)) and 0 < self.gpu_memory_utilization < 1):
+            raise UserError(f"vllm.gpu_memory_utilization: got {self.gpu_memory_utilization!r}, expected a number in "
+                            "(0, 1)")
+        if self.colocate and (self.addresses() or self.servers > 1):
+            raise UserError("vllm.colocate = true: the run starts one server on the learner's own GPU; leave "
+                            "vllm.url / vllm.urls empty and vllm.servers = 1")
         if not isinstance(self.extra_args, list) or not all(isinstance(a, str) for a in self.extra_args):
             raise UserError(f"vllm.extra_args: got {self.extra_args!r}, expected a list of strings")
         at_least("vllm.max_model_len", self.max_model_len, 0)
         at_least("vllm.kv_cache_gb", self.kv_cache_gb, 1)
-        for key in ("start_timeout_s", "request_timeout_s"):
+        for key in ("start_timeout_s", "request_timeout_s", "transfer_timeout_s"):
             v = getattr(self, key)
             if not (isinstance(v, (int, float)) and v > 0):
                 raise UserError(f"vllm.{key}: got {v!r}, expected a number > 0")
@@ -93,6 +145,10 @@ class VLLMConfig:
             raise UserError(f"rollout.backend = \"vllm\": {where}; run `backstream vllm setup` (it builds one and "
                             "prints its python), or set vllm.url to a server you run")
         return python
+
+    def addresses(self) -> list[str]:
+        """The servers of your own: vllm.urls, or [vllm.url]; [] when the run starts its own."""
+        return list(self.urls) or ([self.url] if self.url else [])
 
     def key(self) -> str:
         """The API key the run sends: vllm.api_key, else $VLLM_API_KEY (the variable vLLM's server reads
@@ -167,7 +223,7 @@ def server_args(model_dir: str, port: int, max_model_len: int, dtype: str, seed:
             "--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(max_model_len, 4096)),
             "--worker-extension-cls", "backstream.rl.vllm.worker_ext.WeightSync",
             # /inference/v1/generate: token ids in and out, with the weight version of every sampled token
-            "--enable-scale-out"]
+            "--enable-scale-out", *TAKES_TRANSFERS]
     if lora_rank:
         args += ["--enable-lora", "--max-lora-rank", str(max(8, lora_rank)), "--max-loras", "1"]
     return args
@@ -206,13 +262,7 @@ def vllm_error(log_path: str | None) -> str:
     return line if len(line) <= 600 else line[:600] + " …"
 
 
-def _group_alive(pgid: int) -> bool:
-    """Whether any process of the group is still running."""
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+_group_alive = group_alive  # (the name tests use)
 
 
 class Server:
@@ -226,12 +276,13 @@ class Server:
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
     @classmethod
-    def start(cls, cfg: VLLMConfig, args: list[str], log_path: str, progress=None) -> Server:
+    def start(cls, cfg: VLLMConfig, args: list[str], log_path: str, progress=None, env: dict | None = None) -> Server:
         """Start the server with `args` (+ vllm.extra_args), its output in `log_path`, and wait for
-        /health (vllm.start_timeout_s); `progress(seconds)` while it starts."""
+        /health (vllm.start_timeout_s); `progress(seconds)` while it starts; `env`: more of its
+        environment (its devices)."""
         python = cfg.interpreter()
         port = int(args[args.index("--port") + 1])
-        env = server_env(cfg.kv_cache_gb)
+        env = {**server_env(cfg.kv_cache_gb), **(env or {})}
         os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
         log = open(log_path, "ab")
         proc, lifeline = guarded(str(python), [str(python), "-m", "vllm.entrypoints.openai.api_server", *args,
@@ -266,8 +317,19 @@ class Server:
                             "serve MODEL`, docs/vllm.md), or leave vllm.url empty to let the run start one")
         return server
 
+    @classmethod
+    def client(cls, url: str, timeout: float, api_key: str = "", log_path: str | None = None) -> Server:
+        """A server another rank started (its log in the run folder the ranks share) or checked (no log
+        to name but its address): no process here."""
+        return cls(url, None, log_path, timeout, api_key)
+
     def where(self) -> str:
         return f"its log: {self.log_path}" if self.log_path else f"the server at {self.url}"
+
+    def answers(self) -> bool:
+        """Whether the server is still there: its process running (one this run started) and /health
+        answering."""
+        return (self.proc is None or self.proc.poll() is None) and self.healthy()
 
     def healthy(self) -> bool:
         try:
@@ -305,25 +367,12 @@ class Server:
             return text
 
     def stop(self) -> None:
-        """Stop the server this run started: its whole process group (API server, engine, worker),
-        also when the API server is already gone (its engine and worker would live on, orphaned)."""
+        """Stop the server this run started: its whole process group (API server, engine, worker), with
+        20 s to shut down, also when the API server is already gone (its engine and worker would live
+        on, orphaned): backstream/lifetime.py `stop`."""
         if self.proc is None:
             return
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)  # the guard, the API server, its engine and worker
-            self.proc.wait(20)
-            deadline = time.monotonic() + 20
-            while _group_alive(self.proc.pid) and time.monotonic() < deadline:
-                time.sleep(0.1)
-        except ProcessLookupError:
-            pass  # nothing left in the group
-        except subprocess.TimeoutExpired:
-            pass
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait(10)
+        stop(self.proc, grace=20.0, group=True)
         if self.lifeline is not None:
             os.close(self.lifeline)
             self.lifeline = None

@@ -1,11 +1,12 @@
 """Runs inside the vLLM server (`--worker-extension-cls backstream.rl.vllm.worker_ext.WeightSync`, the
-package's folder on the server's PYTHONPATH): the learner's weights, reloaded in place. Imports
-nothing of backstream (the server's environment has vLLM's own transformers, not ours).
+package's folder on the server's PYTHONPATH): what the run asks of the worker through
+`/collective_rpc`. Imports nothing of backstream but the server's side of the weights beside it
+(rl/vllm/weights/engine.py: the disk reload, the transfer engine, which importing this module
+registers with vLLM before it creates its engine, and the ledger of each publish); the server's
+environment has vLLM's own transformers, not ours.
 
-On a CPU server vLLM's GEMM keeps its own packed copy of each linear weight; `reload_weights`
-repacks the layers it loads, but a tied LM head is loaded through the embedding and keeps sampling
-with the old packed copy (log-probs 7e-2 off the new weights, docs/vllm.md). So after the
-reload the head is re-tied to the embedding and repacked.
+A LoRA policy's adapter is loaded by vLLM itself (/v1/load_lora_adapter); the tensors it reads are
+recorded (`_record_adapters`), so that the run can check that each publish's adapter is the one loaded.
 
 Low-bit weights (QaRL, compressed-tensors): `reload_weights` redoes each layer's
 `process_weights_after_loading` on fresh tensors and copies the results into the old storages. The
@@ -14,6 +15,8 @@ the reload frees: sampling then returned NaN/inf log-probs. The kernels are made
 alive (`_keep_int8_scales`)."""
 
 from __future__ import annotations
+
+import os
 
 BUSY_LOOP_S = 0.02  # vLLM's shared-memory reader spins this long after a read before it sleeps on a socket
 
@@ -33,6 +36,45 @@ def _spin_less() -> None:
 
 
 _spin_less()
+
+try:  # the server's side of the weights (vLLM's environment); absent, nothing here runs anyway
+    from backstream.rl.vllm.weights import engine as _weights
+except ImportError:  # pragma: no cover
+    _weights = None
+
+ADAPTER_LAST: dict = {}  # the last adapter vLLM loaded: its folder and the fingerprint of each of its tensors
+
+
+def _record_adapters() -> None:
+    """vLLM's adapter loader (LoRAModel.from_local_checkpoint, vllm 0.32.0) records what it read."""
+    try:
+        from vllm.lora.lora_model import LoRAModel  # noqa: PLC0415
+
+        from backstream.rl.vllm.weights.ledger import fingerprint  # noqa: PLC0415
+    except ImportError:
+        return
+    if getattr(LoRAModel, "backstream_recorded", False):
+        return
+    local, tensors = LoRAModel.from_local_checkpoint.__func__, LoRAModel.from_lora_tensors.__func__
+    reading: dict = {}
+
+    def from_local_checkpoint(cls, lora_dir, *args, **kwargs):
+        reading.clear()
+        out = local(cls, lora_dir, *args, **kwargs)
+        ADAPTER_LAST.clear()
+        ADAPTER_LAST.update(path=os.path.abspath(lora_dir), fingerprints=dict(reading))
+        return out
+
+    def from_lora_tensors(cls, lora_model_id, tensors_, *args, **kwargs):
+        reading.update({name: fingerprint(t) for name, t in tensors_.items()})
+        return tensors(cls, lora_model_id, tensors_, *args, **kwargs)
+
+    LoRAModel.from_local_checkpoint = classmethod(from_local_checkpoint)
+    LoRAModel.from_lora_tensors = classmethod(from_lora_tensors)
+    LoRAModel.backstream_recorded = True
+
+
+_record_adapters()
 
 
 def _float32_int8_on_onednn() -> None:
@@ -125,24 +167,28 @@ def _int8_gemm(model) -> dict:
     return {"gemm": gemm, "kernel": "onednn", "probe": got}
 
 
-class WeightSync:
-    """Methods of the vLLM worker, called through `/collective_rpc`."""
+class WeightSync(_weights.ServerWeights if _weights is not None else object):
+    """Methods of the vLLM worker, called through `/collective_rpc` (the loading ones:
+    rl/vllm/weights/engine.py `ServerWeights`)."""
 
     def backstream_info(self, probe: str = "") -> dict:
         """What this server runs, as its model runner has it, for a run that connects to a server it did
-        not start (`vllm.url`): its log-prob mode, context, dtype, LoRA and platform, which the run checks
-        against its own needs (rl/vllm/serve.py `check_server`). `probe`: a file the run just wrote under its
-        run folder, read back here: the run hands over weights as paths under that folder, so this
-        worker must see it at the same path (a server on another host: a shared filesystem)."""
+        not start (`vllm.urls`): its log-prob mode, context, dtype, LoRA, platform and weight-transfer
+        engine, which the run checks against its own needs (rl/vllm/serve.py `check_server`). `probe`: a
+        file the run just wrote under its run folder, read back here: the disk path hands over weights
+        as paths under that folder, so this worker must see it at the same path (a server on another
+        host: a shared filesystem)."""
         from vllm.platforms import current_platform  # noqa: PLC0415
 
         model, lora = self.model_runner.model_config, self.model_runner.lora_config
         scheduler = self.model_runner.vllm_config.scheduler_config
+        transfer = getattr(self.model_runner.vllm_config, "weight_transfer_config", None)
         out = {"logprobs_mode": str(model.logprobs_mode), "max_model_len": int(model.max_model_len),
                "dtype": str(model.dtype).removeprefix("torch."), "lora": lora is not None,
                "max_lora_rank": int(lora.max_lora_rank) if lora is not None else 0,
                "chunked_prefill": bool(scheduler.enable_chunked_prefill),
-               "platform": str(current_platform.device_type)}
+               "platform": str(current_platform.device_type),
+               "transfer": getattr(transfer, "backend", None) if transfer is not None else None}
         if probe:
             try:
                 with open(probe) as f:
@@ -156,23 +202,11 @@ class WeightSync:
         "int16-pairs" | "none" | "unknown", "kernel": ...}."""
         return _int8_gemm(self.model_runner.get_model())
 
-    def backstream_reload(self, path: str) -> int:
-        """Load every weight of the safetensors files in `path` in place; returns the tensors repacked."""
+    def backstream_reload(self, path: str, version: str = "") -> dict:
+        """The disk path (rl/vllm/weights/engine.py), with the CPU int8 kernels' scales kept alive."""
         _keep_int8_scales(self.model_runner.get_model())
-        self.model_runner.reload_weights(weights_path=path)
-        model = self.model_runner.get_model()
-        from vllm.platforms import current_platform  # noqa: PLC0415
+        return super().backstream_reload(path, version)
 
-        if not current_platform.is_cpu():
-            return 0
-        from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm  # noqa: PLC0415
-
-        head = getattr(model, "lm_head", None)
-        embed = getattr(getattr(model, "model", None), "embed_tokens", None)  # vLLM's decoder models
-        config = self.model_runner.model_config.hf_config
-        tied = getattr(config.get_text_config(), "tie_word_embeddings", False)
-        if head is None or embed is None or not tied or not hasattr(head, "weight"):
-            return 0
-        head.weight = embed.weight
-        dispatch_cpu_unquantized_gemm(head, remove_weight=False)
-        return 1
+    def backstream_adapter(self) -> dict:
+        """The last adapter vLLM loaded: its folder and the fingerprints of its tensors."""
+        return dict(ADAPTER_LAST)

