@@ -254,7 +254,7 @@ def vllm_job(out: str, overrides: list[str]) -> dict:
 
     sync.close = recorded
     shares = []  # the number of groups of each `sample` call of this rank (training, then [eval])
-    for s in (t.sampler, t.evaluator.sampler):
+    for s in [t.sampler, *([t.evaluator.sampler] if hasattr(t.evaluator, "sampler") else [])]:
         s.sample = _counted(s.sample, shares)
     t.run()
     url, proc, log = seen["servers"][0]

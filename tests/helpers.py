@@ -334,8 +334,9 @@ def kill_the_server_then_step(t) -> None:
 
     from backstream.rl.vllm.server import ServerError
 
-    os.killpg(t.backend.publisher.server.proc.pid, signal.SIGKILL)
-    t.backend.publisher.server.proc.wait()
+    server = t.sync.pool.members[0].server
+    os.killpg(server.proc.pid, signal.SIGKILL)
+    server.proc.wait()
     with pytest.raises(ServerError, match=r"vLLM .*(died|no answer).*vllm.log.*--resume"):
         t.train_step()
     t.close()

@@ -6,7 +6,7 @@
 - Routing (`request`): every request of one key goes to one server, so that server's prefix cache
   holds the prefix the learner's tree shares: a group is one request (`n = G`), an episode's turns and
   an agent session's requests carry their key. A key seen for the first time goes to the server with
-  the least work in flight.
+  the least work in flight (of those, the one that took the fewest).
 - Deaths: a request that finds its server gone (its process exited, or it stopped answering) marks it
   dead and goes to another; the run says so once (the server, its log). A server the run started is
   restarted from the weights it started with (RUN_DIR/vllm/initial, kept for that) in the background,
@@ -46,6 +46,7 @@ class Member:
     label: int = -1  # the step its tokens record
     in_flight: int = 0
     requests: int = 0  # since the last `metrics`
+    taken: int = 0  # in all (ties of in flight go to the server that took fewest)
     reviving: concurrent.futures.Future | None = field(default=None, repr=False)
 
     @property
@@ -100,12 +101,12 @@ class ServerPool:
 
     # -- routing ------------------------------------------------------------------------------------
     def request(self, fn, key=None):
-        """`fn(server)` on the server of `key` (the one with the least in flight for a new key); a server
+        """`fn(member)` on the member of `key` (the one with the least in flight for a new key); a server
         found gone is marked dead and the request goes to another."""
         while True:
             m = self._pick(key)
             try:
-                return fn(m.server)
+                return fn(m)
             except ServerError:
                 if m.server.answers():
                     raise
@@ -121,13 +122,14 @@ class ServerPool:
                 raise ServerError(self.none_left())
             m = self.sticky.get(key) if key is not None else None
             if m is None or not m.alive:
-                m = min(live, key=lambda x: (x.in_flight, x.index))
+                m = min(live, key=lambda x: (x.in_flight, x.taken, x.index))
                 if key is not None:
                     self.sticky[key] = m
                     while len(self.sticky) > STICKY:
                         self.sticky.popitem(last=False)
             m.in_flight += 1
             m.requests += 1
+            m.taken += 1
             return m
 
     def _dead(self, m: Member) -> None:
@@ -191,6 +193,17 @@ class ServerPool:
         if not any(m.alive for m in self.members):
             raise ServerError(self.none_left())
         return changed
+
+    def recheck(self) -> bool:
+        """After a publish failed (every rank): rank 0 asks each live server whether it is still there; the
+        ones that are not are marked dead on every rank. Whether any was (the publish is then tried again
+        with the others)."""
+        gone = self.dp.broadcast(self.dp.on_main(lambda: [m.index for m in self.alive() if not m.server.answers()]))
+        for i in gone:
+            self._dead(self.members[i])
+        if not self.alive():
+            raise ServerError(self.none_left())
+        return bool(gone)
 
     def _restart(self, m: Member) -> Server:
         """A dead server the run started, started again (in a thread of rank 0's): its process group

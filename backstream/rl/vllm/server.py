@@ -110,10 +110,11 @@ class VLLMConfig:
                             "one-server form of vllm.urls: set one of them")
         if len(set(self.addresses())) != len(self.addresses()):
             raise UserError(f"vllm.urls: a server is named twice ({self.urls})")
-        for url in self.addresses():
+        for i, url in enumerate(self.addresses()):
             host = check_url(url)
             if not is_loopback(host) and not self.key():
-                raise UserError(f"vllm.api_key: {url!r} is off loopback, so the server's weight-reload routes are "
+                where = f"vllm.url = {url!r}" if self.url else f"vllm.urls[{i}] = {url!r}"
+                raise UserError(f"vllm.api_key: {where} is off loopback, so the server's weight-reload routes are "
                                 "reachable from the network; start it with `backstream vllm serve ... --api-key KEY` "
                                 "and set vllm.api_key = KEY (or VLLM_API_KEY in the run's environment)")
         at_least("vllm.servers", self.servers, 1)

@@ -65,9 +65,10 @@ def _record_adapters() -> None:
         ADAPTER_LAST.update(path=os.path.abspath(lora_dir), fingerprints=dict(reading))
         return out
 
-    def from_lora_tensors(cls, lora_model_id, tensors_, *args, **kwargs):
-        reading.update({name: fingerprint(t) for name, t in tensors_.items()})
-        return tensors(cls, lora_model_id, tensors_, *args, **kwargs)
+    def from_lora_tensors(cls, *args, **kwargs):  # (lora_model_id, tensors, ...), by name or by position
+        read = kwargs["tensors"] if "tensors" in kwargs else args[1]
+        reading.update({name: fingerprint(t) for name, t in read.items()})
+        return tensors(cls, *args, **kwargs)
 
     LoRAModel.from_local_checkpoint = classmethod(from_local_checkpoint)
     LoRAModel.from_lora_tensors = classmethod(from_lora_tensors)

@@ -90,38 +90,38 @@ def test_a_key_goes_to_one_server_and_a_new_key_to_the_least_busy():
     release = threading.Event()
     seen: dict = {}
 
-    def hold(server):  # a request that stays in flight until released
-        seen.setdefault("held", server)
+    def hold(member):  # a request that stays in flight until released
+        seen.setdefault("held", member.server)
         release.wait(5)
-        return server
+        return member.server
 
     t = threading.Thread(target=lambda: pool.request(hold, key="episode-1"))
     t.start()
     while "held" not in seen:
         time.sleep(0.01)
-    other = pool.request(lambda s: s, key="episode-2")  # a new key: the server with nothing in flight
+    other = pool.request(lambda m: m.server, key="episode-2")  # a new key: the server with nothing in flight
     assert other is not seen["held"]
-    assert pool.request(lambda s: s, key="episode-2") is other  # its next request: the same server
+    assert pool.request(lambda m: m.server, key="episode-2") is other  # its next request: the same server
     release.set()
     t.join()
-    assert pool.request(lambda s: s, key="episode-1") is seen["held"]
+    assert pool.request(lambda m: m.server, key="episode-1") is seen["held"]
     assert pool.metrics() == {"vllm/requests/0": 2.0, "vllm/requests/1": 2.0, "vllm/servers_alive": 2.0}
 
 
 def test_a_dead_servers_requests_go_to_the_others_and_none_left_is_an_error(caplog):
     a, b = StandIn("a"), StandIn("b")
     pool = _pool(a, b)
-    assert pool.request(lambda s: s.post("/x") or s, key="k") is a
-    a.gone = True
-    assert pool.request(lambda s: s.post("/x") or s, key="k") is b  # the key moves with its server's death
-    assert pool.request(lambda s: s.post("/x") or s) is b
+    assert pool.request(lambda m: m.server.post("/x") or m.server, key="k") is a
+    a.gone = True  # the key moves with its server's death
+    assert pool.request(lambda m: m.server.post("/x") or m.server, key="k") is b
+    assert pool.request(lambda m: m.server.post("/x") or m.server) is b
     deaths = [r.message for r in caplog.records if "died or stopped answering" in r.message]
     assert len(deaths) == 1 and "vLLM server 0 (the stand-in http://127.0.0.1:9/a)" in deaths[0]
     assert "it is dropped from the pool" in deaths[0]  # a server of your own is not restarted
     assert pool.metrics()["vllm/servers_alive"] == 1.0
     b.gone = True
     with pytest.raises(ServerError, match=r"every vLLM server of the run died .*server 0 .*server 1 .*--resume"):
-        pool.request(lambda s: s.post("/x"))
+        pool.request(lambda m: m.server.post("/x"))
 
 
 def _model():

@@ -15,7 +15,8 @@ rl/vllm/worker_ext.py, imports it, which registers the engine before vLLM create
   worker reads in place, the group carrying an 8-byte signal per bucket: loopback TCP alone moved
   2.4 GB in 2.6-3.1 s here, a 0.6B model's whole budget.
 - `ServerWeights`, the worker extension's methods: `backstream_reload(path, version)` (the disk path:
-  the same load, from safetensors) and `backstream_ledger()`, what the last publish loaded
+  the same load, from safetensors), `backstream_group()` (the group it is in) and
+  `backstream_ledger()`, what the last publish loaded
   (rl/vllm/weights/ledger.py), which the learner checks after every publish: vLLM itself answers 200
   to a transfer that loaded nothing and keeps serving the old weights.
 
@@ -43,6 +44,7 @@ from backstream.rl.vllm.weights import ENGINE as BACKEND
 from backstream.rl.vllm.weights.ledger import fingerprint
 
 LAST: dict = {}  # the ledger of this worker's last publish, by whichever path (`ServerWeights.backstream_ledger`)
+JOINED: dict = {}  # the transfer group this worker is in: its name (`ServerWeights.backstream_group`)
 
 try:  # inside vLLM's environment; the learner never imports this module
     from vllm.distributed.weight_transfer.base import (
@@ -113,10 +115,11 @@ def unloaded(model, model_config, loaded: set[str]) -> list[str]:
     """The model's parameters no `load_weights` call of the publish loaded (they keep their old values);
     a tied head is loaded through the embedding. A quantized model's are not named one to one by what it
     loads (vLLM checks them only without quantization too): the fingerprints of what it was handed
-    stand alone there."""
+    stand alone there. A server that serves adapters wraps its layers (`x.base_layer.weight` is loaded as
+    `x.weight`, as vLLM's own reload names it)."""
     if model_config.quantization is not None:
         return []
-    params = {n for n, _ in model.named_parameters()}
+    params = {n.replace(".base_layer.", ".") for n, _ in model.named_parameters()}
     if _tied(model_config):
         params.discard("lm_head.weight")
     return sorted(params - loaded)
@@ -221,6 +224,7 @@ class BackstreamEngine(WeightTransferEngine):
             self.group = dist.ProcessGroupGloo(store, rank, info.world_size, opts)
         self.cuda = info.device == "nccl"
         self.shm_path, self.shm = info.shm_path, None
+        JOINED["prefix"] = info.prefix
 
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload  # noqa: PLC0415
@@ -300,6 +304,7 @@ class BackstreamEngine(WeightTransferEngine):
             with contextlib.suppress(Exception):
                 self.group.shutdown()
         self.group = None
+        JOINED.clear()
 
 
 def _size(chunk) -> int:
@@ -339,6 +344,12 @@ class ServerWeights:
         retie_head(model, config)
         LAST.update(ledger.record(), unloaded=unloaded(model, config, ledger.loaded))
         return {"tensors": len(ledger.fingerprints)}
+
+    def backstream_group(self) -> str:
+        """The name of the transfer group this worker is in ("": none). A server of your own may have
+        joined another learner's group since this one's (another run, or a test): that learner must
+        join it again before it broadcasts, or the broadcast finds nobody at the other end."""
+        return JOINED.get("prefix", "")
 
     def backstream_ledger(self) -> dict:
         """What the last publish loaded: its version, the fingerprint of every tensor handed to

@@ -38,6 +38,7 @@ import torch
 from backstream.checkpoint import quiet
 from backstream.checks import UserError
 from backstream.quant.export import write_compressed
+from backstream.rl.vllm.server import ServerError
 from backstream.rl.vllm.weights.ledger import compare, fingerprint
 from backstream.rl.vllm.weights.transfer import Group, buckets_of
 from backstream.stream import fsdp
@@ -144,13 +145,23 @@ class WeightSync:
         stale = self.dp.broadcast(any(m.weights != self.counter for m in self.pool.alive()) if self.dp.main else None)
         t = time.perf_counter()
         if stale:
-            self.publish(model, step)
+            self.publish_live(model, step)
         elif self.dp.main:
             for m in self.pool.alive():
                 if m.label != step:  # a step that changed no weight (every advantage 0): labelled so
                     self.label(m.server, step)
                     m.label = step
         return time.perf_counter() - t if stale else 0.0
+
+    def publish_live(self, model, step: int) -> None:
+        """`publish` to the live servers; one found gone meanwhile (it died since `agree`) is marked dead
+        and the publish goes again to the others."""
+        while True:
+            try:
+                return self.publish(model, step)
+            except ServerError:
+                if not self.pool.recheck():
+                    raise
 
     def label(self, server, step: int) -> None:
         server.post("/update_weight_version", {"new_version": str(step)})
@@ -311,8 +322,9 @@ class TransferSync(WeightSync):
         self.members: list = []
 
     def begin(self, members) -> None:
-        """Rank 0: the group joined again if the pool changed (or a publish failed), then the pause."""
-        if self.group is None or self.members != [m.server.url for m in members]:
+        """Rank 0: the group joined again if the pool changed, a publish failed, or a server is in another
+        learner's group since (a server of your own that another run published to), then the pause."""
+        if self.group is None or self.members != [m.server.url for m in members] or not self.group.held():
             self._join(members)
         super().begin(members)
 
@@ -349,6 +361,7 @@ class TransferSync(WeightSync):
     def _join(self, members) -> None:
         if self.group is not None:
             self.group.close()
+            self.group = None
         one_host = all(_local(m.server.url) for m in members)
         shm = os.path.join("/dev/shm", f"backstream-{os.getpid()}-weights") if one_host and os.path.isdir(
             "/dev/shm") and self.device == "gloo" else ""

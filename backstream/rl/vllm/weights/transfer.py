@@ -66,6 +66,7 @@ class Group:
         timeout = timedelta(seconds=timeout_s)
         self.store = dist.TCPStore(host, 0, self.world, is_master=True, timeout=timeout, wait_for_workers=False)
         prefix = f"backstream-{os.getpid()}-{time.monotonic_ns()}"
+        self.prefix = prefix
         offsets = [1 + sum(sizes[:k]) for k in range(len(sizes))]
         bind = host if host in ("127.0.0.1", "::1", "localhost") else ""  # else each worker's own interface
         infos = [{"init_info": {"master_address": host, "master_port": self.store.port, "rank_offset": o,
@@ -87,21 +88,23 @@ class Group:
     @contextlib.contextmanager
     def _on_all(self, path: str, bodies: list[dict]):
         """`path` posted to every server from threads while the caller works; the value: a function
-        that waits for every answer (within the timeout, naming the server otherwise)."""
+        that waits for every answer (within the timeout, naming the server otherwise) and returns them."""
         pool = concurrent.futures.ThreadPoolExecutor(max(1, len(self.servers)))
         futures = [pool.submit(_ask, s, path, b, self.timeout_s + 30) for s, b in zip(self.servers, bodies)]
         deadline = time.monotonic() + self.timeout_s
 
-        def wait():
+        def wait() -> list:
+            out = []
             for s, f in zip(self.servers, futures):
                 try:
-                    f.result(timeout=max(0.0, deadline - time.monotonic()))
+                    out.append(f.result(timeout=max(0.0, deadline - time.monotonic())))
                 except concurrent.futures.TimeoutError:
                     raise TransferError(f"the weight transfer's {path} did not finish within vllm.transfer_timeout_s "
                                         f"= {self.timeout_s:g} on {s.name}; raise it, or look at that server's "
                                         "log") from None
                 except Exception as e:  # noqa: BLE001  (named, with the server)
                     raise TransferError(f"the weight transfer's {path} failed on {s.name}: {e}") from None
+            return out
 
         try:
             yield wait
@@ -110,6 +113,16 @@ class Group:
             raise
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
+
+    def held(self) -> bool:
+        """Whether every worker of every server is still in this group (a server of your own may have
+        joined another learner's since)."""
+        try:
+            with self._on_all("/collective_rpc", [{"method": "backstream_group"}] * len(self.servers)) as wait:
+                answers = wait()
+        except TransferError:
+            return False
+        return all(r == self.prefix for a in answers for r in a["results"])
 
     def phase(self, path: str, body: dict | None = None) -> None:
         """One phase posted to every server at once, waited for."""
