@@ -125,8 +125,12 @@ def stop(target: subprocess.Popen | int, grace: float = 0.0, group: bool = False
         except (ProcessLookupError, PermissionError):
             pass
         deadline = time.monotonic() + grace
+        popen = isinstance(target, subprocess.Popen)
         while time.monotonic() < deadline:
-            gone = not group_alive(pid) if group else isinstance(target, subprocess.Popen) and target.poll() is not None
+            # (the leader reaped first: a zombie leader keeps its group "alive" to killpg, and the whole
+            # grace was waited after every server had exited)
+            exited = popen and target.poll() is not None
+            gone = not group_alive(pid) if group else exited
             if gone:
                 break
             time.sleep(0.1)

@@ -114,14 +114,14 @@ def play_toolcalc(rows, temperature: float, group_size: int):
     defaults (environment, turns, turn budget): per episode (tool calls, tool errors, turns, reward)."""
     from backstream.rl.agent.env import EnvConfig
     from backstream.rl.agent.episodes import EpisodeSampler
-    from backstream.rl.backends.local import LocalBackend
+    from backstream.rl.backends.local import LocalBackend, LocalSync
     from backstream.rl.rollout import SamplingConfig
 
     model, tok = shipped()
     d = TASKS["toolcalc"].defaults
     config = SamplingConfig(temperature=temperature, group_size=group_size, max_new_tokens=d["rollout.max_new_tokens"])
     backend = LocalBackend(config, [tok.eos_token_id], tok)
-    backend.sync(model)
+    LocalSync(backend).sync(model, 0)
     sampler = EpisodeSampler(config, EnvConfig(factory=d["env.factory"], max_turns=d["env.max_turns"]), tok,
                              [tok.eos_token_id], False, None, backend)
     gens = [torch.Generator().manual_seed(i) for i in range(len(rows))]

