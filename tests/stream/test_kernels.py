@@ -709,7 +709,7 @@ def test_gpu_check_cpu_smoke_all_parts(tmp_path):
     LoRA) has its memory rows, the longest-trajectory search and its line in the summary table."""
     stdout, res = smoke(tmp_path, "--jobs", "2")  # two parts at a time: the machine's 2 cores (each part: 1 thread)
     assert set(res["parts"]) == {"tests", "shape:0.6b", "shape:1.7b", "shape:8b", "prefix", "hybrid", "train",
-                                 "vllm-hybrid"}
+                                 "vllm-hybrid", "vllm-colocate"}
     for name, part in res["parts"].items():
         assert part["error"] is None, (name, part["error"])
     rows = [r for p in res["parts"].values() for r in p["rows"]]

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from backstream.checks import UserError
 
-BUCKET_BYTES = 1 << 30  # a bucket closes once it holds this much (a tensor larger than it is one bucket)
+BUCKET_BYTES = 1 << 28  # a bucket closes once it holds this much (a tensor larger than it is one bucket)
 
 
 class TransferError(UserError):
