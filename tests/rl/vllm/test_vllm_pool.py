@@ -17,10 +17,11 @@ import signal
 import time
 
 import pytest
+import torch
 from helpers import run_cfg
 from vllm_helpers import Served, urls_of
 
-from backstream import trainer
+from backstream import logprobs, trainer
 from backstream.default_model import load_default
 from backstream.lifetime import group_alive
 from backstream.rl.vllm.weights.sync import PublishError
@@ -99,6 +100,34 @@ def test_a_publish_whose_servers_drop_the_weights_is_an_error(tmp_path, vllm_ser
             srv.publish(model)
         srv.weights.load = True
         srv.publish(model)  # the same servers, the weights again: they land
+    finally:
+        srv.close()
+
+
+@pytest.mark.parametrize("shared_memory", [True, False])
+def test_many_buckets_through_shared_memory_and_over_the_group(tmp_path, vllm_served, monkeypatch, shared_memory):
+    """Buckets of 64 KiB (a run's are 256 MiB: the default model is one), through the shared file (one host)
+    and over the group itself (between hosts): every tensor of every bucket reaches both servers' models as
+    sent (the ledger's check of each publish), and the servers sample the learner's log-probs."""
+    from backstream.rl.vllm.weights import transfer
+
+    monkeypatch.setattr(transfer, "BUCKET_BYTES", 1 << 16)
+    model, tok = load_default()
+    model.eval()
+    srv = Served(tok, str(tmp_path), model, *urls_of(vllm_served))
+    srv.weights.shared_memory = shared_memory
+    try:
+        srv.step(model)
+        srv.publish(model)  # raises PublishError where a server's ledger differs from what was sent
+        assert len(srv.weights.group.buckets) > 10 and bool(srv.weights.group.shm_path) == shared_memory
+        prompts = [torch.tensor(tok(p, add_special_tokens=True)["input_ids"]) for p in ("12+34=", "7+8=")]
+        r = srv.sample(srv.sampler(prompts, G=4, max_new=8), model, [{}] * 2, [0, 1],
+                       [torch.Generator().manual_seed(i) for i in range(2)])
+        seqs, mask = r.sequences(), r.completion_mask()
+        learner = logprobs(model, seqs, mask)
+        gap = max(float((a[m].double() - b[m].double()).abs().max())
+                  for a, b, m in zip(learner, r.aligned_logprobs(), mask))
+        assert gap <= 1e-4, gap
     finally:
         srv.close()
 

@@ -318,6 +318,7 @@ class TransferSync(WeightSync):
     def __init__(self, *args, host: str = "127.0.0.1", device: str = "gloo", load: bool = True, **kw):
         super().__init__(*args, **kw)
         self.host, self.device, self.load = host, device, load
+        self.shared_memory = True  # on one host, the bytes through /dev/shm (False: over the group, as between hosts)
         self.group: Group | None = None
         self.members: list = []
 
@@ -364,7 +365,7 @@ class TransferSync(WeightSync):
             self.group = None
         one_host = all(_local(m.server.url) for m in members)
         shm = os.path.join("/dev/shm", f"backstream-{os.getpid()}-weights") if one_host and os.path.isdir(
-            "/dev/shm") and self.device == "gloo" else ""
+            "/dev/shm") and self.device == "gloo" and self.shared_memory else ""
         self.group = Group([m.server for m in members], self.host, self.timeout_s, self.device, shm)
         self.members = [m.server.url for m in members]
 

@@ -39,8 +39,9 @@ class TransferError(UserError):
     """A phase of a publish failed or overran vllm.transfer_timeout_s (the message names which, where)."""
 
 
-def buckets_of(sizes: list[int], limit: int = BUCKET_BYTES) -> list[int]:
-    """Tensors per bucket, in order: a bucket closes once it holds `limit` bytes or more."""
+def buckets_of(sizes: list[int], limit: int | None = None) -> list[int]:
+    """Tensors per bucket, in order: a bucket closes once it holds `limit` (BUCKET_BYTES) bytes or more."""
+    limit = limit or BUCKET_BYTES
     out, count, total = [], 0, 0
     for s in sizes:
         count, total = count + 1, total + s
