@@ -229,9 +229,9 @@ class ServerPool:
     def close(self) -> None:
         """Stop the servers the run started (rank 0's), and the restarts in flight."""
         self.reviver.shutdown(wait=False, cancel_futures=True)
-        for m in self.members:
-            if m.server is not None:
-                m.server.stop()
+        servers = [m.server for m in self.members if m.server is not None]
+        with concurrent.futures.ThreadPoolExecutor(max(1, len(servers))) as ex:  # each its grace, side by side
+            list(ex.map(lambda s: s.stop(), servers))
         self.members = []
 
 
