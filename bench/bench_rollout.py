@@ -87,19 +87,22 @@ def samplers(model, prompts: list[torch.Tensor], G: int, new: int, rounds: int, 
 
 def server(model, tok, prompts: list[torch.Tensor], G: int, new: int) -> float:
     """tokens/s of a vLLM server, one request per group, all in flight."""
-    from backstream.rl.vllm.publisher import WeightPublisher
-    from backstream.rl.vllm.server import VLLMConfig
+    from backstream import config
+    from backstream.rl.backends.server import build
+    from backstream.rl.parallel import DataParallel
 
     n_tokens = len(prompts) * G * new
     with tempfile.TemporaryDirectory() as run_dir:
-        pub = WeightPublisher(VLLMConfig(), tok, run_dir, seed=0)
-        srv = pub.ensure(model)
+        cfg = config.load(None, ['rollout.backend="vllm"', f'train.output_dir="{run_dir}"'])
+        backend, sync = build(cfg, tok, [tok.eos_token_id], run_dir, DataParallel(), model)
+        sync.sync(model, 0)  # the run's server, started with the model's weights
+        srv, name = sync.pool.alive()[0].server, backend.requests.model
 
         def vllm():
             import concurrent.futures
 
             def one(p):
-                return srv.post("/v1/completions", {"model": pub.model_name(), "prompt": [p.tolist()], "n": G,
+                return srv.post("/v1/completions", {"model": name, "prompt": [p.tolist()], "n": G,
                                                     "max_tokens": new, "ignore_eos": True, "temperature": 1.0,
                                                     "logprobs": 0, "return_token_ids": True})
             with concurrent.futures.ThreadPoolExecutor(64) as pool:
@@ -107,7 +110,8 @@ def server(model, tok, prompts: list[torch.Tensor], G: int, new: int) -> float:
             assert sum(len(c["token_ids"]) for a in answers for c in a["choices"]) == n_tokens
 
         took = timed(vllm, repeats=1)
-        pub.close()
+        backend.close()
+        sync.close()
     return n_tokens / took
 
 
