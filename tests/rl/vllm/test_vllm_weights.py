@@ -16,6 +16,7 @@ import os
 import pickle
 import threading
 import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -216,3 +217,56 @@ def test_colocate_without_a_gpu_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"vllm.colocate = true: a server on the learner's own GPU, which this "
                        r"machine does not have"):
         build(cfg, tok, [tok.eos_token_id], str(tmp_path), DataParallel(), model)
+
+
+class Joining:
+    """A stand-in server of one worker for the transfer group (rl/vllm/weights/transfer.py `Group`): it joins
+    the learner's group as vLLM's engine does (rank 1, a gloo group over the learner's TCPStore), and
+    hangs in the phase `hang` until released."""
+
+    def __init__(self, hang: str):
+        self.url, self.name, self.hang = "http://127.0.0.1:9/joining", "vLLM server 0 (the stand-in)", hang
+        self.release, self.group = threading.Event(), None
+
+    def get(self, path, timeout=None):
+        return {"world_size": 1}
+
+    def post(self, path, body, timeout=None):
+        if path == "/init_weight_transfer_engine":
+            import torch.distributed as dist
+
+            i = body["init_info"]
+            store = dist.PrefixStore(i["prefix"], dist.TCPStore(i["master_address"], i["master_port"], i["world_size"],
+                                                                is_master=False, timeout=timedelta(seconds=30)))
+            opts = dist.ProcessGroupGloo._Options()
+            opts._timeout = timedelta(seconds=30)
+            opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+            self.group = dist.ProcessGroupGloo(store, 1, i["world_size"], opts)
+        elif path == self.hang:
+            self.release.wait(30)
+        return {}
+
+
+@pytest.mark.parametrize("hang, words", [
+    ("/start_weight_update", r"the weight transfer's /start_weight_update did not finish within "
+     r"vllm.transfer_timeout_s = 1 on vLLM server 0 \(the stand-in\); raise it, or look at that server's log"),
+    # the worker never takes the bucket: the learner's broadcast overruns, naming the phase still unanswered
+    ("/update_weights", r"the weight transfer's broadcast failed .*overran vllm.transfer_timeout_s = 1 \(unanswered: "
+     r"/update_weights on vLLM server 0 \(the stand-in\)\); look at that server's log"),
+])
+def test_a_phase_that_overruns_names_the_phase_the_server_and_the_timeout(tmp_path, hang, words):
+    """Every phase of a transfer within vllm.transfer_timeout_s; on expiry the error names the phase, the
+    server and the timeout, and the group is shut down with its shared file (nothing of it left)."""
+    from backstream.rl.vllm.weights.transfer import Group, TransferError
+
+    server = Joining(hang)
+    shm = str(tmp_path / "weights")
+    group = Group([server], "127.0.0.1", 1.0, "gloo", shm)
+    t = time.monotonic()
+    try:
+        with pytest.raises(TransferError, match=words):
+            with group.publishing(["w"], [torch.float32], [[4]], "1") as send:
+                send([torch.ones(4)])
+    finally:
+        server.release.set()
+    assert time.monotonic() - t < 20 and not os.path.exists(shm)

@@ -61,6 +61,7 @@ class Group:
     def __init__(self, servers: list, host: str, timeout_s: float, device: str = "gloo", shm_path: str = ""):
         self.servers, self.timeout_s, self.device, self.shm_path = list(servers), timeout_s, device, shm_path
         self.shm = None
+        self.late = list  # the phases still unanswered, by server (while one runs)
         sizes = [int(_ask(s, "/get_world_size?include_dp=true", None, timeout_s, "get")["world_size"])
                  for s in self.servers]
         self.world = 1 + sum(sizes)
@@ -107,12 +108,14 @@ class Group:
                     raise TransferError(f"the weight transfer's {path} failed on {s.name}: {e}") from None
             return out
 
+        self.late = lambda: [f"{path} on {s.name}" for s, f in zip(self.servers, futures) if not f.done()]
         try:
             yield wait
         except BaseException:
             self.close()
             raise
         finally:
+            self.late = list
             pool.shutdown(wait=False, cancel_futures=True)
 
     def held(self) -> bool:
@@ -178,8 +181,11 @@ class Group:
         try:
             work.wait()
         except Exception as e:  # noqa: BLE001  (gloo's and NCCL's errors alike)
+            late = self.late()
+            where = f" (unanswered: {', '.join(late)})" if late else ""
             raise TransferError(f"the weight transfer's broadcast failed ({type(e).__name__}: {e}); a server of the "
-                                f"group died or overran vllm.transfer_timeout_s = {self.timeout_s:g}") from None
+                                f"group died or overran vllm.transfer_timeout_s = {self.timeout_s:g}{where}; look at "
+                                "that server's log") from None
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
