@@ -270,3 +270,28 @@ def test_a_phase_that_overruns_names_the_phase_the_server_and_the_timeout(tmp_pa
     finally:
         server.release.set()
     assert time.monotonic() - t < 20 and not os.path.exists(shm)
+
+
+def test_the_way_weights_travel_is_chosen_and_refused_by_name():
+    """`vllm.weights`: auto takes the transfer where every server has the engine, disk for low-bit weights
+    and for a server started without the engine; "transfer" there is refused, naming the fix."""
+    from backstream.rl.backends.server import TRANSFER_ENGINE, weight_path
+
+    model = _model()[0]
+    urls = ['vllm.urls=["http://127.0.0.1:1", "http://127.0.0.1:2"]']
+    able, unable = {"transfer": TRANSFER_ENGINE}, {}
+
+    def way(*sets, infos=(able, able)):
+        return weight_path(config.load(None, ['rollout.backend="vllm"', *urls, *sets]), model, list(infos))
+
+    assert way()[0] == "transfer" and way('vllm.weights="disk"')[0] == "disk"
+    kind, why = way(infos=(able, unable))
+    assert kind == "disk" and "['http://127.0.0.1:2'] cannot take a transfer" in why
+    with pytest.raises(ValueError, match=r"vllm.weights = \"transfer\": the server\(s\) \['http://127.0.0.1:2'\] "
+                                         r"were started without the weight-transfer engine; start them with "
+                                         r"`backstream vllm serve`.*or set vllm.weights = \"auto\" or \"disk\""):
+        way('vllm.weights="transfer"', infos=(able, unable))
+    assert way('quant.rollout="w8a8"')[0] == "disk"
+    with pytest.raises(ValueError, match=r"vllm.weights = \"transfer\" with quant.rollout = \"w8a8\": low-bit weights "
+                                         r"are published compressed, as files .*set vllm.weights = \"disk\""):
+        way('vllm.weights="transfer"', 'quant.rollout="w8a8"')
