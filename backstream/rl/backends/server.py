@@ -40,7 +40,15 @@ from backstream.rl.vllm.context import ServerContext, float_dtype
 from backstream.rl.vllm.pool import ServerPool, core_lists
 from backstream.rl.vllm.requests import ServerRequests, sampling_args
 from backstream.rl.vllm.serve import Needs, check_server
-from backstream.rl.vllm.server import SERVED_NAME, TAKES_TRANSFERS, Server, VLLMConfig, free_port, server_args
+from backstream.rl.vllm.server import (
+    SERVED_NAME,
+    TAKES_TRANSFERS,
+    Server,
+    VLLMConfig,
+    free_port,
+    on_loopback,
+    server_args,
+)
 from backstream.rl.vllm.weights import ENGINE as TRANSFER_ENGINE
 from backstream.rl.vllm.weights.sync import (
     AdapterSync,
@@ -250,7 +258,6 @@ class ServerSync:
             shutil.rmtree(self.dir, ignore_errors=True)
 
 
-
 def weight_path(cfg, model, infos: list[dict] | None) -> tuple[str, str]:
     """How the learner's weights reach the servers (`vllm.weights`, the policy, the servers' `infos`
     when they are yours), and why, said at start-up: ("transfer" | "disk" | "adapter" | "colocated",
@@ -314,7 +321,7 @@ def build(cfg, tokenizer, eos: list[int], run_dir: str, dp, model) -> tuple[Serv
     common = dict(pool=pool, dp=dp, folder=folder, in_flight=in_flight, timeout_s=v.transfer_timeout_s, quant=quant,
                   tokenizer=tokenizer)
     if kind == "transfer":
-        host = v.transfer_host or ("127.0.0.1" if all(_loopback(u) for u in v.addresses()) else _this_host())
+        host = v.transfer_host or ("127.0.0.1" if all(on_loopback(u) for u in v.addresses()) else _this_host())
         weights = TransferSync(**common, host=host, device="nccl" if torch.cuda.is_available() else "gloo")
     elif kind == "colocated":
         if dp.world > 1:
@@ -326,12 +333,6 @@ def build(cfg, tokenizer, eos: list[int], run_dir: str, dp, model) -> tuple[Serv
     sync = ServerSync(v, pool, weights, context, dp, run_dir, tokenizer, cfg.train.seed, mode, cfg.model, cfg.quant)
     requests = ServerRequests(weights.served_name(SERVED_NAME), in_flight)
     return ServerBackend(cfg.rollout, eos, pool, requests), sync
-
-
-def _loopback(url: str) -> bool:
-    from backstream.rl.vllm.server import check_url, is_loopback  # noqa: PLC0415
-
-    return is_loopback(check_url(url))
 
 
 def _this_host() -> str:

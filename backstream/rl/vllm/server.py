@@ -111,8 +111,7 @@ class VLLMConfig:
         if len(set(self.addresses())) != len(self.addresses()):
             raise UserError(f"vllm.urls: a server is named twice ({self.urls})")
         for i, url in enumerate(self.addresses()):
-            host = check_url(url)
-            if not is_loopback(host) and not self.key():
+            if not on_loopback(url) and not self.key():
                 where = f"vllm.url = {url!r}" if self.url else f"vllm.urls[{i}] = {url!r}"
                 raise UserError(f"vllm.api_key: {where} is off loopback, so the server's weight-reload routes are "
                                 "reachable from the network; start it with `backstream vllm serve ... --api-key KEY` "
@@ -172,6 +171,11 @@ def check_url(url: str) -> str:
     if parts.query or parts.fragment or port == 0:
         raise UserError(f"vllm.url = {url!r}: a server's address has no query, fragment or port 0; {fix}")
     return parts.hostname
+
+
+def on_loopback(url: str) -> bool:
+    """Whether the server at `url` (checked: `check_url`) is on this machine's loopback."""
+    return is_loopback(check_url(url))
 
 
 def is_loopback(host: str) -> bool:

@@ -38,7 +38,7 @@ import torch
 from backstream.checkpoint import quiet
 from backstream.checks import UserError
 from backstream.quant.export import write_compressed
-from backstream.rl.vllm.server import ServerError
+from backstream.rl.vllm.server import ServerError, on_loopback
 from backstream.rl.vllm.weights.ledger import compare, fingerprint
 from backstream.rl.vllm.weights.transfer import Group, buckets_of
 from backstream.stream import fsdp
@@ -363,7 +363,7 @@ class TransferSync(WeightSync):
         if self.group is not None:
             self.group.close()
             self.group = None
-        one_host = all(_local(m.server.url) for m in members)
+        one_host = all(on_loopback(m.server.url) for m in members)
         shm = os.path.join("/dev/shm", f"backstream-{os.getpid()}-weights") if one_host and os.path.isdir(
             "/dev/shm") and self.device == "gloo" and self.shared_memory else ""
         self.group = Group([m.server for m in members], self.host, self.timeout_s, self.device, shm)
@@ -374,12 +374,6 @@ class TransferSync(WeightSync):
             self.group.close()
             self.group = None
         super().close()
-
-
-def _local(url: str) -> bool:
-    from backstream.rl.vllm.server import check_url, is_loopback  # noqa: PLC0415
-
-    return is_loopback(check_url(url))
 
 
 class ColocatedSync(WeightSync):
