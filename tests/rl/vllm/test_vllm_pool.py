@@ -74,7 +74,16 @@ def test_two_servers_the_run_starts_share_its_groups_and_one_killed_comes_back(t
 
 def test_a_lora_policy_and_episodes_on_two_servers_of_your_own(tmp_path, vllm_served):
     """The session's two servers (vllm.urls): a LoRA policy publishes its adapter to both, toolcalc
-    episodes play on both (each episode's turns on one), every step exact."""
+    episodes play on both (each episode's turns on one), every step exact. The servers first hold
+    another run's trained weights: the LoRA run's adapter must sit on its own base (it sampled 1.6 off
+    its learner on the other's, before the base was published to servers of your own)."""
+    other, tok = load_default()
+    srv = Served(tok, str(tmp_path / "other"), other, *urls_of(vllm_served))
+    try:
+        srv.step(other, 0.5)
+        srv.publish(other)
+    finally:
+        srv.close()
     lora = trainer.train(_run(tmp_path, "lora", *urls_of(vllm_served), "model.lora_r=4", "train.steps=2",
                               "optim.lr=1e-2"))
     episodes = trainer.train(_run(tmp_path, "toolcalc", *urls_of(vllm_served), 'data.task="toolcalc"',

@@ -275,21 +275,40 @@ class DiskSync(WeightSync):
 class AdapterSync(WeightSync):
     """A LoRA policy's adapter (RUN_DIR/vllm/published/weights-N, a few MB), loaded by vLLM in place
     (/v1/load_lora_adapter, load_inplace); each server's worker records the adapter it read (its folder,
-    its tensors' fingerprints), which the publish is checked against."""
+    its tensors' fingerprints), which the publish is checked against. A server of your own gets the
+    base model's weights too, as a disk publish does, at its first publish: another run may have changed
+    its weights since it started (a run whose adapter sat on another run's trained weights sampled
+    1.6 off its learner); a server the run started holds the base it was started from."""
 
     kind = "adapter"
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.based: set[int] = set()  # the servers of your own that have the run's base weights
 
     def served_name(self, base: str) -> str:
         return ADAPTER
 
     def gather(self, model):
-        return fsdp.full_state_dict(model, trainable_only=True)
+        fresh = self.dp.broadcast([m.index for m in self.pool.alive() if not m.managed and m.index not in self.based]
+                                  if self.dp.main else None)
+        base = fsdp.full_state_dict(model) if fresh else None  # every rank: a collective
+        return fsdp.full_state_dict(model, trainable_only=True), base, fresh
 
     def send(self, model, payload, members, version: str) -> dict:
+        adapter, base, fresh = payload
+        if fresh:  # the base first, as a disk publish sends and checks it
+            to = [m for m in members if m.index in fresh]
+            sent = DiskSync.send(self, model, base, to, version)
+            problems = [p for m in to for p in WeightSync.check(self, m, sent, version)]
+            if problems:
+                raise PublishError("a publish of the base model's weights under the adapter did not land: "
+                                   + "; ".join(problems))
+            self.based |= set(fresh)
         out = os.path.abspath(os.path.join(self.folder, "published", f"weights-{self.published}"))
         shutil.rmtree(out, ignore_errors=True)
         with quiet():
-            model.save_pretrained(out, state_dict=payload)
+            model.save_pretrained(out, state_dict=adapter)
         sent = file_fingerprints(out)
         self._all([m.server for m in members], lambda s: s.post(
             "/v1/load_lora_adapter", {"lora_name": ADAPTER, "lora_path": out, "load_inplace": True}))
