@@ -81,7 +81,7 @@ TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_
 VOCAB, TINY_VOCAB = 151936, 256
 LORA = {"8b": 16}  # shape → LoRA rank (absent: all weights trained)
 
-# seconds: each part's box; the parent's total (8 minutes with room for the shell and the slack)
+# seconds: each part's box; the parent's total (under 9 minutes, with room for the shell and the slack)
 BOXES = {"tests": 70, "shape:0.6b": 75, "shape:1.7b": 70, "shape:8b": 90, "prefix": 30, "hybrid": 65, "train": 45,
          "vllm-hybrid": 25, "vllm-colocate": 50}
 TOTAL = 520
