@@ -261,6 +261,13 @@ def parse(argv=None) -> argparse.Namespace:
 
 
 def _main(argv=None) -> int:
+    from backstream.stream.hf import require_transformers  # noqa: PLC0415
+
+    try:
+        require_transformers()
+    except ImportError as e:  # the environment, not the input, and no bug either: named, no traceback
+        log.error(e)
+        return 2
     args = parse(argv)
     from backstream.trainer import Interrupted  # noqa: PLC0415
 

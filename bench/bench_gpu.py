@@ -688,6 +688,12 @@ def main():
     if a.child:
         child(a.child, a.box, a.cpu_smoke, a.out)
         return
+    from backstream.stream.hf import require_transformers
+
+    try:  # at once, not in every part: a GPU slot is short
+        require_transformers()
+    except ImportError as e:
+        sys.exit(f"bench_gpu: {e}")
     start = time.time()
     res = {"env": environment(a.cpu_smoke), "parts": {}, "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     if not a.cpu_smoke and not res["env"]["cuda_available"]:

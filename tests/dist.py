@@ -22,6 +22,11 @@ import torch
 import torch.distributed as torch_dist
 import torch.multiprocessing as mp
 
+# the two collectives FSDP2 calls by name (torch 2.13: the *_single ones; torch 2.11, a GPU image's,
+# the *_tensor ones): what the tests' counters wrap
+REDUCE_SCATTER = "reduce_scatter_single" if hasattr(torch_dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+ALL_GATHER = "all_gather_single" if hasattr(torch_dist, "all_gather_single") else "all_gather_into_tensor"
+
 
 def free_port() -> int:
     with socket.socket() as s:

@@ -15,6 +15,7 @@ import warnings
 
 import torch
 import torch.distributed as dist
+from dist import ALL_GATHER, REDUCE_SCATTER
 from fake_backend import FakeBackend
 from helpers import tiny, tiny_moe
 
@@ -90,7 +91,7 @@ class Counter:
 
     def __init__(self):
         self.n = {"reduce_scatter": 0, "all_gather": 0}
-        self.real = (dist.reduce_scatter_single, dist.all_gather_single)
+        self.real = (getattr(dist, REDUCE_SCATTER), getattr(dist, ALL_GATHER))
 
     def __enter__(self):
         rs, ag = self.real
@@ -103,11 +104,13 @@ class Counter:
             self.n["all_gather"] += 1
             return ag(*a, **kw)
 
-        dist.reduce_scatter_single, dist.all_gather_single = reduce_scatter, all_gather
+        setattr(dist, REDUCE_SCATTER, reduce_scatter)
+        setattr(dist, ALL_GATHER, all_gather)
         return self
 
     def __exit__(self, *exc):
-        dist.reduce_scatter_single, dist.all_gather_single = self.real
+        setattr(dist, REDUCE_SCATTER, self.real[0])
+        setattr(dist, ALL_GATHER, self.real[1])
 
 
 def _train(out: str, overrides: list[str], resume: str | None = None):

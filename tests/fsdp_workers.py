@@ -14,6 +14,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from dist import ALL_GATHER, REDUCE_SCATTER
 from helpers import VOCAB, lora, make
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
@@ -124,11 +125,11 @@ def single_process_grads(use_lora: bool, dtype=torch.float64) -> tuple[dict[str,
 
 
 class Collectives:
-    """Counts the collectives FSDP2 issues (it calls these two by name on every backend)."""
+    """Counts the collectives FSDP2 issues (it calls these two by name on every backend: tests/dist.py)."""
 
     def __init__(self):
         self.rs = self.ag = 0
-        rs, ag = dist.reduce_scatter_single, dist.all_gather_single
+        rs, ag = getattr(dist, REDUCE_SCATTER), getattr(dist, ALL_GATHER)
 
         def reduce_scatter(*a, **kw):
             self.rs += 1
@@ -138,7 +139,8 @@ class Collectives:
             self.ag += 1
             return ag(*a, **kw)
 
-        dist.reduce_scatter_single, dist.all_gather_single = reduce_scatter, all_gather
+        setattr(dist, REDUCE_SCATTER, reduce_scatter)
+        setattr(dist, ALL_GATHER, all_gather)
 
     def take(self) -> tuple[int, int]:
         out = (self.rs, self.ag)

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from transformers import DynamicCache
-from transformers.cache_utils import DummyLayer, DynamicLayer, LinearAttentionLayer
+from transformers import DynamicCache, cache_utils
+from transformers.cache_utils import DynamicLayer
 
 from backstream.checks import UserError
 from backstream.rl.prefix import SHARE_MIN, CannotShare, DecodeCache, DecodeLayer, Prefix, sharing
@@ -110,7 +110,7 @@ def sample_tokens(logits_BV: Tensor, temperature: float, top_k: int, top_p: floa
 # -- caches that fit the model -------------------------------------------------------------------
 
 
-class StateLayer(LinearAttentionLayer):
+class StateLayer(cache_utils.LinearAttentionLayer):
     """A decode batch's recurrent and convolution states of one layer: transformers' own layer (the
     model's decode steps update it in place), with the batch operations the decoder uses."""
 
@@ -182,7 +182,7 @@ def new_cache(model) -> DynamicCache:
             if i in n_states:
                 layers.append(HybridLayer(n_states[i]) if i in layout.kv_layers else StateLayer(n_states[i]))
             else:
-                layers.append(DynamicLayer() if i in layout.kv_layers else DummyLayer())
+                layers.append(DynamicLayer() if i in layout.kv_layers else cache_utils.DummyLayer())
         cache.layers = layers
     cache.fed = 0  # positions per row, pads included (the K/V's columns; a state-only model has none)
     return cache
@@ -359,7 +359,7 @@ def stack(parts: list, n: int, room: int, share_min: float = math.inf) -> Rows:
             layers.append(StateLayer(number_of_states=1 + max(k for _, k in states)))
             layers[-1].load(states)
         else:
-            layers.append(DummyLayer())
+            layers.append(cache_utils.DummyLayer())
     return Rows(DecodeCache(layers, prefixes, width), lengths, [width - x for x in lengths], logits)
 
 

@@ -21,8 +21,10 @@ from transformers.cache_utils import Cache
 
 from backstream.stream import family
 from backstream.stream.attention import Part, merged_attention
-from backstream.stream.hf import base_model, cache_arg
+from backstream.stream.hf import base_model, cache_arg, require_transformers
 from backstream.stream.state import ConvState, RecurrentState, StateLayout
+
+require_transformers()  # the engine's and the sampler's way in to transformers' Cache
 
 ATTN_NAME = family.MASK_NAME  # the attention function and the mask function share the name
 

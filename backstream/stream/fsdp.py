@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from backstream.checks import UserError
 from backstream.stream.hf import decoder_layers
 
 
@@ -72,7 +73,9 @@ class FSDPCall:
     @classmethod
     def check_supported(cls, units: list) -> None:
         """A clear error, at sharding time, when this torch's FSDP2 lacks what the engine relies on
-        (the setters above and the internals they write), instead of an AttributeError mid-step."""
+        (the setters above and the internals they write), instead of an AttributeError mid-step; a
+        UserError, so that the CLI names it (exit 2) rather than calling it a bug (torch 2.11 is such a
+        torch: its FSDPState has no `_fsdp_param_groups`)."""
         missing = [f"{type(m).__name__}.{a}" for m in units[:1] for a in cls.SETTERS if not hasattr(m, a)]
         for m in units[:1]:
             state = m._get_fsdp_state() if hasattr(m, "_get_fsdp_state") else None
@@ -81,7 +84,7 @@ class FSDPCall:
             for g in getattr(state, "_fsdp_param_groups", None) or []:
                 missing += [f"FSDPParamGroup.{a}" for a in cls.GROUP if not hasattr(g, a)]
         if missing:
-            raise RuntimeError(f"torchrun: this torch ({torch.__version__}) has an FSDP2 without "
+            raise UserError(f"torchrun: this torch ({torch.__version__}) has an FSDP2 without "
                                f"{sorted(set(missing))}, which the streamed backward under FSDP relies on; "
                                "install the torch version backstream is tested with (2.13) or train in one process")
 

@@ -17,6 +17,30 @@ from torch import nn
 
 from backstream.checks import UserError
 
+# The oldest transformers the engine and the sampler run on (the cache layer `DummyLayer` came in 5.23);
+# pyproject.toml asks for the same. vLLM's own environment, which imports only the server's side of
+# the package (rl/vllm/worker_ext.py, rl/vllm/weights/, quant/), may hold an older one.
+MIN_TRANSFORMERS = (5, 23)
+
+
+def require_transformers(version: str | None = None) -> None:
+    """Refuse a transformers older than MIN_TRANSFORMERS, naming the fix: a source tree run beside an
+    older install (a GPU machine's image, say) would otherwise fail deep inside an import or a forward."""
+    if version is None:
+        import transformers  # noqa: PLC0415
+
+        version = transformers.__version__
+    try:
+        have = tuple(int(x) for x in version.split(".")[:2])
+    except ValueError:
+        return  # a version of another shape (a local build): the imports decide
+    if have < MIN_TRANSFORMERS:
+        need = ".".join(map(str, MIN_TRANSFORMERS))
+        raise ImportError(f"backstream needs transformers >= {need}, this environment has {version}: "
+                          f"pip install -U 'transformers>={need},<6' (no network: bring its wheel, as "
+                          "bench/README.md 'The GPU check' does)")
+
+
 # config keys that name an MoE's number of routed experts and the experts a token picks, by family
 EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "num_routed_experts")
 TOP_K_KEYS = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "moe_k", "top_k_experts",

@@ -121,15 +121,17 @@ def test_fsdp_router_loss_counts_every_rank(ranks):
 
 def test_an_fsdp2_without_what_the_engine_needs_is_refused():
     """An older torch's FSDP2 (here: no force-sum reduction, no auto-reshard flag) is refused when the
-    model is sharded, naming what is missing, rather than failing mid-step."""
+    model is sharded, naming what is missing, rather than failing mid-step (a UserError: the CLI prints
+    it and exits 2, not "a bug in backstream")."""
     import types
 
+    from backstream.checks import UserError
     from backstream.stream.fsdp import FSDPCall
 
     state = types.SimpleNamespace(_is_root=None, _lazy_init=None, _fsdp_param_groups=[])
     unit = types.SimpleNamespace(_get_fsdp_state=lambda: state,
                                  **{a: None for a in FSDPCall.SETTERS if a != "set_force_sum_reduction_for_comms"})
-    with pytest.raises(RuntimeError, match=r"FSDP2 without .*'FSDPState._auto_reshard_after_forward'.*"
+    with pytest.raises(UserError, match=r"FSDP2 without .*'FSDPState._auto_reshard_after_forward'.*"
                                            r"set_force_sum_reduction_for_comms.*tested with \(2.13\)"):
         FSDPCall.check_supported([unit])
     state._auto_reshard_after_forward = True

@@ -136,6 +136,28 @@ def test_cli_reports_config_errors_without_a_traceback(capsys):
     assert "optim.lr: got 'fast'" in capsys.readouterr().err
 
 
+def test_a_transformers_older_than_the_floor_is_refused_by_name(monkeypatch, capsys):
+    """Run from a source tree beside an older transformers (a GPU image's 5.17; `DummyLayer` came in
+    5.23), the package stopped inside an import; now the floor is named with the fix, by the library
+    and by the CLI (exit 2, no traceback), and pyproject.toml asks for the same."""
+    import transformers
+
+    from backstream.cli import main
+    from backstream.stream.hf import MIN_TRANSFORMERS, require_transformers
+
+    with pytest.raises(ImportError, match=r"needs transformers >= 5\.23, this environment has 5\.17\.0: "
+                                          r"pip install -U 'transformers>=5\.23,<6'"):
+        require_transformers("5.17.0")
+    for fine in ("5.23.0", "5.24.0.dev0", "5.30.1", "a-local-build"):
+        require_transformers(fine)
+    require_transformers()  # this environment's
+    monkeypatch.setattr(transformers, "__version__", "5.17.0")
+    assert main(["train", "--set", "train.steps=1"]) == 2
+    assert "needs transformers >= 5.23, this environment has 5.17.0" in capsys.readouterr().err
+    floor = ".".join(map(str, MIN_TRANSFORMERS))
+    assert f'"transformers>={floor},<6"' in (REPO / "pyproject.toml").read_text()
+
+
 EXAMPLES = str(REPO / "examples")
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import subprocess
+import sys
 
 import backstream
 
@@ -109,3 +111,25 @@ def test_one_rollout_layer():
     for m in ("backstream.rl.source", "backstream.rl.rollout", *agent):
         assert not g[m] & concrete, (m, sorted(g[m] & concrete))
     assert g["backstream.lifetime"] == set()
+
+
+SERVER_SIDE = ["backstream.rl.vllm.worker_ext", "backstream.rl.vllm.weights.engine", "backstream.quant.export",
+               "backstream.quant.linear"]
+
+
+def _import_under(version: str, module: str) -> subprocess.CompletedProcess:
+    code = f"import transformers; transformers.__version__ = {version!r}; import {module}"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+
+
+def test_the_transformers_floor_holds_on_the_learner_side_only():
+    """The engine and the sampler refuse a transformers older than 5.23 by name (a GPU image's 5.17
+    failed inside an import: `DummyLayer`); what vLLM's own environment imports (the server's side,
+    with vLLM's transformers, 5.19 on the CPU build) does not ask for it: a check at the package's root
+    broke every vLLM server."""
+    for module in ("backstream.stream.engine", "backstream.rl.decode"):
+        proc = _import_under("5.17.0", module)
+        assert proc.returncode != 0 and "backstream needs transformers >= 5.23, this environment has 5.17.0" in \
+            proc.stderr, (module, proc.stderr[-2000:])
+    proc = _import_under("5.19.0", "; import ".join(SERVER_SIDE))
+    assert proc.returncode == 0, proc.stderr[-2000:]

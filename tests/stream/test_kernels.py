@@ -18,6 +18,7 @@
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from collections import Counter
@@ -686,14 +687,42 @@ def test_cuda_engine_fused_close_to_float64(dtype):
 # The GPU check's plumbing, on CPU
 
 
-def smoke(out, *args):
-    """bench/gpu_check.sh in its CPU dry-run mode; returns (stdout, the JSON it wrote)."""
+def smoke(out, *args, wheels=None):
+    """bench/gpu_check.sh in its CPU dry-run mode (with the wheels in `wheels`, else none: not a
+    checkout's .whl/); returns (stdout, the JSON it wrote)."""
+    env = {**os.environ, "PYTHON": sys.executable, "GPU_WHEELS": str(wheels or out / "no-wheels")}
     proc = subprocess.run(["bash", os.path.join("bench", "gpu_check.sh"), str(out), "--cpu-smoke", *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHON": sys.executable})
+                          capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "gpu_check: exit 0" in proc.stdout, proc.stdout[-3000:]
     assert (out / "gpu_check.log").read_text().strip() == proc.stdout.strip()
     return proc.stdout, json.loads((out / "gpu_check.json").read_text())
+
+
+def test_gpu_check_runs_on_the_wheels_it_is_brought(tmp_path):
+    """A GPU machine without network runs the check on the transformers and peft brought as wheels
+    (bench/gpu_wheels.sh): installed into a folder of their own, first on the path of every part.
+    Here a stand-in `peft` 99.0 wheel shadows the real one, and the check's own version line reads it."""
+    import zipfile
+
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    files = {"peft/__init__.py": "__version__ = '99.0'\n",
+             "peft-99.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: peft\nVersion: 99.0\n",
+             "peft-99.0.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+                                          "Tag: py3-none-any\n"}
+    files["peft-99.0.dist-info/RECORD"] = "".join(f"{name},,\n" for name in files) + "peft-99.0.dist-info/RECORD,,\n"
+    with zipfile.ZipFile(wheels / "peft-99.0-py3-none-any.whl", "w") as z:
+        for name, text in files.items():
+            z.writestr(name, text)
+    stdout, res = smoke(tmp_path / "out", "--parts", "vllm-hybrid", wheels=wheels)
+    assert "gpu_check: from " + str(wheels) + ": peft-99.0-py3-none-any.whl" in stdout
+    assert re.search(r"^gpu_check: python \S+ torch \S+ transformers \S+ peft 99\.0$", stdout, re.M), stdout[:2000]
+    assert list(res["parts"]) == ["vllm-hybrid"]
+    stdout, _ = smoke(tmp_path / "plain", "--parts", "vllm-hybrid")  # no wheels: the environment's own
+    import peft
+
+    assert f" peft {peft.__version__}\n" in stdout and "gpu_check: from" not in stdout
 
 
 def test_gpu_check_runs_its_parts_side_by_side_on_cpu_only(tmp_path):
