@@ -459,6 +459,7 @@ def part_vllm_colocate(box: float, smoke: bool, out: str) -> None:
           "learner_peak_MiB": [s.get("memory/peak_mib") for s in steps]})
     shutil.rmtree(os.path.dirname(run_dir), ignore_errors=True)
 
+
 def part_train(box: float, smoke: bool, out: str) -> None:
     """One `backstream train` step of kvlookup on the 0.6B body, through the command line."""
     from backstream.default_model import build_tokenizer

@@ -260,16 +260,24 @@ class DiskSync(WeightSync):
         return fsdp.full_state_dict(model)  # every rank; whole on rank 0
 
     def send(self, model, payload, members, version: str) -> dict:
-        out = os.path.join(self.folder, "published", f"weights-{self.published}")
-        shutil.rmtree(out, ignore_errors=True)
-        weights = base_names(model, payload)
-        known = {} if self.quant is not None else dict(weights)  # (save_pretrained empties the dict it is given)
-        write_weights(model, out, self.quant, weights=weights)
-        sent = file_fingerprints(out, known)
-        self._all([m.server for m in members], lambda s: s.post(
-            "/collective_rpc", {"method": "backstream_reload", "kwargs": {"path": out, "version": version}}))
+        sent = reload_from_disk(self, model, payload, members, version,
+                                os.path.join(self.folder, "published", f"weights-{self.published}"))
         shutil.rmtree(os.path.join(self.folder, "published", f"weights-{self.published - 1}"), ignore_errors=True)
         return sent
+
+
+def reload_from_disk(sync: WeightSync, model, state: dict, members, version: str, out: str) -> dict:
+    """The whole weights `state` written to `out` (low-bit ones compressed) and reloaded in place by the
+    worker of each of `members`' servers (rl/vllm/weights/engine.py `backstream_reload`); what was sent,
+    fingerprinted, for `check`. The disk way's publish, and the base under an adapter's first one."""
+    shutil.rmtree(out, ignore_errors=True)
+    weights = base_names(model, state)
+    known = {} if sync.quant is not None else dict(weights)  # (save_pretrained empties the dict it is given)
+    write_weights(model, out, sync.quant, weights=weights)
+    sent = file_fingerprints(out, known)
+    sync._all([m.server for m in members], lambda s: s.post(
+        "/collective_rpc", {"method": "backstream_reload", "kwargs": {"path": out, "version": version}}))
+    return sent
 
 
 class AdapterSync(WeightSync):
@@ -297,9 +305,10 @@ class AdapterSync(WeightSync):
 
     def send(self, model, payload, members, version: str) -> dict:
         adapter, base, fresh = payload
-        if fresh:  # the base first, as a disk publish sends and checks it
-            to = [m for m in members if m.index in fresh]
-            sent = DiskSync.send(self, model, base, to, version)
+        if fresh:  # the base first, as a disk publish sends and checks it (its folder gone once loaded)
+            to, where = [m for m in members if m.index in fresh], os.path.join(self.folder, "published", "base")
+            sent = reload_from_disk(self, model, base, to, version, where)
+            shutil.rmtree(where, ignore_errors=True)
             problems = [p for m in to for p in WeightSync.check(self, m, sent, version)]
             if problems:
                 raise PublishError("a publish of the base model's weights under the adapter did not land: "
