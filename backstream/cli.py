@@ -101,7 +101,7 @@ def cmd_export(args) -> int:
 
 
 def cmd_vllm(args) -> int:
-    from backstream.rl.vllm.setup import setup  # noqa: PLC0415
+    from backstream.rl.backends.vllm.setup import setup  # noqa: PLC0415
 
     python = setup(args.dir)
     print(python)  # what vllm.python takes
@@ -110,7 +110,7 @@ def cmd_vllm(args) -> int:
 
 def serve_args(args):
     """`backstream vllm serve`'s parsed arguments as the server's `ServeArgs`."""
-    from backstream.rl.vllm.serve import ServeArgs  # noqa: PLC0415
+    from backstream.rl.backends.vllm.serve import ServeArgs  # noqa: PLC0415
 
     return ServeArgs(model=args.model, host=args.host, port=args.port, api_key=args.api_key or "",
                      python=args.python or "", dtype=args.dtype, max_model_len=args.max_model_len,
@@ -120,7 +120,7 @@ def serve_args(args):
 
 
 def cmd_vllm_serve(args) -> int:
-    from backstream.rl.vllm.serve import serve  # noqa: PLC0415
+    from backstream.rl.backends.vllm.serve import serve  # noqa: PLC0415
 
     return serve(serve_args(args))
 
@@ -141,7 +141,7 @@ DEMO = {
     "train": {"prompts_per_step": 16},
     "optim": {"lr": 3e-4},
 }
-# the demo's settings per task beyond the task's own defaults (rl/tasks.py)
+# the demo's settings per task beyond the task's own defaults (rl/data/tasks.py)
 DEMO_TASKS: dict[str, dict] = {"toolcalc": {"train": {"prompts_per_step": 8}}}
 
 
@@ -216,7 +216,7 @@ def parse(argv=None) -> argparse.Namespace:
                         "changed since it started (the change is recorded in the run folder)")
     t.set_defaults(fn=cmd_train)
     d = sub.add_parser("demo", help="train the built-in tiny model on a built-in task (no download)")
-    from backstream.rl.tasks import TASKS  # noqa: PLC0415  (the registry: the choices and their help)
+    from backstream.rl.data.tasks import TASKS  # noqa: PLC0415  (the registry: the choices and their help)
 
     d.add_argument("--task", default="arith", choices=sorted(TASKS),
                    help="; ".join(f"{name}: {task.description}" for name, task in TASKS.items()))

@@ -25,20 +25,20 @@ from typing import Any, Literal
 
 from backstream.checks import UserError, at_least, choice, literals
 from backstream.quant.linear import QuantConfig
-from backstream.rl.advantages import ADVANTAGES
 from backstream.rl.agent.env import EnvConfig
-from backstream.rl.backward import EngineConfig
-from backstream.rl.data import DataConfig
-from backstream.rl.evaluate import EvalConfig
-from backstream.rl.losses import LOSS_TYPES, LossConfig, PPOClipConfig
-from backstream.rl.model import ModelConfig
-from backstream.rl.optim import OptimConfig
+from backstream.rl.backends.base import SamplingConfig
+from backstream.rl.backends.vllm.server import VLLMConfig
+from backstream.rl.data.prompts import DataConfig
 from backstream.rl.parallel import DistributedConfig
-from backstream.rl.rewards import RewardConfig
-from backstream.rl.rollout import SamplingConfig
-from backstream.rl.shaping import OVERLONG
-from backstream.rl.specs import absolute_spec, is_path_spec, spec_files
-from backstream.rl.vllm.server import VLLMConfig
+from backstream.rl.policy import ModelConfig
+from backstream.rl.rollout.evaluate import EvalConfig
+from backstream.rl.scoring.advantages import ADVANTAGES
+from backstream.rl.scoring.rewards import RewardConfig
+from backstream.rl.scoring.shaping import OVERLONG
+from backstream.rl.update.backward import EngineConfig
+from backstream.rl.update.losses import LOSS_TYPES, LossConfig, PPOClipConfig
+from backstream.rl.update.optim import OptimConfig
+from backstream.usercode import absolute_spec, is_path_spec, spec_files
 
 
 @dataclass(kw_only=True)
@@ -121,7 +121,7 @@ class TrainConfig:
         return self.save_every > 0 or self.save_every_minutes > 0
 
 
-LOSSES = LOSS_TYPES  # [loss] is the variant its `type` key names (the registry of backstream.rl.losses)
+LOSSES = LOSS_TYPES  # [loss] is the variant its `type` key names (the registry of backstream.rl.update.losses)
 # sections whose class is a variant picked by one of their keys: section → (key, registry, default)
 VARIANTS: dict[str, tuple[str, dict[str, type], str]] = {"loss": ("type", LOSSES, "ppo_clip")}
 # the run's rollout defaults (a run samples groups; `SamplingConfig`'s own defaults are generate()'s)
@@ -245,7 +245,7 @@ class RunConfig:
         format the task's stop (a newline for arith and kvlookup) where rollout.stop is left empty."""
         if self.data.path:
             return self
-        from backstream.rl.tasks import TASKS  # noqa: PLC0415  (the tasks import the rewards)
+        from backstream.rl.data.tasks import TASKS  # noqa: PLC0415  (the tasks import the rewards)
 
         fmt, task = self.data.resolved_format(tokenizer), TASKS[self.data.task]
         cfg = dataclasses.replace(self, data=dataclasses.replace(self.data, format=fmt))
@@ -445,12 +445,12 @@ def _beside(raw: dict, folder: str) -> None:
 
 
 def _task_defaults(raw: dict) -> None:
-    """A built-in task's own defaults (rl/tasks.py `Task.defaults`: toolcalc's environment, say) for
+    """A built-in task's own defaults (rl/data/tasks.py `Task.defaults`: toolcalc's environment, say) for
     the keys the run file leaves unset; the resolved config.toml then states them."""
     data = raw.get("data", {})
     if data.get("path") or not isinstance(data.get("task", DataConfig().task), str):
         return
-    from backstream.rl.tasks import TASKS  # noqa: PLC0415
+    from backstream.rl.data.tasks import TASKS  # noqa: PLC0415
 
     task = TASKS.get(data.get("task", DataConfig().task))
     env = raw.get("env", {}) if isinstance(raw.get("env"), dict) else {}

@@ -10,7 +10,7 @@ writes for
   in a `PreTrainedTokenizerFast`. No BOS is added to encoded text and there is no chat template:
   prompts are plain text, and a completion ends with `<eos>`;
 - a `Qwen3ForCausalLM` of about 0.8 M parameters (`default_config()`), stored in float32,
-  trained by `scripts/make_default_model.py` on the tasks of `backstream/rl/tasks.py` just far
+  trained by `scripts/make_default_model.py` on the tasks of `backstream/rl/data/tasks.py` just far
   enough that it answers in the right format (digits, then `<eos>`) but is right only part of the
   time at temperature 1, so that RL has something to improve.
 

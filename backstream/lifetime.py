@@ -3,7 +3,7 @@
 - `guarded(python, command)`: `command` started under a guard, a tiny process (this module run as
   `python -m backstream.lifetime FD COMMAND...`) that leads a session and process group of its own and
   ends the whole group once the trainer is gone, however the trainer ended. A run's vLLM server
-  (rl/vllm/server.py, serve.py) and an agent command (rl/agent/runner.py) run under it.
+  (rl/backends/vllm/server.py, serve.py) and an agent command (rl/agent/runner.py) run under it.
 - `stop(proc, grace, group)`: the one way a process is ended (a server's group with a grace period,
   an agent command's group at once, an environment's worker or its zygote); `kill_group(proc)` is
   `stop(proc, group=True)`.

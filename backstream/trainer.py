@@ -3,14 +3,14 @@
 One step (`Trainer.train_step`) is the stages of docs/design.md §1:
   collect     rounds of G completions (or episodes) for `prompts_per_step` prompts from the rollout
               source, scored by the reward functions (TRL's signature), the overlong ones shaped;
-              DAPO's dynamic sampling drops the groups with no signal and refills (rl/collect.py);
+              DAPO's dynamic sampling drops the groups with no signal and refills (rl/rollout/collect.py);
   advantages  per group (GRPO, Dr.GRPO, RLOO), zero where a sample gets no loss;
   update      per epoch and group-aligned minibatch: the objective (normalisers over the whole
               minibatch, before any block), the backward chosen once (`engine.backward`), a step;
   metrics     one line: rewards, lengths, loss terms, sampler/learner mismatch, time per phase.
 The parts are built by their configs and live beside them: the run folder (runfolder.Run), the
-backend that samples (rl/backends/) and the sampler over it (rl/rollout.py, rl/agent/), the rollout
-source that owns the round (rl/source.py: the prompt stream, the rank split, the policy view and its
+backend that samples (rl/backends/) and the sampler over it (rl/rollout/), the rollout
+source that owns the round (rl/rollout/source.py: the prompt stream, the rank split, the policy view and its
 sync; synchronous, or up to rollout.max_staleness steps ahead), rewards, data parallelism
 (rl/parallel.py, docs/design.md §6c), the optimizer step (rl/optim.Stepper), where π_old and π_ref
 come from (rl/backward.BeforeUpdate). Each part's choices are taken once, when it is built: the step
@@ -42,15 +42,21 @@ from backstream.metrics import (
     sum_metrics,
 )
 from backstream.quant.linear import quant_linears, quantize_model, quantized
-from backstream.rl import data as datamod
 from backstream.rl import parallel
-from backstream.rl.advantages import ADVANTAGES, ZeroAdvantageWatch, format_hint
-from backstream.rl.backward import BeforeUpdate, verify_engine
-from backstream.rl.collect import Batch, Collector, timed
-from backstream.rl.evaluate import Evaluator, with_group_size
-from backstream.rl.losses import Normalisers, build_objective
-from backstream.rl.model import reference_policy
-from backstream.rl.offpolicy import (
+from backstream.rl.backends import build_backend
+from backstream.rl.data import prompts as datamod
+from backstream.rl.parallel import take
+from backstream.rl.policy import eos_ids, reference_policy
+from backstream.rl.records import Rollout
+from backstream.rl.rollout.collect import Batch, Collector, timed
+from backstream.rl.rollout.evaluate import Evaluator, with_group_size
+from backstream.rl.rollout.sampler import Samplers
+from backstream.rl.rollout.source import build_source, check_backend
+from backstream.rl.scoring.advantages import ADVANTAGES, ZeroAdvantageWatch, format_hint
+from backstream.rl.scoring.rewards import RewardLog, Rewards
+from backstream.rl.update.backward import BeforeUpdate, verify_engine
+from backstream.rl.update.losses import Normalisers, build_objective
+from backstream.rl.update.offpolicy import (
     MISMATCH_KEYS,
     STALENESS_KEYS,
     error_token_share,
@@ -59,12 +65,7 @@ from backstream.rl.offpolicy import (
     staleness_mismatch,
     staleness_mismatch_keys,
 )
-from backstream.rl.optim import NonFiniteError, Stepper, check_finite_weights  # noqa: F401  (NonFiniteError: the API's)
-from backstream.rl.parallel import take
-from backstream.rl.records import Rollout
-from backstream.rl.rewards import RewardLog, Rewards
-from backstream.rl.sampling import Samplers, build_backend, eos_ids
-from backstream.rl.source import build_source, check_backend
+from backstream.rl.update.optim import NonFiniteError, Stepper, check_finite_weights  # noqa: F401  (NonFiniteError: the API's)
 from backstream.runfolder import Interrupted  # noqa: F401  (the CLI's: where a stopped run says it stopped)
 from backstream.stream.router import moe_spec
 
@@ -172,7 +173,7 @@ class Trainer:
         return self.samplers.build(with_group_size(self.cfg.rollout, k), prompts, text, return_kv)
 
     def evaluate(self) -> dict[str, float]:
-        """The held-out metrics at the current weights (rl/evaluate.py), in the rollout's numerics."""
+        """The held-out metrics at the current weights (rl/rollout/evaluate.py), in the rollout's numerics."""
         ev = self.evaluator
         return ev.run(lambda *a: self.source.sample(ev.sampler, *a).rollout,
                       lambda r: self.collector.score(r, self.step, ev.sampler, ev.examples)[0], self.dp, self.step)
@@ -223,7 +224,7 @@ class Trainer:
             return self.metrics(batch, adv, logged, mismatch, self.last_end - t0)
 
     def collect(self) -> Batch:
-        """The step's batch (rl/collect.py): rollout rounds until `prompts_per_step` groups are kept."""
+        """The step's batch (rl/rollout/collect.py): rollout rounds until `prompts_per_step` groups are kept."""
         return self.collector.collect(self.step, self.times, self.reward_log, self.episode_log,
                                       lambda what: self.logger.phase(self.step + 1, what))
 

@@ -33,7 +33,7 @@ Results: results/agent.json (not with --quick).
 
     python -m bench.bench_agent [--layers 2] [--vocab 32768] [--rounds 2] [--quick]
 
-`--reuse` measures something else: the in-process backend (rl/backends/local.py `LocalBackend`) with
+`--reuse` measures something else: the in-process backend (rl/backends/local/backend.py `LocalBackend`) with
 and without continuing a request's K/V, on the built-in model, 8 episodes of an agent that appends
 to its conversation (4 requests) on a ~2.3K-token prompt. Results: results/agent_reuse.json.
 
@@ -53,11 +53,10 @@ import torch
 from backstream import reference_backward, stream_backward
 from backstream.default_model import build_tokenizer
 from backstream.rl.agent.env import EnvConfig
-from backstream.rl.agent.programs import AgentSampler
 from backstream.rl.agent.transcript import common_prefix
-from backstream.rl.backends.base import no_rounds
+from backstream.rl.backends.base import SamplingConfig, no_rounds
 from backstream.rl.records import Completion
-from backstream.rl.rollout import SamplingConfig
+from backstream.rl.rollout.programs import AgentSampler
 from bench import common
 from bench.bench_agentic import logprob_pass, qwen3_06b_shaped
 
@@ -326,7 +325,7 @@ def reuse(rounds: int = 2) -> dict:
     from openai import DefaultHttpxClient
 
     from backstream.default_model import load_default
-    from backstream.rl.backends.local import LocalBackend, LocalSync
+    from backstream.rl.backends.local.backend import LocalBackend, LocalSync
 
     global HTTP
     HTTP = DefaultHttpxClient()

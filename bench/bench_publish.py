@@ -11,7 +11,7 @@ requests are token ids), on this machine; both syncs publish to it, alternately,
 - transfer (`TransferSync`): vLLM's weight-transfer engine, no file (on one host through shared memory).
 
 Each publish includes what a run's does: the pause, the sending, the check that the server holds the
-weights sent (rl/vllm/weights/ledger.py), the version label, the prefix cache's reset, the resume. The
+weights sent (rl/backends/vllm/weights/ledger.py), the version label, the prefix cache's reset, the resume. The
 server's log-probs of a probe after each are compared with the learner's (float32: ~1e-5 here).
 
     python -m bench.bench_publish [--rounds 5]      # prints one JSON line: disk_s, transfer_s (medians)
@@ -47,9 +47,9 @@ def main():
     a = ap.parse_args()
     from backstream import config
     from backstream.default_model import load_default
-    from backstream.rl.backends.server import build
+    from backstream.rl.backends.vllm.backend import build
+    from backstream.rl.backends.vllm.weights.sync import DiskSync
     from backstream.rl.parallel import DataParallel
-    from backstream.rl.vllm.weights.sync import DiskSync
 
     model = qwen3_06b()
     tok = load_default()[1]  # (the server skips its tokenizer: token ids in and out)

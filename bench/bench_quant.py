@@ -3,7 +3,7 @@
     python -m bench.bench_quant speed [--layers 28] [--new 32] [--group 8]
     python -m bench.bench_quant compare [--steps 60]
 
-speed: tokens/s of the in-process sampler (`rollout.generate`, G rows, one prefill per prompt)
+speed: tokens/s of the in-process sampler (`backends.local.generate`, G rows, one prefill per prompt)
   on a random model of Qwen3-0.6B's shape (28 layers, hidden 1024, MLP 3072, 16 heads / 8 K/V
   heads of 128, vocabulary 151,936, tied LM head), float32 against each low-bit format, timed side
   by side (best of 3 round-robin rounds). The LM head stays in float32 in every format (it is
@@ -27,7 +27,8 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from backstream.quant.linear import QuantConfig, quantize_model, quantized
-from backstream.rl.rollout import SamplingConfig, generate
+from backstream.rl.backends.base import SamplingConfig
+from backstream.rl.backends.local.generate import generate
 from bench.common import RESULTS, timed_side_by_side
 
 FORMATS = ["w8a8", "w4a16", "fp8"]

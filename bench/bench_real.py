@@ -52,7 +52,7 @@ TRL_SIDES = {"trl": False, "trl-ckpt": True}  # TRL's variants, float32 both: gr
 
 
 def rows(n: int) -> list[dict]:
-    from backstream.rl.tasks import TASKS, make_dataset
+    from backstream.rl.data.tasks import TASKS, make_dataset
 
     return [{"prompt": [{"role": "user", "content": TASKS["arith"].chat(r)}], "answer": r["answer"]}
             for r in make_dataset("arith", n, SEED)]
@@ -135,8 +135,9 @@ def side_rollout(steps: int, out: str, n: int) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from backstream.rl.rollout import SamplingConfig, generate
-    from backstream.rl.sampling import eos_ids
+    from backstream.rl.backends.base import SamplingConfig
+    from backstream.rl.backends.local.generate import generate
+    from backstream.rl.policy import eos_ids
 
     folder = long_model(out)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
@@ -158,7 +159,7 @@ def side_trl(steps: int, out: str, checkpointing: bool, n: int = 0) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from backstream.rl.rewards import answer
+    from backstream.rl.scoring.rewards import answer
     from bench.real_model import real_model_dir
     from bench.rewards import text_hash
 

@@ -27,8 +27,9 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from backstream.default_model import load_default
-from backstream.rl.rollout import SamplingConfig, generate
-from backstream.rl.tasks import make_dataset
+from backstream.rl.backends.base import SamplingConfig
+from backstream.rl.backends.local.generate import generate
+from backstream.rl.data.tasks import make_dataset
 
 from .common import RESULTS, timed, timed_side_by_side
 
@@ -80,7 +81,7 @@ def samplers(model, prompts: list[torch.Tensor], G: int, new: int, rounds: int, 
         key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
         print(p.key_averages().table(sort_by=key, row_limit=14, max_name_column_width=40))
     with torch.no_grad():
-        best = timed_side_by_side({"local (backstream.rl.rollout.generate)": local,
+        best = timed_side_by_side({"local (backstream.rl.backends.local.generate)": local,
                                    "transformers model.generate, one batch": hf}, rounds=rounds)
     return {k: n_tokens / v for k, v in best.items()}
 
@@ -88,7 +89,7 @@ def samplers(model, prompts: list[torch.Tensor], G: int, new: int, rounds: int, 
 def server(model, tok, prompts: list[torch.Tensor], G: int, new: int) -> float:
     """tokens/s of a vLLM server, one request per group, all in flight."""
     from backstream import config
-    from backstream.rl.backends.server import build
+    from backstream.rl.backends.vllm.backend import build
     from backstream.rl.parallel import DataParallel
 
     n_tokens = len(prompts) * G * new

@@ -2,7 +2,7 @@
 
     python scripts/check_learnable.py                 # arith, 60 steps, ~30 s on one CPU thread
 
-It depends only on `backstream.rl.tasks` and `backstream.default_model`, not on the engine, so that
+It depends only on `backstream.rl.data.tasks` and `backstream.default_model`, not on the engine, so that
 "the default model can learn" is checked apart from "backstream computes the right gradient". It plays
 single-turn tasks (arith, kvlookup); the multi-turn toolcalc is refused (`backstream demo --task
 toolcalc` plays its episodes). Each
@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, not installed
 
 from backstream.default_model import load_default
-from backstream.rl.tasks import get_task, make_dataset, score
+from backstream.rl.data.tasks import get_task, make_dataset, score
 
 
 @torch.no_grad()

@@ -4,7 +4,7 @@
 
 What it does, deterministically from --seed (same machine, same torch: same bytes):
 1. tokenizer and config from `backstream.default_model` (`build_tokenizer`, `default_config`);
-2. supervised training from random init on the generated tasks of `backstream.rl.tasks`, each step
+2. supervised training from random init on the generated tasks of `backstream.rl.data.tasks`, each step
    - one batch of `arith`, and every 4th step one small batch of `kvlookup` (with 1 to 120 key=value
      pairs, mostly short ones, so it stays cheap while still reaching the ~1.1K positions of the real
      kvlookup prompts); the loss is on the answer tokens and the final `<eos>` only;
@@ -65,7 +65,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from backstream.default_model import DEFAULT_MODEL_DIR, build_tokenizer, default_config
 from backstream.rl.agent.env import EnvConfig, Environment
 from backstream.rl.agent.turns import PlainFormat
-from backstream.rl.tasks import (
+from backstream.rl.data.tasks import (
     KV_PAIRS,
     TASKS,
     arith_row,
@@ -156,7 +156,7 @@ def evaluate(model, tokenizer, rows: list[dict], greedy: bool, seed: int = 0) ->
 
 @torch.no_grad()
 def play_toolcalc(model, tokenizer, rows: list[dict], greedy: bool, seed: int = 0, first: str = "") -> dict:
-    """toolcalc episodes of `rows` as the RL sampler plays them (rl/agent/episodes.py), at temperature 1 with
+    """toolcalc episodes of `rows` as the RL sampler plays them (rl/rollout/episodes.py), at temperature 1 with
     no top-k/top-p or greedily: turns of at most the task's `rollout.max_new_tokens` up to <eos>, read
     by the plain format (rl/agent/turns.py), calls run on the task's environment (rl/agent/env.py, the
     `Calculator`) and their results inserted, at most `env.max_turns` turns; the reward is the

@@ -244,7 +244,7 @@ def vllm_job(out: str, overrides: list[str]) -> dict:
     saw them, whether this rank started it (rank 0; the others are its clients) and whether its process is
     gone after the run, how many times the weights were published and how, every server's URL; then a
     request that only rank 1 sends to the stopped server: the error every rank raises."""
-    from backstream.rl.vllm.server import Server, ServerError
+    from backstream.rl.backends.vllm.server import Server, ServerError
 
     t = trainer.Trainer(config.load(None, [f'train.output_dir="{out}"', *overrides]))
     sync, seen = t.sync, {}

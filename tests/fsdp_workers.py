@@ -19,7 +19,7 @@ from helpers import VOCAB, lora, make
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from backstream import Objective, TokenWeights, logprobs, reference_backward, stream_backward
-from backstream.rl.losses import PPOClipConfig, build_objective
+from backstream.rl.update.losses import PPOClipConfig, build_objective
 from backstream.stream.fsdp import FSDPCall
 from backstream.stream.hf import base_model
 

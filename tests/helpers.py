@@ -26,14 +26,14 @@ from transformers import (
 
 from backstream import config, reference_backward, stream_backward
 from backstream.default_model import build_tokenizer
-from backstream.rl import decode as D
-from backstream.rl.agent import episodes as E
 from backstream.rl.agent.env import EnvConfig
-from backstream.rl.backends.local import LocalBackend, LocalSync
-from backstream.rl.losses import (
+from backstream.rl.backends.base import SamplingConfig
+from backstream.rl.backends.local import decode as D
+from backstream.rl.backends.local.backend import LocalBackend, LocalSync
+from backstream.rl.rollout import episodes as E
+from backstream.rl.update.losses import (
     build_objective,
 )
-from backstream.rl.rollout import SamplingConfig
 from backstream.stream.miniature import exact_norms
 from backstream.stream.objective import BlockView, flat_offsets
 from backstream.stream.verify import relative_errors, token_tree
@@ -332,7 +332,7 @@ def kill_the_server_then_step(t) -> None:
 
     import pytest
 
-    from backstream.rl.vllm.server import ServerError
+    from backstream.rl.backends.vllm.server import ServerError
 
     server = t.sync.pool.members[0].server
     os.killpg(server.proc.pid, signal.SIGKILL)
@@ -498,7 +498,7 @@ KEY = "test-key-1"
 
 def vllm_python() -> str:
     """The vLLM environment's python: built here if it is missing (a few minutes, once per machine)."""
-    from backstream.rl.vllm.setup import default_dir, python_of, setup
+    from backstream.rl.backends.vllm.setup import default_dir, python_of, setup
 
     python = python_of(default_dir())
     return str(python if python.is_file() else setup())

@@ -5,14 +5,15 @@ from helpers import KEY
 
 from backstream import config
 from backstream.quant.linear import QuantConfig
-from backstream.rl.backends.server import build
+from backstream.rl.backends.base import SamplingConfig
+from backstream.rl.backends.vllm.backend import build
 from backstream.rl.parallel import DataParallel
-from backstream.rl.rollout import Sampler, SamplingConfig
-from backstream.rl.source import RolloutSource
+from backstream.rl.rollout.completions import Sampler
+from backstream.rl.rollout.source import RolloutSource
 
 
 class Served:
-    """The two sides of a server backend (rl/backends/server.py `build`) for `model` (its LoRA decides the
+    """The two sides of a server backend (rl/backends/vllm/backend.py `build`) for `model` (its LoRA decides the
     way weights travel), built from a run config with `overrides`, and the learner's step: what a run's
     rollout source holds. `sampler(...)` / `sample(...)` sample as a run does; `step(model)` moves the
     weights as an optimizer step does."""

@@ -276,7 +276,7 @@ def _compress(model: nn.Module, fmt: Format, group_size: int, lora: bool):
 def write_compressed(model: nn.Module, fmt: Format, group_size: int, out: str, tokenizer=None) -> None:
     """A live quantized model (its QuantLinear layers, as the learner's forward quantizes them) written
     to `out` as a compressed-tensors folder, as `export` writes one: what the vLLM backend starts its
-    server from and publishes after every optimizer step (rl/vllm/weights/sync.py `DiskSync`)."""
+    server from and publishes after every optimizer step (rl/backends/vllm/weights/sync.py `DiskSync`)."""
     tensors, ignore, _ = _compress(model, fmt, group_size, lora=False)
     _write(out, base_model(model), tokenizer, tensors, quantization_config(fmt, group_size, ignore), None)
 

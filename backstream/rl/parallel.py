@@ -376,7 +376,7 @@ class UpdatePlan:
 
     def over(self, rows_of: list[list[int]]) -> UpdatePlan:
         """The same plan over sequences, where sample r trains the sequences `rows_of[r]` (a sample with
-        forks: rl/rollout.py `TrainingRows`)."""
+        forks: rl/records.py `TrainingRows`)."""
         def expand(rows):
             return [s for r in rows for s in rows_of[r]]
 

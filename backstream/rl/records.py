@@ -130,7 +130,7 @@ class Rollout:
     # per sample, a list over layers of (K, V) [kv_heads, len(prompt) + len(completion) - 1, head_dim]
     kv: list | None = None
     group_size: int = 1
-    # episodes (several turns, rl/agent/episodes.py): per completion token whether the policy sampled it
+    # episodes (several turns, rl/rollout/episodes.py): per completion token whether the policy sampled it
     # (the rest, tool results and template tokens, is context without loss; its logprobs are NaN), and
     # per sample what only an episode has. None for single-turn samples.
     sampled: list[Tensor] | None = None
@@ -141,7 +141,7 @@ class Rollout:
     # by hand (taken as sampled at the current weights)
     weight_version: list[Tensor] | None = None
     # per sample, the sequences it trains beside its own (an agent program's rewritten histories:
-    # rl/agent/programs.py); None: one sequence per sample
+    # rl/rollout/programs.py); None: one sequence per sample
     forks: list[list[Fork]] | None = None
 
     def __len__(self) -> int:

@@ -19,7 +19,7 @@ from backstream.checks import UserError
 
 # The oldest transformers the engine and the sampler run on (the cache layer `DummyLayer` came in 5.23);
 # pyproject.toml asks for the same. vLLM's own environment, which imports only the server's side of
-# the package (rl/vllm/worker_ext.py, rl/vllm/weights/, quant/), may hold an older one.
+# the package (rl/backends/vllm/worker_ext.py, rl/backends/vllm/weights/, quant/), may hold an older one.
 MIN_TRANSFORMERS = (5, 23)
 
 

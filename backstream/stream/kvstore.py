@@ -29,7 +29,7 @@ from backstream.stream.tree import TokenTree
 
 class Pieces:
     """The K or V of one sequence given as consecutive pieces [Hkv, L_i, D] (a rollout's prompt, shared
-    by its group's samples, then a sample's own tokens: rl/decode.py `RowCache.as_kv`), so that the
+    by its group's samples, then a sample's own tokens: rl/backends/local/decode.py `RowCache.as_kv`), so that the
     prompt is not copied once per sample: a slice [:, a:b] within one piece is a view of it, one across
     pieces a copy of that slice alone."""
 

@@ -26,7 +26,8 @@ from backstream.quant.linear import (
     quantized,
     set_quantized,
 )
-from backstream.rl.rollout import SamplingConfig, generate
+from backstream.rl.backends.base import SamplingConfig
+from backstream.rl.backends.local.generate import generate
 from backstream.stream.engine import logprobs, stream_backward
 
 warnings.filterwarnings("ignore", category=FutureWarning)

@@ -13,7 +13,7 @@ from helpers import rel, run_cfg, tiny, weights
 from backstream import config, trainer
 from backstream.metrics import read
 from backstream.quant.linear import QuantLinear, quant_linears
-from backstream.rl.backward import StreamedBackward
+from backstream.rl.update.backward import StreamedBackward
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 

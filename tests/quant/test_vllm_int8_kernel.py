@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from backstream.quant.formats import _epilogue, int8_mm, int16_pairs_correction, quantize_int8_act, saturating_pairs
-from backstream.rl.vllm.server import ext_path
-from backstream.rl.vllm.setup import default_dir, python_of, setup
+from backstream.rl.backends.vllm.server import ext_path
+from backstream.rl.backends.vllm.setup import default_dir, python_of, setup
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -22,7 +22,7 @@ import json, sys, torch
 import vllm.platforms
 from vllm import _custom_ops as ops
 from vllm.model_executor.kernels.linear.scaled_mm.cpu import CPUInt8ScaledMMLinearKernel as Int8
-from backstream.rl.vllm import worker_ext
+from backstream.rl.backends.vllm import worker_ext
 
 class Kernel(Int8):  # a layer's kernel as the probe finds it, on oneDNN
     def __init__(self):

@@ -9,7 +9,7 @@ import torch
 from helpers import no_run_written, run_cfg, tiny
 
 from backstream import trainer
-from backstream.rl import data
+from backstream.rl.data import prompts as data
 
 CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<assistant>{% endif %}")

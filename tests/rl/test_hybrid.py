@@ -11,8 +11,9 @@ from helpers import REPO, episode_sampler, rel, run_cfg, sample, text, tiny_hybr
 from backstream import config, trainer
 from backstream.checks import UserError
 from backstream.rl.agent.env import EnvConfig
-from backstream.rl.decode import shares
-from backstream.rl.rollout import SamplingConfig, generate
+from backstream.rl.backends.base import SamplingConfig
+from backstream.rl.backends.local.decode import shares
+from backstream.rl.backends.local.generate import generate
 from backstream.stream.adapter import probe_layout
 from backstream.stream.miniature import keep_float64
 

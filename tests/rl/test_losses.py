@@ -9,8 +9,8 @@ from helpers import current_logprobs, problem
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from backstream.rl.advantages import drgrpo_advantages, grpo_advantages, rloo_advantages
-from backstream.rl.losses import GSPOConfig, PPOClipConfig, build_objective, naive_loss
+from backstream.rl.scoring.advantages import drgrpo_advantages, grpo_advantages, rloo_advantages
+from backstream.rl.update.losses import GSPOConfig, PPOClipConfig, build_objective, naive_loss
 from backstream.stream.objective import BlockView, flat_offsets
 
 V = 7

@@ -17,7 +17,7 @@ from helpers import (
     streamed_total,
 )
 
-from backstream.rl.losses import (
+from backstream.rl.update.losses import (
     GSPOConfig,
     PPOClipConfig,
     PPOClipISObjective,
@@ -25,7 +25,7 @@ from backstream.rl.losses import (
     build_objective,
     naive_loss,
 )
-from backstream.rl.offpolicy import (
+from backstream.rl.update.offpolicy import (
     error_token_share,
     mismatch_metrics,
     mismatch_weights,
@@ -347,8 +347,8 @@ def test_staleness_counts_the_versions_behind_over_the_sampled_tokens():
     episode tokens and prompts left out), by hand: sample 0 sampled at versions 3, 3, 2 (the learner at
     4: 1, 1, 2 behind); sample 1 at 4, 4 with its middle token inserted (0, 0): 5 tokens, mean 4/5, max 2.
     A fork (an agent's branch) counts its own sampled tokens. In process (no versions): 0 behind."""
-    from backstream.rl.offpolicy import staleness_metrics
     from backstream.rl.records import Fork, Rollout
+    from backstream.rl.update.offpolicy import staleness_metrics
 
     r = Rollout(prompt_index=[0, 0], prompt_ids=[torch.tensor([5]), torch.tensor([5, 6])],
                 completion_ids=[torch.tensor([1, 2, 3]), torch.tensor([1, 2, 3])], logprobs=[torch.zeros(3)] * 2,
@@ -374,8 +374,8 @@ def test_mismatch_per_staleness_against_a_per_token_loop():
     """mismatch/kl_staleness_s: the k3 estimate e^x − 1 − x (x = log π_old − log μ) averaged over the
     tokens s versions behind, against a float64 loop over the tokens; None where no token is s behind;
     the prompt (behind −1), masked tokens and NaN log-probs (the learner's gaps) are left out."""
-    from backstream.rl.offpolicy import staleness_mismatch
     from backstream.rl.records import Rollout
+    from backstream.rl.update.offpolicy import staleness_mismatch
 
     gen = torch.Generator().manual_seed(3)
     r = Rollout(prompt_index=[0, 0, 1], prompt_ids=[torch.tensor([1, 2]), torch.tensor([1, 2]), torch.tensor([3])],

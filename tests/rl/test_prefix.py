@@ -1,5 +1,5 @@
-"""One copy of a prompt's K/V for the rows of its group in the sampler (rl/prefix.py, issue 46): the shared
-path decodes what the copying one decodes, to the token and to 1e-12 in the log-probs, on families whose
+"""One copy of a prompt's K/V for the rows of its group in the sampler (rl/backends/local/prefix.py, issue
+46): the shared path decodes what the copying one decodes, to the token and to 1e-12 in the log-probs, on families whose
 attention differs (sliding windows, soft-capping, sinks, hybrids with state beside K/V); the sampler's
 log-probs are the learner's; its K/V feed the engine without a copy per sample; episodes and agent
 requests that continue a history keep reading its prompt where it is; and the rollout holds one copy of
@@ -13,11 +13,12 @@ from helpers import make
 from transformers import AutoConfig
 
 from backstream import reference_backward, stream_backward
-from backstream.rl.backends.local import LocalBackend, LocalSync
-from backstream.rl.decode import Rows, decode, shares
-from backstream.rl.prefix import SHARE_MIN, Prefix
+from backstream.rl.backends.base import SamplingConfig
+from backstream.rl.backends.local.backend import LocalBackend, LocalSync
+from backstream.rl.backends.local.decode import Rows, decode, shares
+from backstream.rl.backends.local.generate import generate
+from backstream.rl.backends.local.prefix import SHARE_MIN, Prefix
 from backstream.rl.records import Completion
-from backstream.rl.rollout import SamplingConfig, generate
 from backstream.stream.kvstore import Pieces
 from backstream.stream.memory import LiveBytes
 from backstream.stream.miniature import keep_float64, miniature, miniature_config

@@ -6,8 +6,8 @@ import threading
 import pytest
 import torch
 
-from backstream.rl import rewards as R
-from backstream.rl.rewards import (
+from backstream.rl.scoring import rewards as R
+from backstream.rl.scoring.rewards import (
     RewardConfig,
     RewardError,
     RewardModel,
@@ -109,7 +109,7 @@ def test_load_builtin_specs():
     assert load_reward("exact_match") is exact_match
     f = load_reward("format:x+")
     assert f(["xxx", "xy"]) == [1.0, 0.0]
-    assert load_reward("backstream.rl.rewards:exact_match") is exact_match
+    assert load_reward("backstream.rl.scoring.rewards:exact_match") is exact_match
 
 
 def test_load_from_module_path(tmp_path, monkeypatch):
@@ -510,9 +510,9 @@ def test_eval_metrics_against_rewards_known_in_advance():
     """pass@k is "any of the k samples passes", avg@k the mean share that pass, reward/mean the mean
     reward: computed here by hand for three prompts of four samples each (a pass@k taken with `all`
     would give 1/3, not 2/3)."""
-    from backstream.rl.data import DataConfig
-    from backstream.rl.evaluate import EvalConfig, Evaluator
+    from backstream.rl.data.prompts import DataConfig
     from backstream.rl.parallel import DataParallel
+    from backstream.rl.rollout.evaluate import EvalConfig, Evaluator
 
     rewards = [[1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0]]
 
@@ -539,7 +539,7 @@ def test_eval_metrics_against_rewards_known_in_advance():
     ("82 is close, but it is 81", "82", 0.0), ("no number at all", "82", 0.0), ("eighty-two", "82", 0.0),
 ])
 def test_answer_reads_the_answer_of_a_chat_response(text, gold, want):
-    from backstream.rl.rewards import answer
+    from backstream.rl.scoring.rewards import answer
 
     assert answer([text], [gold]) == [want]
     assert answer([[{"role": "assistant", "content": text}]], [gold]) == [want]
@@ -547,7 +547,7 @@ def test_answer_reads_the_answer_of_a_chat_response(text, gold, want):
 
 def test_reward_metrics_are_named_by_the_function(tmp_path):
     """reward/<function>, not reward/<path>:<function>; two functions of one name kept apart."""
-    from backstream.rl.rewards import Rewards, spec_name
+    from backstream.rl.scoring.rewards import Rewards, spec_name
 
     for d in ("a", "b"):
         (tmp_path / d).mkdir()

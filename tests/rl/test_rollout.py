@@ -9,9 +9,10 @@ import torch
 from helpers import VOCAB, lora, make
 from transformers import DynamicCache
 
-from backstream.rl.decode import NonFiniteLogits, shares
+from backstream.rl.backends.base import SamplingConfig
+from backstream.rl.backends.local.decode import NonFiniteLogits, shares
+from backstream.rl.backends.local.generate import generate
 from backstream.rl.records import Rollout
-from backstream.rl.rollout import SamplingConfig, generate
 from backstream.stream.adapter import probe_layout
 from backstream.stream.hf import cache_arg, returned_cache
 
@@ -137,7 +138,7 @@ def test_stop_strings_cut_after_completing_token():
 
 def spy_shapes(model) -> list:
     """The input_ids shape of every forward call `model` makes from now on (`del model.forward` stops it),
-    after its once-per-model probes (`probe_layout`, rl/prefix.py `shares`)."""
+    after its once-per-model probes (`probe_layout`, rl/backends/local/prefix.py `shares`)."""
     probe_layout(model)
     shares(model)
     shapes, forward = [], model.forward

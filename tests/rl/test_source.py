@@ -1,4 +1,4 @@
-"""The rollout source (rl/source.py) over a fake of the backend protocol (tests/fake_backend.py); the
+"""The rollout source (rl/rollout/source.py) over a fake of the backend protocol (tests/fake_backend.py); the
 real-server runs are in test_vllm_async.py, two ranks in tests/distributed/.
 
 The fake labels each token with the weight version it holds when the token is drawn, drawing slowly,
@@ -20,11 +20,12 @@ from helpers import no_run_written, run_cfg, tiny
 
 from backstream import trainer
 from backstream.quant.linear import QuantConfig, quant_linears, quantize_model
-from backstream.rl.data import PromptStream
+from backstream.rl.backends.base import SamplingConfig
+from backstream.rl.data.prompts import PromptStream
 from backstream.rl.parallel import DataParallel, group_generator
 from backstream.rl.records import Rollout
-from backstream.rl.rollout import Sampler, SamplingConfig
-from backstream.rl.source import AsyncSource, RolloutSource
+from backstream.rl.rollout.completions import Sampler
+from backstream.rl.rollout.source import AsyncSource, RolloutSource
 
 
 def _source(backend, n: int, seed: int, P: int = 3, k: int | None = None):

@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from backstream.rl.tasks import KV_PAIRS, TASKS, Task, get_task, make_dataset, score, toolcalc_episode
+from backstream.rl.data.tasks import KV_PAIRS, TASKS, Task, get_task, make_dataset, score, toolcalc_episode
 
 
 @pytest.mark.parametrize("name", sorted(TASKS))
@@ -102,7 +102,7 @@ def test_toolcalc_defaults_apply_where_the_run_leaves_them_unset():
     for key, value in TASKS["toolcalc"].defaults.items():
         section, name = key.split(".", 1)
         assert getattr(getattr(cfg, section), name) == value, key
-    assert cfg.env.factory == "backstream.rl.tasks:Calculator" and cfg.env.enabled
+    assert cfg.env.factory == "backstream.rl.data.tasks:Calculator" and cfg.env.enabled
     assert config.load(None, ["data.task=toolcalc", "env.max_turns=6"]).env.max_turns == 6  # the run's own wins
     assert not config.load(None, ["data.task=arith"]).env.enabled  # other tasks: no environment
 
@@ -132,7 +132,7 @@ def test_score(completion, answer, expected):
 
 
 def test_score_agrees_with_the_exact_match_reward():
-    from backstream.rl.rewards import exact_match, load_reward
+    from backstream.rl.scoring.rewards import exact_match, load_reward
 
     cases = [("82", "82"), (" 082 ", "82"), ("81", "82"), ("x #### 7", "7"), ("", "1"), ("ab", "ab")]
     for name in TASKS:
@@ -152,7 +152,7 @@ class _Tok:
 
 @pytest.mark.parametrize("name", sorted(TASKS))
 def test_a_task_for_a_chat_model_asks_in_words_and_for_the_answers_form(name):
-    from backstream.rl.data import DataConfig
+    from backstream.rl.data.prompts import DataConfig
 
     plain = make_dataset(name, 5, seed=1)
     rows = DataConfig(task=name, num_examples=5, format="chat").build(1)
@@ -165,7 +165,7 @@ def test_a_task_for_a_chat_model_asks_in_words_and_for_the_answers_form(name):
 
 def test_format_auto_follows_the_tokenizer_and_picks_the_reward():
     from backstream import config
-    from backstream.rl.data import DataConfig
+    from backstream.rl.data.prompts import DataConfig
 
     assert DataConfig().resolved_format(_Tok(None)) == "plain"
     assert DataConfig().resolved_format(_Tok("{{ x }}")) == "chat"
@@ -202,7 +202,7 @@ def test_the_reward_reads_the_answer_before_the_stop():
     import torch
 
     from backstream.rl.records import Rollout
-    from backstream.rl.rollout import before_stop, completion_reward_inputs
+    from backstream.rl.rollout.completions import before_stop, completion_reward_inputs
 
     class Chars:
         def decode(self, ids, skip_special_tokens=True):

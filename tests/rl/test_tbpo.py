@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers import assert_streamed_equals_reference, current_logprobs, engine_problem, make, streamed_total
 
-from backstream.rl.losses import TBPOConfig, TBPOObjective, build_objective, naive_loss
+from backstream.rl.update.losses import TBPOConfig, TBPOObjective, build_objective, naive_loss
 from backstream.stream.engine import logprobs as engine_logprobs
 
 warnings.filterwarnings("ignore", category=FutureWarning)

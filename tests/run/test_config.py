@@ -119,7 +119,7 @@ def test_help_lists_the_tasks_of_the_registry(capsys):
     """`train --help` names every built-in task (it named arith and kvlookup, not toolcalc: the list
     was written by hand), and an unknown one is refused by its key."""
     from backstream.cli import main
-    from backstream.rl.tasks import TASKS
+    from backstream.rl.data.tasks import TASKS
 
     with pytest.raises(SystemExit):
         main(["train", "--help"])
@@ -169,14 +169,14 @@ def test_example_configs_are_valid(name):
 
 
 def test_example_reward_function(monkeypatch):
-    from backstream.rl.rewards import load_reward
+    from backstream.rl.scoring.rewards import load_reward
 
     monkeypatch.chdir(os.path.dirname(EXAMPLES))
     fn = load_reward("examples/my_reward.py:length_penalised_match")
     out = fn(["the answer is 42", "no idea"], prompts=["q", "q"], answer=["42", "42"])
     assert out == pytest.approx([1.0 - 0.016, -0.007])
     spec = config.load(os.path.join(EXAMPLES, "dapo_math_lora.toml")).reward.functions[1]
-    from backstream.rl.rewards import format_reward
+    from backstream.rl.scoring.rewards import format_reward
 
     assert format_reward(spec[len("format:"):])([r"so \boxed{7}", "7"]) == [1.0, 0.0]
 

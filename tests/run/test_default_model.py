@@ -15,8 +15,8 @@ from backstream.default_model import (
     default_config,
     load_default,
 )
-from backstream.rl.rewards import exact_match
-from backstream.rl.tasks import TASKS, make_dataset
+from backstream.rl.data.tasks import TASKS, make_dataset
+from backstream.rl.scoring.rewards import exact_match
 
 
 @functools.cache
@@ -113,9 +113,9 @@ def play_toolcalc(rows, temperature: float, group_size: int):
     """toolcalc episodes of the shipped model through the trainer's episode sampler, with the task's
     defaults (environment, turns, turn budget): per episode (tool calls, tool errors, turns, reward)."""
     from backstream.rl.agent.env import EnvConfig
-    from backstream.rl.agent.episodes import EpisodeSampler
-    from backstream.rl.backends.local import LocalBackend, LocalSync
-    from backstream.rl.rollout import SamplingConfig
+    from backstream.rl.backends.base import SamplingConfig
+    from backstream.rl.backends.local.backend import LocalBackend, LocalSync
+    from backstream.rl.rollout.episodes import EpisodeSampler
 
     model, tok = shipped()
     d = TASKS["toolcalc"].defaults

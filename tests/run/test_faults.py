@@ -15,7 +15,7 @@ from helpers import run_cfg, tiny
 from safetensors.torch import load_file
 
 from backstream import checkpoint, trainer
-from backstream.rl.rewards import RewardError, Rewards
+from backstream.rl.scoring.rewards import RewardError, Rewards
 
 STEPS = 5
 ARGS = ["--set", f"train.steps={STEPS}", "--set", "train.save_every=1", "--set", "train.keep_checkpoints=10",

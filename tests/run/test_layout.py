@@ -94,27 +94,28 @@ def test_the_walk_sees_lazy_imports():
 
 
 def test_one_rollout_layer():
-    """The samplers (rl/rollout.py, rl/agent/) take a backend (rl/backends/) and import no server:
-    nothing of rl/agent/ imports rl/vllm/ and nothing of rl/vllm/ imports rl/agent/; the rollout source
-    and the samplers import no backend (the run builds it: rl/sampling.py); process lifetime is one
-    module of the standard library alone."""
+    """The samplers (rl/rollout/) take a backend (rl/backends/base.py's protocols) and import no concrete
+    one (rl/backends/local/, rl/backends/vllm/: the run builds it, rl/backends/__init__.py); nothing of
+    rl/agent/ imports rl/backends/vllm/ and nothing of rl/backends/vllm/ imports rl/agent/; process
+    lifetime is one module of the standard library alone."""
     g = graph()
 
     def room(prefix):
         return [m for m in g if m == prefix or m.startswith(prefix + ".")]
 
-    agent, vllm = room("backstream.rl.agent"), room("backstream.rl.vllm")
-    assert agent and vllm
+    agent, vllm = room("backstream.rl.agent"), room("backstream.rl.backends.vllm")
+    rollout = room("backstream.rl.rollout")
+    assert agent and vllm and rollout
     assert not {m: sorted(n for n in g[m] if n in vllm) for m in agent if g[m] & set(vllm)}
     assert not {m: sorted(n for n in g[m] if n in agent) for m in vllm if g[m] & set(agent)}
-    concrete = {"backstream.rl.backends.local", "backstream.rl.backends.server", *vllm}
-    for m in ("backstream.rl.source", "backstream.rl.rollout", *agent):
+    concrete = {*room("backstream.rl.backends.local"), *vllm, "backstream.rl.backends"}
+    for m in (*rollout, *agent):
         assert not g[m] & concrete, (m, sorted(g[m] & concrete))
     assert g["backstream.lifetime"] == set()
 
 
-SERVER_SIDE = ["backstream.rl.vllm.worker_ext", "backstream.rl.vllm.weights.engine", "backstream.quant.export",
-               "backstream.quant.linear"]
+SERVER_SIDE = ["backstream.rl.backends.vllm.worker_ext", "backstream.rl.backends.vllm.weights.engine",
+               "backstream.quant.export", "backstream.quant.linear"]
 
 
 def _import_under(version: str, module: str) -> subprocess.CompletedProcess:
@@ -127,7 +128,7 @@ def test_the_transformers_floor_holds_on_the_learner_side_only():
     failed inside an import: `DummyLayer`); what vLLM's own environment imports (the server's side,
     with vLLM's transformers, 5.19 on the CPU build) does not ask for it: a check at the package's root
     broke every vLLM server."""
-    for module in ("backstream.stream.engine", "backstream.rl.decode"):
+    for module in ("backstream.stream.engine", "backstream.rl.backends.local.decode"):
         proc = _import_under("5.17.0", module)
         assert proc.returncode != 0 and "backstream needs transformers >= 5.23, this environment has 5.17.0" in \
             proc.stderr, (module, proc.stderr[-2000:])

@@ -43,7 +43,8 @@ def test_verify_is_exact_on_its_architecture(smol):
 def test_sampler_logprobs_are_the_learners(smol):
     """The in-process sampler's log-probs of SmolLM2's own answers against the engine's (float32)."""
     from backstream import logprobs
-    from backstream.rl.rollout import SamplingConfig, generate
+    from backstream.rl.backends.base import SamplingConfig
+    from backstream.rl.backends.local.generate import generate
 
     _, model, tok = smol
     prompts = [chat_ids(tok, "What is 37+45? Answer with the number only."), chat_ids(tok, "Name a colour.")]
@@ -81,7 +82,7 @@ def test_a_long_chat_prompt_trains_in_less_memory(smol):
     peaks: 0.30 of the reference's activations; at 1.6K tokens 0.36, in twice the time)."""
     import random
 
-    from backstream.rl.tasks import kvlookup_chat, kvlookup_row
+    from backstream.rl.data.tasks import kvlookup_chat, kvlookup_row
 
     _, model, tok = smol
     prompt = chat_ids(tok, kvlookup_chat(kvlookup_row(random.Random(0), n_pairs=120)))

@@ -15,8 +15,8 @@ import torch
 from helpers import run_cfg, tiny
 
 from backstream import checkpoint, cli, config, runfolder, trainer
-from backstream.rl.advantages import ZeroAdvantageWatch
-from backstream.rl.rewards import RewardError
+from backstream.rl.scoring.advantages import ZeroAdvantageWatch
+from backstream.rl.scoring.rewards import RewardError
 
 CLI = [sys.executable, "-c", "import sys; from backstream.cli import main; sys.exit(main(sys.argv[1:]))"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}

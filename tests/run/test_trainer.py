@@ -266,8 +266,8 @@ def test_dynamic_sampling_drops_a_zero_variance_group(tmp_path, dynamic):
 
 
 def test_overlong_penalty_values():
-    from backstream.rl import shaping
     from backstream.rl.records import Rollout
+    from backstream.rl.scoring import shaping
 
     r = Rollout(prompt_index=[0, 0, 0], prompt_ids=[torch.tensor([1])] * 3,
                 completion_ids=[torch.zeros(n, dtype=torch.long) for n in (4, 7, 8)],

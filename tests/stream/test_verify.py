@@ -12,7 +12,7 @@ from transformers import AutoConfig, Qwen3Config, Qwen3ForCausalLM
 
 from backstream import cli, config, trainer
 from backstream.default_model import build_tokenizer
-from backstream.rl import backward
+from backstream.rl.update import backward
 from backstream.stream import engine, family
 from backstream.stream.miniature import keep_float64, miniature, miniature_config
 from backstream.stream.verify import TOL, Verdict, VerifyReport, role, verify

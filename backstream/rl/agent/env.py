@@ -37,7 +37,7 @@ from typing import Literal, NamedTuple
 
 from backstream.checks import UserError, at_least, literals
 from backstream.rl.agent.worker import EnvHandle, EnvTimeout, RemoteError, WorkerPool
-from backstream.rl.specs import load_object, where_in
+from backstream.usercode import load_object, where_in
 
 TEXT_HOOK = "env_response"  # the text environment's hook: not a tool
 NOT_TOOLS = ("reset", "get_reward", TEXT_HOOK)
@@ -75,7 +75,7 @@ class EnvConfig:
     agent: str = ""
     """An agent program to train, "file.py:function" or "module:function": called per episode as
     function(base_url, api_key, model, row) (sync or async) against the run's OpenAI-compatible
-    endpoint; its return value (a number, or None) is the reward "env" (rl/agent/programs.py). "" = none."""
+    endpoint; its return value (a number, or None) is the reward "env" (rl/rollout/programs.py). "" = none."""
     agent_command: str = ""
     """An agent program to train, as a shell command started per episode with OPENAI_BASE_URL,
     OPENAI_API_KEY and OPENAI_MODEL set and the task's row as JSON on stdin; its last line of output, if

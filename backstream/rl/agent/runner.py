@@ -22,8 +22,8 @@ import sys
 import time
 from dataclasses import dataclass
 
+from backstream import usercode
 from backstream.lifetime import guarded, kill_group
-from backstream.rl import usercode
 
 
 @dataclass

@@ -33,10 +33,10 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
+from backstream import usercode
 from backstream.checks import UserError
 from backstream.lifetime import die_with_parent, stop
-from backstream.rl import usercode
-from backstream.rl.specs import load_object, where_in
+from backstream.usercode import load_object, where_in
 
 STARTUP_TIMEOUT_S = 120.0  # the zygote imports the environments' modules (torch, say) once
 

@@ -1,4 +1,4 @@
-"""Agent programs trained through the run's endpoint (rl/agent/programs.py): every sampled token is
+"""Agent programs trained through the run's endpoint (rl/rollout/programs.py): every sampled token is
 trained once, in exactly the context it was sampled in, across the branches a rewritten history makes
 (float64: the learner's log-probs of the trained sequences equal the sampler's); the whole loop with
 a thinking template, streamed = reference; agents that fail; the config's refusals."""
@@ -19,9 +19,9 @@ from test_endpoint import THINKING
 from backstream import config, trainer
 from backstream.checks import UserError
 from backstream.rl.agent.env import EnvConfig
-from backstream.rl.agent.programs import AgentSampler
-from backstream.rl.backends.local import LocalBackend, LocalSync
-from backstream.rl.rollout import SamplingConfig
+from backstream.rl.backends.base import SamplingConfig
+from backstream.rl.backends.local.backend import LocalBackend, LocalSync
+from backstream.rl.rollout.programs import AgentSampler
 from backstream.stream.engine import logprobs
 
 

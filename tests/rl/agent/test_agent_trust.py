@@ -23,8 +23,8 @@ from backstream import trainer
 from backstream.metrics import Logger
 from backstream.rl.agent.env import EnvConfig, EnvError
 from backstream.rl.agent.worker import EnvDiscarded, wait_dead
-from backstream.rl.rewards import RewardLog, Rewards, env_reward, exact_match, format_reward
-from backstream.rl.rollout import SamplingConfig
+from backstream.rl.backends.base import SamplingConfig
+from backstream.rl.scoring.rewards import RewardLog, Rewards, env_reward, exact_match, format_reward
 
 
 def rewards_see(s, r, rows):

@@ -15,7 +15,7 @@ from helpers import CHAT_TEMPLATE, REPO, episode_sampler, info, rel, run_cfg, sa
 
 from backstream import reference_backward, stream_backward, trainer
 from backstream.rl.agent.env import EnvConfig, EnvError
-from backstream.rl.rollout import SamplingConfig
+from backstream.rl.backends.base import SamplingConfig
 from backstream.stream.verify import relative_errors
 
 # -- the environment contract ---------------------------------------------------------------------------
@@ -46,7 +46,7 @@ def test_tools_results_errors_and_rewards(script):
         seen.update(completions=completions, environments=environments, prompts=prompts, answer=answer)
         return [float(c[-1]["content"] == a) for c, a in zip(completions, answer)]
 
-    from backstream.rl.rewards import Rewards
+    from backstream.rl.scoring.rewards import Rewards
 
     completions, prompts, extra = s.reward_inputs(r, [{"prompt": "12+34=", "answer": "46"}] * 2)
     total, _ = Rewards([(reward, 1.0), ("env", 0.5)])(completions, prompts, {"answer": ["46", "46"]}, **extra)
@@ -315,9 +315,9 @@ def test_evaluation_during_training(tmp_path):
     model, tok = tiny(torch.float32)
     trainer.train(run_cfg(tmp_path, "no-ev", *base, "reward.functions=['exact_match']"), model=model, tokenizer=tok)
     assert all(torch.equal(v, with_eval[k]) for k, v in weights(model).items())
-    from backstream.rl.data import DataConfig
-    from backstream.rl.evaluate import EvalConfig, held_out
-    from backstream.rl.tasks import make_dataset
+    from backstream.rl.data.prompts import DataConfig
+    from backstream.rl.data.tasks import make_dataset
+    from backstream.rl.rollout.evaluate import EvalConfig, held_out
 
     train_rows = make_dataset("arith", 16, 0)
     held = held_out(EvalConfig(every=1, prompts=50), DataConfig(task="arith"), 0, train_rows)
@@ -338,7 +338,7 @@ def test_trl_environments_run_unchanged(script):
     assert [x["function"]["name"] for x in s.env.schemas] == ["step"] and not s.env.has_response
     script([['[step "hi"]<eos>', "done<eos>"]])
     r = sample(s, model, [{"prompt": "echo hi"}])
-    from backstream.rl.rewards import env_reward
+    from backstream.rl.scoring.rewards import env_reward
 
     assert info(r, "tool_calls") == [1] and env_reward(info(r, "env")) == [2.0]
     s = sampler(tok, str(REPO / "examples" / "calc_env.py") + ":CalcEnv")

@@ -28,7 +28,7 @@ def vllm_served(tmp_path_factory):
     own, their cwd elsewhere than the tests' (test_a_run_folder_the_server_cannot_see_is_refused), started
     side by side; killed outright (SIGKILL) after the session, which must leave nothing of them behind:
     they run under the guard a run's server has."""
-    from backstream.rl.vllm.server import _group_alive, free_port
+    from backstream.rl.backends.vllm.server import _group_alive, free_port
 
     procs, urls, logs = [], [], []
     env = {k: v for k, v in os.environ.items() if k != "VLLM_API_KEY"}

@@ -35,8 +35,8 @@ from vllm_helpers import Served, urls_of
 from backstream import logprobs, trainer
 from backstream.default_model import load_default
 from backstream.quant.linear import QuantConfig, quant_linears, quantize_model, quantized, set_int8_gemm
-from backstream.rl.rollout import SamplingConfig
-from backstream.rl.vllm.setup import default_dir, python_of, setup
+from backstream.rl.backends.base import SamplingConfig
+from backstream.rl.backends.vllm.setup import default_dir, python_of, setup
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -159,7 +159,7 @@ def test_a_publish_resets_the_prefix_cache_of_long_prompts(served, weights):
     with the old weights; after the reload the same prompts must be prefilled again with the new ones,
     whichever way the weights came. The other tests' prompts are shorter than a block, so nothing of
     theirs is cached. Checked: with the /reset_prefix_cache after a publish commented out
-    (rl/vllm/weights/sync.py `WeightSync.finish`, which pauses with clear_cache=false, so that the
+    (rl/backends/vllm/weights/sync.py `WeightSync.finish`, which pauses with clear_cache=false, so that the
     reset is the one thing clearing the cache), this test fails (the server 0.72 off the learner)."""
     model, tok, srv, _ = served
     other = Served(tok, srv.run_dir + f"-{weights}", model, *srv.overrides, f'vllm.weights="{weights}"')
@@ -320,9 +320,9 @@ def test_episodes_through_the_server(served):
     its last token; the server's log-probs on every sampled token are the learner's; tool results are
     the environment's; the rewards score the policy's last answer."""
     from backstream.rl.agent.env import EnvConfig
-    from backstream.rl.agent.episodes import EpisodeSampler
-    from backstream.rl.rewards import exact_match
-    from backstream.rl.tasks import TASKS, make_dataset
+    from backstream.rl.data.tasks import TASKS, make_dataset
+    from backstream.rl.rollout.episodes import EpisodeSampler
+    from backstream.rl.scoring.rewards import exact_match
 
     model, tok, srv, _ = served
     fresh, _ = load_default()
@@ -356,8 +356,8 @@ def test_an_agent_program_through_the_server(served):
     pytest.importorskip("fastapi")
     pytest.importorskip("openai")
     from backstream.rl.agent.env import EnvConfig
-    from backstream.rl.agent.programs import AgentSampler
-    from backstream.rl.tasks import make_dataset
+    from backstream.rl.data.tasks import make_dataset
+    from backstream.rl.rollout.programs import AgentSampler
 
     model, tok, srv, _ = served
     fresh, _ = load_default()

@@ -26,9 +26,9 @@ from vllm_helpers import Served
 
 from backstream import config, logprobs, trainer
 from backstream.default_model import load_default
-from backstream.rl.data import PromptStream
-from backstream.rl.sampling import build_backend
-from backstream.rl.vllm.setup import default_dir, python_of, setup
+from backstream.rl.backends import build_backend
+from backstream.rl.backends.vllm.setup import default_dir, python_of, setup
+from backstream.rl.data.prompts import PromptStream
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 

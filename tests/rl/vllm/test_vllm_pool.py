@@ -24,7 +24,7 @@ from vllm_helpers import Served, urls_of
 from backstream import logprobs, trainer
 from backstream.default_model import load_default
 from backstream.lifetime import group_alive
-from backstream.rl.vllm.weights.sync import PublishError
+from backstream.rl.backends.vllm.weights.sync import PublishError
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 EXACT = 1e-9  # mismatch/kl of a server that samples the learner's weights (float32: ~1e-13 here)
@@ -118,7 +118,7 @@ def test_many_buckets_through_shared_memory_and_over_the_group(tmp_path, vllm_se
     """Buckets of 64 KiB (a run's are 256 MiB: the default model is one), through the shared file (one host)
     and over the group itself (between hosts): every tensor of every bucket reaches both servers' models as
     sent (the ledger's check of each publish), and the servers sample the learner's log-probs."""
-    from backstream.rl.vllm.weights import transfer
+    from backstream.rl.backends.vllm.weights import transfer
 
     monkeypatch.setattr(transfer, "BUCKET_BYTES", 1 << 16)
     model, tok = load_default()

@@ -29,8 +29,8 @@ from backstream import trainer
 from backstream.checks import UserError
 from backstream.cli import cmd_vllm_serve, parse, serve_args
 from backstream.default_model import DEFAULT_MODEL_DIR
-from backstream.rl.vllm.serve import Needs, ServeArgs, check_server, command
-from backstream.rl.vllm.server import Server, VLLMConfig, ext_path, free_port, server_env
+from backstream.rl.backends.vllm.serve import Needs, ServeArgs, check_server, command
+from backstream.rl.backends.vllm.server import Server, VLLMConfig, ext_path, free_port, server_env
 
 
 @pytest.mark.parametrize("url, words", [
@@ -76,7 +76,7 @@ def test_a_url_with_no_server_is_refused_before_the_run_folder(tmp_path):
 def test_the_serve_command_starts_what_a_run_needs(monkeypatch):
     monkeypatch.delenv("VLLM_API_KEY", raising=False)
     argv, env = ServeArgs(model="default", port=8123, api_key=KEY, python=sys.executable, top_p=0.8).command()
-    assert argv[:3] == [sys.executable, "-m", "backstream.rl.vllm.launch"]  # vLLM's server, every route guarded
+    assert argv[:3] == [sys.executable, "-m", "backstream.rl.backends.vllm.launch"]  # vLLM's server, routes guarded
     args = argv[3:]
 
     def value(flag):
@@ -85,7 +85,7 @@ def test_the_serve_command_starts_what_a_run_needs(monkeypatch):
     assert value("--model") == str(DEFAULT_MODEL_DIR) and value("--served-model-name") == "policy"
     assert value("--host") == "127.0.0.1" and value("--port") == "8123" and value("--dtype") == "float32"
     assert value("--logprobs-mode") == "raw_logprobs"  # top_p < 1: the learner's log-probs are the raw ones
-    assert value("--worker-extension-cls") == "backstream.rl.vllm.worker_ext.WeightSync"
+    assert value("--worker-extension-cls") == "backstream.rl.backends.vllm.worker_ext.WeightSync"
     assert "--no-enable-chunked-prefill" in args and value("--max-model-len") == "4096"  # the model's context
     assert value("--max-num-batched-tokens") == "4096" and "--enable-lora" not in args
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "1"

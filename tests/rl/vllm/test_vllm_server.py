@@ -1,4 +1,4 @@
-"""The vLLM server's process handling without vLLM (rl/vllm/server.py): a stand-in process group."""
+"""The vLLM server's process handling without vLLM (rl/backends/vllm/server.py): a stand-in process group."""
 
 import os
 import subprocess
@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from backstream.rl.vllm.server import Server, ServerError, VLLMConfig, _group_alive, free_port, vllm_error
+from backstream.rl.backends.vllm.server import Server, ServerError, VLLMConfig, _group_alive, free_port, vllm_error
 
 
 def test_stop_ends_the_whole_group_when_its_leader_is_already_gone():
@@ -103,7 +103,7 @@ def _live(pgid: int) -> list[int]:
 # the trainer: starts its server (the stand-in, through Server.start as a run does), then waits to be killed
 TRAINER = '''
 import os, sys, time
-from backstream.rl.vllm.server import Server, VLLMConfig
+from backstream.rl.backends.vllm.server import Server, VLLMConfig
 server = Server.start(VLLMConfig(python=sys.argv[1], start_timeout_s=60), ["--port", sys.argv[2]], sys.argv[3])
 print(os.getpgid(server.proc.pid), flush=True)
 time.sleep(300)

@@ -1,6 +1,6 @@
-"""The rollout pool and the weight syncs without vLLM (rl/vllm/pool.py, rl/vllm/weights/sync.py), over
+"""The rollout pool and the weight syncs without vLLM (rl/backends/vllm/pool.py, rl/backends/vllm/weights/sync.py), over
 stand-ins of servers that do what a server's worker does with what it is sent (they load the files or the
-handles, and keep the ledger of rl/vllm/weights/engine.py), or not:
+handles, and keep the ledger of rl/backends/vllm/weights/engine.py), or not:
 
 - routing: a key's requests to one server, a new key to the one with the least in flight; a server found
   gone: its requests go to the others, said once, and with none left the error names every log;
@@ -24,12 +24,12 @@ from helpers import tiny
 from torch.multiprocessing.reductions import rebuild_tensor
 
 from backstream import config
-from backstream.rl.backends.server import build
+from backstream.rl.backends.vllm.backend import build
+from backstream.rl.backends.vllm.pool import Member, ServerPool
+from backstream.rl.backends.vllm.server import ServerError
+from backstream.rl.backends.vllm.weights.ledger import fingerprint
+from backstream.rl.backends.vllm.weights.sync import ColocatedSync, DiskSync, PublishError, file_fingerprints
 from backstream.rl.parallel import DataParallel
-from backstream.rl.vllm.pool import Member, ServerPool
-from backstream.rl.vllm.server import ServerError
-from backstream.rl.vllm.weights.ledger import fingerprint
-from backstream.rl.vllm.weights.sync import ColocatedSync, DiskSync, PublishError, file_fingerprints
 
 
 class StandIn:
@@ -220,7 +220,7 @@ def test_colocate_without_a_gpu_is_refused(tmp_path):
 
 
 class Joining:
-    """A stand-in server of one worker for the transfer group (rl/vllm/weights/transfer.py `Group`): it joins
+    """A stand-in server of one worker for the transfer group (rl/backends/vllm/weights/transfer.py `Group`): it joins
     the learner's group as vLLM's engine does (rank 1, a gloo group over the learner's TCPStore), and
     hangs in the phase `hang` until released."""
 
@@ -257,7 +257,7 @@ class Joining:
 def test_a_phase_that_overruns_names_the_phase_the_server_and_the_timeout(tmp_path, hang, words):
     """Every phase of a transfer within vllm.transfer_timeout_s; on expiry the error names the phase, the
     server and the timeout, and the group is shut down with its shared file (nothing of it left)."""
-    from backstream.rl.vllm.weights.transfer import Group, TransferError
+    from backstream.rl.backends.vllm.weights.transfer import Group, TransferError
 
     server = Joining(hang)
     shm = str(tmp_path / "weights")
@@ -275,7 +275,7 @@ def test_a_phase_that_overruns_names_the_phase_the_server_and_the_timeout(tmp_pa
 def test_the_way_weights_travel_is_chosen_and_refused_by_name():
     """`vllm.weights`: auto takes the transfer where every server has the engine, disk for low-bit weights
     and for a server started without the engine; "transfer" there is refused, naming the fix."""
-    from backstream.rl.backends.server import TRANSFER_ENGINE, weight_path
+    from backstream.rl.backends.vllm.backend import TRANSFER_ENGINE, weight_path
 
     model = _model()[0]
     urls = ['vllm.urls=["http://127.0.0.1:1", "http://127.0.0.1:2"]']

@@ -1,0 +1,290 @@
+"""The in-process backend (rl/backends/base.py's protocol): the learner's own model samples, at its
+current weights, in this process (rl/backends/local/decode.py: every row of a call in one batch).
+
+- `complete`: each prompt prefilled once, its cache repeated over the G rows of its group, every row of
+  the call decoded as one batch (rl/backends/local/generate.py); with `return_kv` each sample's K/V go to
+  the engine, no prefill.
+- `play`: episodes in rounds, every live episode's turn of a round decoded as one batch. The first
+  round prefills each distinct prompt once; each episode then keeps its own K/V (and, in a hybrid
+  model, its layer states), and a later turn prefills only its new tokens (the previous turn's last
+  token, the inserted ones) after them before it joins the round's batch.
+- `generate` (an agent program's requests, from threads): a request that arrives while the model
+  decodes waits; the requests that waited are then decoded together, so the episodes of a round
+  batch. A request whose ids extend at least `reuse_min` tokens that an earlier request of the round
+  was fed and sampled (an agent that appends to its conversation) prefills only its new tokens after
+  that request's K/V, which it takes over; any other request is prefilled whole, requests of one
+  length as one batch (a row prefilled after its own history is a forward of its own: for short
+  histories the batched prefill is faster). Every request draws with its own seeded generator: its
+  tokens depend on its seed, not on its batch-mates. Outside a `round` (a program still running
+  after its episode ended) a request is refused: the model is being trained.
+
+Every token records the learner's step that made the model's weights (`LocalSync.sync`) as its weight
+version.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from backstream.rl.backends.base import SamplingConfig
+from backstream.rl.backends.local.decode import Rows, check_return_kv, decode, prefill, shares
+from backstream.rl.backends.local.generate import generate
+from backstream.rl.backends.local.prefix import SHARE_MIN
+from backstream.rl.records import Completion, Played, at_version
+from backstream.stream import fsdp
+from backstream.stream.hf import takes_logits_to_keep
+
+# how long a batch waits for the requests of episodes still playing: until every one has sent its
+# request, no request came for GATHER_S, or GATHER_MAX_S in all
+GATHER_S, GATHER_MAX_S = 0.02, 0.25
+REUSE_MIN = 256  # the shortest history whose K/V a request continues instead of prefilling it
+
+
+@dataclass
+class _Request:
+    ids: list[int]
+    max_tokens: int
+    seed: int
+    answer: Completion | None = None
+    error: BaseException | None = None
+
+
+class LocalBackend:
+    """The learner's model, sampling in this process (see the module docstring). `config`: the run's
+    sampling settings (temperature, top-p/top-k, stop strings, rollout.max_new_tokens). What it samples
+    with is its `LocalSync`'s to say (`sync`: the model and the step that made its weights)."""
+
+    in_process = True
+    metric_keys: tuple[str, ...] = ()
+
+    def __init__(self, config: SamplingConfig, eos: list[int], tokenizer):
+        self.config, self.eos, self.tok = config, set(eos), tokenizer
+        self.model = None  # `LocalSync.sync`'s
+        self.version = 0  # the learner's step that made the model's weights (`LocalSync.sync`)
+        self.cond = threading.Condition()
+        self.queue: list[_Request] = []
+        self.decoding = False
+        self.open = False  # inside a `round`
+        self.batches: list[int] = []  # requests per decode batch, this round
+        self.live = 0  # episodes playing: each may send a request
+        self.prefixes: list[tuple[list[int], object]] = []  # this round's (ids fed, their K/V), each taken once
+        self.reused = 0  # tokens of this round's requests not prefilled again
+        self.reuse_min = REUSE_MIN
+
+    def metrics(self, versions: list[Tensor]) -> dict[str, float]:
+        return {}
+
+    def close(self) -> None:
+        self.model = None
+
+    def _completion(self, ids: list[int], logprobs: Tensor, reason: str, kv=None) -> Completion:
+        return at_version(ids, logprobs, self.version, reason, kv)
+
+    # -- completions ----------------------------------------------------------------------------------
+    def complete(self, prompts: list[Tensor], group_size: int, max_tokens: int, generators: list,
+                 return_kv: bool = False, progress=None) -> list[Completion]:
+        config = dataclasses.replace(self.config, group_size=group_size, max_new_tokens=max_tokens)
+        r = generate(self.model, prompts, config, eos_token_id=sorted(self.eos), tokenizer=self.tok,
+                     return_kv=return_kv, generator=generators, progress=progress)
+        kv = r.kv or [None] * len(r)
+        return [self._completion(c.tolist(), lp, reason, k)
+                for c, lp, reason, k in zip(r.completion_ids, r.logprobs, r.finish_reason, kv)]
+
+    # -- episodes -------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def play(self, starts: list[list[int]], generators: list, turn, budget, max_turns: int,
+             return_kv: bool = False) -> list[Played]:
+        model, config = self.model, self.config
+        keep_last = takes_logits_to_keep(model)
+        check_return_kv(model, return_kv)
+        played = [Played(fed=list(s)) for s in starts]
+        if not starts:  # (a rank's share of a round can be empty)
+            return played
+        caches: list = [None] * len(starts)
+        lengths = [len(s) for s in starts]
+        feed: list[list[int]] = [[] for _ in starts]  # what each live episode feeds before its next turn
+        batch = Rows.of_prompts(model, [list(s) for s in starts], keep_last, config.max_new_tokens)
+        live = list(range(len(starts)))
+        budgets = [budget(n) for n in lengths]
+        while live:
+            out = self.decode_rows(batch, [generators[k] for k in live], keep_last, budgets)
+            still = []
+            for r, k in enumerate(live):
+                tokens = out.tokens[r]
+                caches[k] = out.caches[r]
+                played[k].fed += tokens[:-1]
+                lengths[k] += len(tokens)
+                inserted = turn(k, self._completion(tokens, out.logprobs[r], out.reasons[r]))
+                if inserted is not None:
+                    feed[k] = tokens[-1:] + list(inserted)
+                    lengths[k] += len(inserted)
+                    still.append(k)
+            del out, batch
+            live = still
+            if not live:
+                break
+            # each live episode feeds its turn's last token and what was inserted, after its own K/V
+            device = next(model.parameters()).device
+            parts = []
+            for r, k in enumerate(live):
+                cache, logits = prefill(model, [feed[k]], device, keep_last, history=caches[k])
+                caches[k] = None  # the batch's cache holds it now
+                played[k].fed += feed[k]
+                parts.append(([r], cache, logits, None))
+            batch = Rows.stack(parts, len(live), config.max_new_tokens)
+            del parts
+            budgets = [budget(lengths[k]) for k in live]
+        for k, p in enumerate(played):
+            p.kv = caches[k].as_kv() if return_kv else None
+        return played
+
+    # -- requests (agent programs) --------------------------------------------------------------------
+    @contextlib.contextmanager
+    def round(self, episodes: int):
+        """A round of `episodes` agent programs: requests are taken inside it (a program still running
+        after it ended is refused: the model is being trained), batched while episodes still play."""
+        with self.cond:
+            self.open, self.batches, self.prefixes, self.reused, self.live = True, [], [], 0, episodes
+        try:
+            yield _Playing(self)
+        finally:
+            with self.cond:
+                while self.decoding:
+                    self.cond.wait()
+                self.open, self.live, self.prefixes = False, 0, []
+                for r in self.queue:
+                    r.error = RuntimeError("the episode's round is over")
+                self.queue = []
+                self.cond.notify_all()
+
+    def generate(self, ids: list[int], max_tokens: int, seed: int, key: str | None = None) -> Completion:
+        req = _Request(list(ids), max_tokens, seed)
+        with self.cond:
+            if not self.open or self.model is None:
+                raise RuntimeError("no round is being sampled: this episode is over")
+            self.queue.append(req)
+            while req.answer is None and req.error is None:
+                if self.decoding:
+                    self.cond.wait()
+                    continue
+                self.decoding = True
+                self._gather()
+                batch, self.queue, model = self.queue, [], self.model
+                self.cond.release()
+                try:
+                    self._answer(model, batch)
+                except BaseException as e:  # noqa: BLE001  (each waiting request gets the error)
+                    for r in batch:
+                        r.error = r.error or e
+                finally:
+                    self.cond.acquire()
+                    self.decoding = False
+                    self.cond.notify_all()
+        if req.error is not None:
+            raise req.error
+        return req.answer
+
+    def _gather(self) -> None:
+        """Before a batch: wait for the requests of the episodes still playing, while they keep coming
+        (`GATHER_S` apart at most, `GATHER_MAX_S` in all): episodes whose previous answers came in one
+        batch send their next requests together, and a batch of one is not decoded while the others'
+        requests are on their way."""
+        deadline = time.monotonic() + GATHER_MAX_S
+        while len(self.queue) < self.live and time.monotonic() < deadline:
+            n = len(self.queue)
+            self.cond.wait(GATHER_S)
+            if len(self.queue) == n:
+                return
+
+    def decode_rows(self, rows: Rows, generators: list, keep_last: bool, budgets: list[int]):
+        """Every row of `rows` decoded as one batch, keeping each row's cache (rl/backends/local/decode.py `decode`):
+        the one place the backend's episodes and requests draw their tokens."""
+        return decode(self.model, rows, self.config, self.eos, self.tok, generators, keep_last, budgets, keep_kv=True)
+
+    @torch.no_grad()
+    def _answer(self, model, batch: list[_Request]) -> None:
+        self.batches.append(len(batch))
+        keep_last = takes_logits_to_keep(model)
+        device = next(model.parameters()).device
+        parts, fresh = [], []
+        for i, r in enumerate(batch):
+            fed, kv = self._prefix(r.ids)
+            if kv is None:
+                fresh.append(i)
+                continue
+            self.reused += len(fed)
+            cache, logits = prefill(model, [r.ids[len(fed):]], device, keep_last, history=kv)
+            parts.append(([i], cache, logits, None))
+        if fresh:
+            parts += Rows.prefilled(model, [batch[i].ids for i in fresh], keep_last, fresh)
+        rows = Rows.stack(parts, len(batch), max(r.max_tokens for r in batch), SHARE_MIN if shares(model) else math.inf)
+        del parts
+        gens = [torch.Generator().manual_seed(r.seed) for r in batch]
+        out = self.decode_rows(rows, gens, keep_last, [r.max_tokens for r in batch])
+        for r, ids, lp, reason, kv in zip(batch, out.tokens, out.logprobs, out.reasons, out.caches):
+            r.answer = self._completion(ids, lp, reason)
+            with self.cond:
+                self.prefixes.append((r.ids + ids[:-1], kv))
+
+    def _prefix(self, ids: list[int]) -> tuple[list[int], object]:
+        """The longest ids fed this round that `ids` extend by at least one token, and their K/V, taken
+        (a branch that starts there later is prefilled whole); ([], None) if none."""
+        with self.cond:
+            best = max((k for k, (fed, _) in enumerate(self.prefixes) if self.reuse_min <= len(fed) < len(ids)
+                        and ids[len(fed) - 1] == fed[-1] and ids[:len(fed)] == fed),
+                       key=lambda k: len(self.prefixes[k][0]), default=None)
+            return self.prefixes.pop(best) if best is not None else ([], None)
+
+
+class _Playing:
+    """A local round's bookkeeping: `done()` when one of its episodes is over (fewer requests to wait for)."""
+
+    def __init__(self, backend: LocalBackend):
+        self.backend = backend
+
+    def done(self) -> None:
+        with self.backend.cond:
+            self.backend.live -= 1
+            self.backend.cond.notify_all()
+
+
+class LocalSync:
+    """The sync side of the in-process backend: the learner's own model samples, at its weights as they
+    are; `sync` hands it to the backend with the step that made them (every token's version)."""
+
+    def __init__(self, backend: LocalBackend):
+        self.backend = backend
+
+    def need_context(self, tokens: int, why: str) -> None:
+        """Nothing: the prompts were checked against the model's context when the data was loaded."""
+
+    def check(self, model) -> None:
+        """Nothing to check: the model samples itself."""
+
+    def view(self, model):
+        """FSDP's parameters gathered once for the rollout's forwards (no collective inside them)."""
+        return fsdp.gathered(model)
+
+    def sync(self, model, step: int, progress=None) -> float:
+        self.backend.model, self.backend.version = model, step
+        return 0.0
+
+    def idle(self) -> None:
+        """Nothing: the model samples itself."""
+
+    def kernels(self) -> dict[str, str]:
+        return {}
+
+    def check_aligned(self, model) -> None:
+        """The learner's own quantized forward samples: aligned by construction."""
+
+    def close(self) -> None:
+        self.backend.model = None

@@ -1,0 +1,84 @@
+"""The sampler of single-turn completions (docs/design.md §1): G samples per prompt from the run's
+backend, and the inputs of the reward functions in TRL's formats.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from backstream.rl.backends.base import SamplingConfig
+from backstream.rl.records import Rollout
+
+
+class Sampler:
+    """The sampler of single-turn completions (rl/rollout/sampler.py's protocol): G per prompt, sampled by the
+    run's backend (rl/backends/), and the inputs of the reward functions in TRL's formats
+    (`reward_inputs`)."""
+
+    environment = None  # an EpisodeSampler's Environment (its get_reward is a reward)
+
+    def __init__(self, config: SamplingConfig, tokenizer, eos: list[int], return_kv: bool, prompts: list[Tensor],
+                 prompt_text: list[str], backend):
+        self.config, self.tok, self.eos, self.return_kv = config, tokenizer, eos, return_kv
+        self.prompts, self.prompt_text = prompts, prompt_text  # per example: its token ids and text
+        self.backend, self.metric_keys = backend, tuple(backend.metric_keys)
+        longest, new = max((len(p) for p in prompts), default=0), config.max_new_tokens
+        # the longest sequence it samples, and what sets it (a server's context must hold it: `Sync.need_context`)
+        self.needs = (longest + new, f"the longest prompt, {longest} tokens, + rollout.max_new_tokens = {new}")
+
+    def sample(self, rows: list[dict], indices: list[int], generators: list, progress=None) -> Rollout:
+        """G samples for each example `indices[j]` (the data's rows `rows[j]`), group j drawn with
+        `generators[j]`; `prompt_index` holds the examples' indices."""
+        G = self.config.group_size
+        prompts = [self.prompts[i] for i in indices]
+        out = self.backend.complete(prompts, G, self.config.max_new_tokens, generators, self.return_kv, progress)
+        return Rollout(prompt_index=[i for i in indices for _ in range(G)],
+                       prompt_ids=[p for p in prompts for _ in range(G)],
+                       completion_ids=[torch.tensor(c.ids, dtype=torch.long) for c in out],
+                       logprobs=[c.logprobs for c in out], finish_reason=[c.reason for c in out],
+                       kv=[c.kv for c in out] if self.return_kv else None, group_size=G,
+                       weight_version=[c.versions for c in out])
+
+    def reward_inputs(self, r: Rollout, rows: list[dict]) -> tuple[list, list, dict]:
+        return completion_reward_inputs(r, rows, self.tok, self.prompt_text, self.config.stop)
+
+    def metrics(self, r: Rollout) -> dict[str, float]:
+        return self.backend.metrics(r.weight_version)
+
+    def timings(self, r: Rollout) -> dict[str, float]:
+        """Seconds of sampling `r` spent in phases of their own (none here; an episode's tools: "tool")."""
+        return {}
+
+    def release(self, r: Rollout | None = None) -> None:
+        """Let go of what `r` (None: every sample so far) held for its reward functions (nothing here)."""
+
+    def close(self) -> None:
+        """Stop what the sampler started (nothing here; the backend is the run's)."""
+
+    def check_prompts(self, examples: list[dict]) -> int:
+        """The longest prompt (its tokens were checked against the context when the data was loaded)."""
+        return max((len(p) for p in self.prompts), default=0)
+
+
+def before_stop(text: str, stop: list[str]) -> str:
+    """The text of a completion that a stop string ended, up to that string: what the reward reads (the
+    trained tokens keep the stop, as the policy sampled it; vLLM's and TRL's completion text is cut
+    so too). A token may hold more than the stop ("\n\n" for "\n"): the text is cut where the stop
+    first occurs."""
+    cut = min((i for s in stop if (i := text.find(s)) >= 0), default=len(text))
+    return text[:cut]
+
+
+def completion_reward_inputs(r: Rollout, rows: list[dict], tokenizer, prompt_text: list[str],
+                             stop: list[str] = ()):
+    """(completions, prompts, extra keyword arguments) of single-turn samples as TRL passes them: chat
+    prompts give the prompt's messages and the completion as an assistant message, text prompts
+    strings; `prompt_text`: each example's rendered prompt; `stop`: rollout.stop (a completion that
+    one ended is read up to it, `before_stop`)."""
+    texts = [before_stop(t, stop) if reason == "stop" else t
+             for t, reason in zip(r.texts(tokenizer), r.finish_reason)]
+    chat = [isinstance(row["prompt"], list) for row in rows]
+    prompts = [row["prompt"] if c else prompt_text[i] for row, c, i in zip(rows, chat, r.prompt_index)]
+    completions = [[{"role": "assistant", "content": t}] if c else t for t, c in zip(texts, chat)]
+    return completions, prompts, {"completion_ids": [c.tolist() for c in r.completion_ids]}

@@ -1,0 +1,1 @@
+"""Who scores: the reward functions (TRL's signature), the overlong shaping and the group advantages."""
