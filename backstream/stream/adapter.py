@@ -21,7 +21,7 @@ from transformers.cache_utils import Cache
 
 from backstream.stream import family
 from backstream.stream.attention import Part, merged_attention
-from backstream.stream.hf import base_model, cache_arg, require_transformers
+from backstream.stream.hf import base_model, cache_arg, require_transformers, state_api_hint
 from backstream.stream.state import ConvState, RecurrentState, StateLayout
 
 require_transformers()  # the engine's and the sampler's way in to transformers' Cache
@@ -241,7 +241,7 @@ def probe_layout(model: nn.Module) -> StateLayout:
     except Exception as e:
         raise family.Unsupported(
             f"model: {type(base).__name__} failed inside transformers on a short forward over the engine's "
-            f"Cache ({type(e).__name__}: {e}); {family.ENGINE_HINT}") from e
+            f"Cache ({type(e).__name__}: {e}); {family.ENGINE_HINT}.{state_api_hint()}") from e
     known[dtype] = layout
     return layout
 

@@ -21,6 +21,27 @@ from backstream.checks import UserError
 # pyproject.toml asks for the same. vLLM's own environment, which imports only the server's side of
 # the package (rl/backends/vllm/worker_ext.py, rl/backends/vllm/weights/, quant/), may hold an older one.
 MIN_TRANSFORMERS = (5, 23)
+# The first transformers whose Cache API for layers with recurrent or convolution state the engine does not
+# know: 5.25 gave those layers a token count, a history of states and `get_recurrent_states_to_keep`, which
+# the engine's caches do not implement, so every hybrid model fails inside transformers there (refused by
+# name, never streamed wrong); pyproject.toml asks for an older one.
+STATE_API_UNKNOWN = (5, 25)
+
+
+def state_api_hint() -> str:
+    """What to say when a model with layer state fails inside this transformers: '' where the engine knows
+    its Cache API, else the version to install."""
+    import transformers  # noqa: PLC0415
+
+    try:
+        have = tuple(int(x) for x in transformers.__version__.split(".")[:2])
+    except ValueError:
+        return ""
+    if have < STATE_API_UNKNOWN:
+        return ""
+    return (f" transformers {transformers.__version__} changed the Cache API of layers with recurrent or convolution "
+            f"state ({'.'.join(map(str, STATE_API_UNKNOWN))}); backstream streams them on transformers 5.23-5.24: "
+            "pip install 'transformers>=5.23,<5.25'.")
 
 
 def require_transformers(version: str | None = None) -> None:
@@ -37,7 +58,7 @@ def require_transformers(version: str | None = None) -> None:
     if have < MIN_TRANSFORMERS:
         need = ".".join(map(str, MIN_TRANSFORMERS))
         raise ImportError(f"backstream needs transformers >= {need}, this environment has {version}: "
-                          f"pip install -U 'transformers>={need},<6' (no network: bring its wheel, as "
+                          f"pip install -U 'transformers>={need},<5.25' (no network: bring its wheel, as "
                           "bench/README.md 'The GPU check' does)")
 
 

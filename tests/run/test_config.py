@@ -146,7 +146,7 @@ def test_a_transformers_older_than_the_floor_is_refused_by_name(monkeypatch, cap
     from backstream.stream.hf import MIN_TRANSFORMERS, require_transformers
 
     with pytest.raises(ImportError, match=r"needs transformers >= 5\.23, this environment has 5\.17\.0: "
-                                          r"pip install -U 'transformers>=5\.23,<6'"):
+                                          r"pip install -U 'transformers>=5\.23,<5\.25'"):
         require_transformers("5.17.0")
     for fine in ("5.23.0", "5.24.0.dev0", "5.30.1", "a-local-build"):
         require_transformers(fine)
@@ -155,7 +155,24 @@ def test_a_transformers_older_than_the_floor_is_refused_by_name(monkeypatch, cap
     assert main(["train", "--set", "train.steps=1"]) == 2
     assert "needs transformers >= 5.23, this environment has 5.17.0" in capsys.readouterr().err
     floor = ".".join(map(str, MIN_TRANSFORMERS))
-    assert f'"transformers>={floor},<6"' in (REPO / "pyproject.toml").read_text()
+    assert f'"transformers>={floor},<5.25"' in (REPO / "pyproject.toml").read_text()
+
+
+def test_a_transformers_whose_state_cache_api_is_unknown_is_named(monkeypatch):
+    """transformers 5.25 changed the Cache API of layers with recurrent or convolution state, on which
+    every hybrid fails inside transformers (refused, never streamed wrong): the refusal then names the
+    versions to install; pyproject.toml asks for one of them."""
+    import transformers
+
+    from backstream.stream.hf import STATE_API_UNKNOWN, state_api_hint
+
+    assert STATE_API_UNKNOWN == (5, 25)
+    for known in ("5.23.0", "5.24.0"):
+        monkeypatch.setattr(transformers, "__version__", known)
+        assert state_api_hint() == ""
+    monkeypatch.setattr(transformers, "__version__", "5.25.0")
+    assert "transformers 5.25.0 changed the Cache API" in state_api_hint()
+    assert "pip install 'transformers>=5.23,<5.25'" in state_api_hint()
 
 
 EXAMPLES = str(REPO / "examples")
