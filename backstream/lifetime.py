@@ -8,7 +8,7 @@
   an agent command's group at once, an environment's worker or its zygote); `kill_group(proc)` is
   `stop(proc, group=True)`.
 - `die_with_parent()`: this process gets SIGKILL when its parent dies (an environment's worker,
-  rl/agent/worker.py).
+  rl/agent/process.py).
 
 Why a guard. vLLM's API server starts an engine-core process, which starts a worker. A trainer killed
 outright (kill -9, the OOM killer, a preemption) runs no clean-up, and a parent-death signal reaches

@@ -47,7 +47,7 @@ from backstream.rl.backends import build_backend
 from backstream.rl.data import prompts as datamod
 from backstream.rl.parallel import take
 from backstream.rl.policy import eos_ids, reference_policy
-from backstream.rl.records import Rollout
+from backstream.rl.records import Samples
 from backstream.rl.rollout.collect import Batch, Collector, timed
 from backstream.rl.rollout.evaluate import Evaluator, with_group_size
 from backstream.rl.rollout.sampler import Samplers
@@ -175,7 +175,7 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         """The held-out metrics at the current weights (rl/rollout/evaluate.py), in the rollout's numerics."""
         ev = self.evaluator
-        return ev.run(lambda *a: self.source.sample(ev.sampler, *a).rollout,
+        return ev.run(lambda *a: self.source.sample(ev.sampler, *a).samples,
                       lambda r: self.collector.score(r, self.step, ev.sampler, ev.examples)[0], self.dp, self.step)
 
     # -- checkpoints ----------------------------------------------------------------------------
@@ -216,7 +216,7 @@ class Trainer:
         with self.dp.guard(f"step {self.step + 1}"):
             batch = self.collect()  # the global batch (on every rank under torchrun)
             adv = self.advantages(batch.rewards) * batch.keep
-            logged, mismatch = self.update(batch.rollout, adv)
+            logged, mismatch = self.update(batch.samples, adv)
             self.step += 1
             with timed(self.times, "sync"):  # the weights are now this step's (an asynchronous source syncs them now)
                 self.source.at_step(self.step)
@@ -232,7 +232,7 @@ class Trainer:
         """Per-sample advantages from the group rewards (algorithm.advantage)."""
         return self.advantage_fn(rewards, self.cfg.rollout.group_size)
 
-    def update(self, batch: Rollout, adv: Tensor) -> tuple[dict[str, list[float]], dict[str, float]]:
+    def update(self, batch: Samples, adv: Tensor) -> tuple[dict[str, list[float]], dict[str, float]]:
         """`epochs` × `minibatches` optimizer steps on the collected samples, each over one
         group-aligned minibatch: its objective, the backward chosen at construction, a clipped step.
         Under torchrun `batch` is the global batch and this rank trains its own groups of each
@@ -242,7 +242,7 @@ class Trainer:
         with quantized(self.model, self.cfg.quant.aligned):
             return self._update(batch, adv)
 
-    def _update(self, batch: Rollout, adv: Tensor) -> tuple[dict[str, list[float]], dict[str, float]]:
+    def _update(self, batch: Samples, adv: Tensor) -> tuple[dict[str, list[float]], dict[str, float]]:
         ac = self.cfg.algorithm
         view = batch.training(self.step)  # a sample's sequences: its own, and its forks (an agent's branches)
         seqs, mask, sampler_lp = view.seqs, view.mask, view.logprobs
@@ -314,7 +314,7 @@ class Trainer:
                 step_time: float) -> dict:
         """The step's line: rewards as scored, lengths, the loss terms averaged over the optimizer
         steps, sampler/learner mismatch, time per phase, throughput, learning rate, peak memory."""
-        r, n, ro = batch.scored, len(batch.rollout), batch.rollout
+        r, n, ro = batch.scored, len(batch.samples), batch.samples
         m = {"step": self.step, "reward/mean": float(r.mean()), "reward/std": float(r.std()) if len(r) > 1 else 0.0,
              "response_length/mean": float(sum(ro.sampled_tokens()) / n),  # the policy's tokens (of an episode too)
              "response/truncated": sum(x == "length" for x in ro.finish_reason) / n,  # ran to the token limit

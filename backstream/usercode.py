@@ -7,7 +7,7 @@ directory, and traced to the source files a run fingerprints.
 
 Calling it: with the keyword arguments it names (all of them when it takes **kwargs, as TRL passes
 them), awaited when it is an `async def`, and, where a caller asks, with a deadline. (An environment's
-deadline is enforced by its worker process, rl/agent/worker.py, which can be killed; a thread cannot,
+deadline is enforced by its worker process, rl/agent/process.py, which can be killed; a thread cannot,
 so `with_deadline` only stops waiting.) Imports nothing heavy: environment workers use it."""
 
 from __future__ import annotations

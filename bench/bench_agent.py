@@ -10,11 +10,11 @@ the conversation goes on. Qwen3's own template does that to the turns before the
 this one does it to every earlier turn, as Qwen3's does in a conversation that asks a new question
 at each request. So no request extends what was sampled before it and every request starts a branch
 (rl/agent/transcript.py). `AgentSampler` turns each transcript into
-a sample of a Rollout (its last branch, the others as forks). Each episode gets one advantage; every
+a sample of a Samples (its last branch, the others as forks). Each episode gets one advantage; every
 layout trains the linear objective Σ adv · log π over the sampled tokens, so all three make the same
 gradient (checked here in float32 on the --quick shape). The layouts, each with the no-grad log-prob
 pass a PPO-style trainer runs before its backward (the tree's prefill is that pass):
-  tree            backstream: `Rollout.training` → every branch of every episode on one token tree,
+  tree            backstream: `Samples.training` → every branch of every episode on one token tree,
                   one stream_backward (what branches and episodes share is computed once)
   per-request     one sample per request (AReaL's "hf" mode, SkyRL's step-wise training): the ids the
                   request was fed + its answer, loss on the answer; reference_backward
@@ -135,7 +135,7 @@ class Scripted:
 
 
 def agent_rollout(G: int, P: int, T: int, R: int, S: int, seed: int = 0):
-    """G episodes of each of P tasks through the endpoint: the Rollout and what each request was fed
+    """G episodes of each of P tasks through the endpoint: the Samples and what each request was fed
     and answered."""
     tok = build_tokenizer()
     tok.chat_template = TEMPLATE

@@ -8,8 +8,8 @@ from backstream.quant.linear import QuantConfig
 from backstream.rl.backends.base import SamplingConfig
 from backstream.rl.backends.vllm.backend import build
 from backstream.rl.parallel import DataParallel
-from backstream.rl.rollout.completions import Sampler
-from backstream.rl.rollout.source import RolloutSource
+from backstream.rl.rollout.completions import CompletionSampler
+from backstream.rl.rollout.source import Source
 
 
 class Served:
@@ -40,14 +40,15 @@ class Served:
 
     def sampler(self, prompts, G=4, max_new=12, cfg=None):
         cfg = cfg or SamplingConfig(group_size=G, max_new_tokens=max_new)
-        return Sampler(cfg, self.tok, [self.tok.eos_token_id], False, prompts, ["" for _ in prompts], self.backend)
+        return CompletionSampler(cfg, self.tok, [self.tok.eos_token_id], False, prompts, ["" for _ in prompts],
+                                 self.backend)
 
     def sample(self, s, model, rows, indices, gens):
         """`s`'s samples as a run's rollout source takes them: in the policy view, the weights synced
         first (published if they changed; QaRL's alignment at the first sync)."""
-        source = RolloutSource(s, self.sync, [], None, DataParallel(0), model, self.quant)
+        source = Source(s, self.sync, [], None, DataParallel(0), model, self.quant)
         source.at_step(self.version)
-        return source.sample(s, rows, indices, gens).rollout
+        return source.sample(s, rows, indices, gens).samples
 
     def step(self, model, scale=0.05, only=None) -> None:
         """What a trainer's step does to the weights, in place as AdamW writes them (`only`: the

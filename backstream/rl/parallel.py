@@ -56,7 +56,7 @@ from torch import Tensor, nn
 
 from backstream.checks import UserError, at_least, literals
 from backstream.log import log
-from backstream.rl.records import Rollout
+from backstream.rl.records import Samples
 from backstream.stream import fsdp
 
 MIXED_PRECISION = {"none": False, "bf16": True}  # distributed.mixed_precision → forwards in bfloat16
@@ -457,7 +457,7 @@ class DataParallel:
         thrown away in flight with the same seed)."""
         return group_generator(self.seed, position)
 
-    def join_round(self, rollout: Rollout, total: Tensor, per_fn: dict[str, Tensor]):
+    def join_round(self, rollout: Samples, total: Tensor, per_fn: dict[str, Tensor]):
         """Every rank's samples of the round (K/V only for this rank's) and their rewards, in the
         round's order: (rollout, total reward [N], per reward function [N])."""
         return rollout, total, per_fn
@@ -570,7 +570,7 @@ class Torchrun(DataParallel):
         this rank's K/V of its own samples (None without engine.reuse_rollout_kv)."""
         group_size = parts[self.rank][1].group_size
         # this rank's samples keep their K/V (engine.reuse_rollout_kv); the others' are not here
-        joined = Rollout.concat([p if kv is None else
+        joined = Samples.concat([p if kv is None else
                                  dataclasses.replace(p, kv=kv if k == self.rank else [None] * len(p))
                                  for k, (_, p, _, _) in enumerate(parts)])
         need = sum(len(groups) for groups, *_ in parts)

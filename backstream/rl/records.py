@@ -1,5 +1,5 @@
 """The records of a rollout that several parts of the rollout layer share, at its bottom floor: what a
-backend answers (`Completion`, an episode's `Played`), what a round hands the trainer (`Rollout`, its
+backend answers (`Completion`, an episode's `Played`), what a round hands the trainer (`Samples`, its
 `Fork`s, an episode's `EpisodeInfo`), what the update trains (`TrainingRows`), and the one version
 convention of them all (docs/design.md §6e, §6f):
 
@@ -104,8 +104,8 @@ class TrainingRows:
 
     seqs: list[Tensor]
     mask: list[Tensor]  # True at the tokens with a loss
-    logprobs: list[Tensor]  # the sampler's, NaN elsewhere (`Rollout.aligned_logprobs`' layout)
-    behind: list[Tensor]  # versions behind the update's weights per token, -1 at the prompt (`Rollout.behind`)
+    logprobs: list[Tensor]  # the sampler's, NaN elsewhere (`Samples.aligned_logprobs`' layout)
+    behind: list[Tensor]  # versions behind the update's weights per token, -1 at the prompt (`Samples.behind`)
     owner: list[int]
     kv: list | None
 
@@ -118,7 +118,7 @@ class TrainingRows:
 
 
 @dataclass
-class Rollout:
+class Samples:
     """One entry per sample; the G samples of prompt j are rows j*G .. j*G+G-1."""
 
     prompt_index: list[int]
@@ -201,7 +201,7 @@ class Rollout:
                 rows.logprobs.append(f.logprobs)
                 rows.behind.append(behind)
                 rows.owner.append(i)
-        assert self.kv is None or len(rows.seqs) == len(self), "Rollout.training: K/V with forks"
+        assert self.kv is None or len(rows.seqs) == len(self), "Samples.training: K/V with forks"
         return rows
 
     def completion_mask(self) -> list[Tensor]:
@@ -229,18 +229,18 @@ class Rollout:
         G = self.group_size
         return [g * G + j for g in groups for j in range(G)]
 
-    def select(self, groups: list[int]) -> Rollout:
+    def select(self, groups: list[int]) -> Samples:
         """The rollout of `groups` only (whole groups, in that order)."""
         rows = self.group_rows(groups)
 
         def pick(xs):
             return None if xs is None else [xs[r] for r in rows]
 
-        return Rollout(**{f.name: pick(getattr(self, f.name)) for f in dataclasses.fields(self)
+        return Samples(**{f.name: pick(getattr(self, f.name)) for f in dataclasses.fields(self)
                           if f.name != "group_size"}, group_size=self.group_size)
 
     @staticmethod
-    def concat(parts: list[Rollout]) -> Rollout:
+    def concat(parts: list[Samples]) -> Samples:
         """The samples of every part, in order (same group size). The K/V are kept only if every part
         has them (they stay on the rank that computed them); any other field is in every part or in none,
         and a part that lacks one the others have is a bug, not a field to drop."""
@@ -249,15 +249,15 @@ class Rollout:
         def join(name):
             values = [getattr(p, name) for p in parts]
             missing = [v is None for v in values]
-            assert name == "kv" or all(missing) or not any(missing), f"Rollout.concat: {name} is in some parts only"
+            assert name == "kv" or all(missing) or not any(missing), f"Samples.concat: {name} is in some parts only"
             return None if any(missing) else [x for v in values for x in v]
 
-        return Rollout(**{f.name: join(f.name) for f in dataclasses.fields(Rollout) if f.name != "group_size"},
+        return Samples(**{f.name: join(f.name) for f in dataclasses.fields(Samples) if f.name != "group_size"},
                        group_size=parts[0].group_size)
 
     @staticmethod
-    def empty(group_size: int, like: Rollout | None = None) -> Rollout:
+    def empty(group_size: int, like: Samples | None = None) -> Samples:
         """No sample: a rank's share of a round too small to reach it (the fields `like` has, empty)."""
         fields = {f.name: ([] if like is None or getattr(like, f.name) is not None else None)
-                  for f in dataclasses.fields(Rollout) if f.name != "group_size"}
-        return Rollout(**fields, group_size=group_size)
+                  for f in dataclasses.fields(Samples) if f.name != "group_size"}
+        return Samples(**fields, group_size=group_size)

@@ -191,11 +191,11 @@ def test_group_splits_over_ranks():
 
 def _fake_round(groups: list[int], G: int, with_kv: bool):
     """A rank's rollout of `groups`: completion and reward of sample g·G+i are (g, i); K/V a tag."""
-    from backstream.rl.records import Rollout
+    from backstream.rl.records import Samples
 
     n = len(groups) * G
     ids = [torch.tensor([g, i]) for g in groups for i in range(G)]
-    r = Rollout(prompt_index=[g for g in groups for _ in range(G)], prompt_ids=[torch.tensor([7])] * n,
+    r = Samples(prompt_index=[g for g in groups for _ in range(G)], prompt_ids=[torch.tensor([7])] * n,
                 completion_ids=ids, logprobs=[torch.zeros(2)] * n, finish_reason=["eos"] * n,
                 kv=[f"kv{g}.{i}" for g in groups for i in range(G)] if with_kv else None, group_size=G)
     total = torch.tensor([10.0 * g + i for g in groups for i in range(G)])

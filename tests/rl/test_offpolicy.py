@@ -347,10 +347,10 @@ def test_staleness_counts_the_versions_behind_over_the_sampled_tokens():
     episode tokens and prompts left out), by hand: sample 0 sampled at versions 3, 3, 2 (the learner at
     4: 1, 1, 2 behind); sample 1 at 4, 4 with its middle token inserted (0, 0): 5 tokens, mean 4/5, max 2.
     A fork (an agent's branch) counts its own sampled tokens. In process (no versions): 0 behind."""
-    from backstream.rl.records import Fork, Rollout
+    from backstream.rl.records import Fork, Samples
     from backstream.rl.update.offpolicy import staleness_metrics
 
-    r = Rollout(prompt_index=[0, 0], prompt_ids=[torch.tensor([5]), torch.tensor([5, 6])],
+    r = Samples(prompt_index=[0, 0], prompt_ids=[torch.tensor([5]), torch.tensor([5, 6])],
                 completion_ids=[torch.tensor([1, 2, 3]), torch.tensor([1, 2, 3])], logprobs=[torch.zeros(3)] * 2,
                 finish_reason=["eos"] * 2, group_size=2,
                 sampled=[torch.tensor([True, True, True]), torch.tensor([True, False, True])],
@@ -374,11 +374,11 @@ def test_mismatch_per_staleness_against_a_per_token_loop():
     """mismatch/kl_staleness_s: the k3 estimate e^x − 1 − x (x = log π_old − log μ) averaged over the
     tokens s versions behind, against a float64 loop over the tokens; None where no token is s behind;
     the prompt (behind −1), masked tokens and NaN log-probs (the learner's gaps) are left out."""
-    from backstream.rl.records import Rollout
+    from backstream.rl.records import Samples
     from backstream.rl.update.offpolicy import staleness_mismatch
 
     gen = torch.Generator().manual_seed(3)
-    r = Rollout(prompt_index=[0, 0, 1], prompt_ids=[torch.tensor([1, 2]), torch.tensor([1, 2]), torch.tensor([3])],
+    r = Samples(prompt_index=[0, 0, 1], prompt_ids=[torch.tensor([1, 2]), torch.tensor([1, 2]), torch.tensor([3])],
                 completion_ids=[torch.arange(5), torch.arange(3), torch.arange(4)],
                 logprobs=[-torch.rand(n, generator=gen, dtype=torch.float64) for n in (5, 3, 4)],
                 finish_reason=["eos"] * 3, group_size=1,

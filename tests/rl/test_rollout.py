@@ -12,7 +12,7 @@ from transformers import DynamicCache
 from backstream.rl.backends.base import SamplingConfig
 from backstream.rl.backends.local.decode import NonFiniteLogits, shares
 from backstream.rl.backends.local.generate import generate
-from backstream.rl.records import Rollout
+from backstream.rl.records import Samples
 from backstream.stream.adapter import probe_layout
 from backstream.stream.hf import cache_arg, returned_cache
 
@@ -275,7 +275,7 @@ def test_config_validation_names_field(kw, field):
 
 
 def test_rollout_helpers():
-    r = Rollout(prompt_index=[0], prompt_ids=[torch.tensor([1, 2])], completion_ids=[torch.tensor([3, 4, 5])],
+    r = Samples(prompt_index=[0], prompt_ids=[torch.tensor([1, 2])], completion_ids=[torch.tensor([3, 4, 5])],
                 logprobs=[torch.zeros(3)], finish_reason=["length"])
     assert r.sequences()[0].tolist() == [1, 2, 3, 4, 5]
     assert r.completion_mask()[0].tolist() == [False, False, True, True, True]
@@ -285,7 +285,7 @@ def test_rollout_helpers():
 def test_select_and_concat_keep_whole_groups():
     def rollout(n_groups, kv=True):
         rows = range(2 * n_groups)
-        return Rollout(prompt_index=[i // 2 for i in rows], prompt_ids=[torch.tensor([i // 2]) for i in rows],
+        return Samples(prompt_index=[i // 2 for i in rows], prompt_ids=[torch.tensor([i // 2]) for i in rows],
                        completion_ids=[torch.tensor([10 + i]) for i in rows], logprobs=[torch.zeros(1) for _ in rows],
                        finish_reason=["eos" if i % 2 else "length" for i in rows],
                        kv=[[(torch.full((1, 1, 1), float(i)),) * 2] for i in rows] if kv else None, group_size=2)
@@ -295,10 +295,10 @@ def test_select_and_concat_keep_whole_groups():
     s = r.select([2, 0])
     assert s.prompt_index == [2, 2, 0, 0] and [int(c) for c in s.completion_ids] == [14, 15, 10, 11]
     assert s.finish_reason == ["length", "eos"] * 2 and s.kv == [r.kv[i] for i in (4, 5, 0, 1)]
-    c = Rollout.concat([s, r.select([]), r.select([1])])  # an empty selection keeps its (empty) K/V
+    c = Samples.concat([s, r.select([]), r.select([1])])  # an empty selection keeps its (empty) K/V
     assert c.prompt_index == [2, 2, 0, 0, 1, 1] and len(c.kv) == 6 and c.group_size == 2
-    assert Rollout.concat([r, rollout(1, kv=False)]).kv is None  # K/V only where every part has them
+    assert Samples.concat([r, rollout(1, kv=False)]).kv is None  # K/V only where every part has them
     versioned = dataclasses.replace(rollout(1), weight_version=[0, 0])
-    assert Rollout.concat([versioned, versioned]).weight_version == [0] * 4
+    assert Samples.concat([versioned, versioned]).weight_version == [0] * 4
     with pytest.raises(AssertionError, match="weight_version"):  # a field one part lacks is a bug, not dropped
-        Rollout.concat([r, versioned])
+        Samples.concat([r, versioned])

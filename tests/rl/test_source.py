@@ -23,19 +23,19 @@ from backstream.quant.linear import QuantConfig, quant_linears, quantize_model
 from backstream.rl.backends.base import SamplingConfig
 from backstream.rl.data.prompts import PromptStream
 from backstream.rl.parallel import DataParallel, group_generator
-from backstream.rl.records import Rollout
-from backstream.rl.rollout.completions import Sampler
-from backstream.rl.rollout.source import AsyncSource, RolloutSource
+from backstream.rl.records import Samples
+from backstream.rl.rollout.completions import CompletionSampler
+from backstream.rl.rollout.source import AsyncSource, Source
 
 
 def _source(backend, n: int, seed: int, P: int = 3, k: int | None = None):
     """A source over `n` examples, example i's prompt the token i (the fake records each group's seed
     by it), one sample per group, 6 tokens each."""
     model, _ = tiny(torch.float32)
-    sampler = Sampler(SamplingConfig(group_size=1, max_new_tokens=6), None, [0], False,
+    sampler = CompletionSampler(SamplingConfig(group_size=1, max_new_tokens=6), None, [0], False,
                       [torch.tensor([i]) for i in range(n)], [""] * n, backend)
     args = (sampler, backend, [{}] * n, PromptStream(n, seed), DataParallel(seed), model, QuantConfig())
-    return AsyncSource(*args, per_step=P, k=k) if k else RolloutSource(*args)
+    return AsyncSource(*args, per_step=P, k=k) if k else Source(*args)
 
 
 @pytest.mark.parametrize("k", [1, 2])
@@ -45,9 +45,9 @@ def test_every_trained_token_is_within_k_versions_and_groups_come_in_order(k):
     source = _source(backend, n, seed, P, k)
     taken, behind = [], []
     for step in range(12):
-        r = source.take(P).rollout
+        r = source.take(P).samples
         if step % 4 == 1:  # a refill round, beyond what the bound let start
-            r = Rollout.concat([r, source.take(2, refill=True).rollout])
+            r = Samples.concat([r, source.take(2, refill=True).samples])
         taken += r.prompt_index
         behind += [step - int(v.min()) for v in r.weight_version]
         time.sleep(0.03)  # the learner's update: slower than a group's sampling
@@ -90,7 +90,7 @@ def test_the_synchronous_source_syncs_before_each_round_and_sets_the_backends_ke
     assert {m.gemm for m in quant_linears(source.model).values()} == {"exact"}
     for step in range(3):
         source.at_step(step)
-        r = source.take(2).rollout
+        r = source.take(2).samples
         assert all(int(v.min()) == step for v in r.weight_version)
     assert backend.syncs == 3 and backend.gemms == {"int16-pairs"}
 

@@ -201,7 +201,7 @@ def test_the_reward_reads_the_answer_before_the_stop():
     one that ended otherwise is read whole; the trained tokens keep the stop."""
     import torch
 
-    from backstream.rl.records import Rollout
+    from backstream.rl.records import Samples
     from backstream.rl.rollout.completions import before_stop, completion_reward_inputs
 
     class Chars:
@@ -209,7 +209,7 @@ def test_the_reward_reads_the_answer_before_the_stop():
             return "".join(chr(i) for i in ids)
 
     texts, reasons = ["82\n", "82\n\n", "8 2", "82\n38"], ["stop", "stop", "length", "eos"]
-    r = Rollout(prompt_index=[0] * 4, prompt_ids=[torch.tensor([61])] * 4,
+    r = Samples(prompt_index=[0] * 4, prompt_ids=[torch.tensor([61])] * 4,
                 completion_ids=[torch.tensor([ord(c) for c in t]) for t in texts],
                 logprobs=[torch.zeros(len(t)) for t in texts], finish_reason=reasons, group_size=4)
     completions, _, extra = completion_reward_inputs(r, [{"prompt": "37+45="}] * 4, Chars(), ["37+45="], ["\n"])

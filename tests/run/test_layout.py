@@ -114,7 +114,7 @@ def test_one_rollout_layer():
     assert g["backstream.lifetime"] == set()
 
 
-SERVER_SIDE = ["backstream.rl.backends.vllm.worker_ext", "backstream.rl.backends.vllm.weights.engine",
+SERVER_SIDE = ["backstream.rl.backends.vllm.worker_ext", "backstream.rl.backends.vllm.weights.receive",
                "backstream.quant.export", "backstream.quant.linear"]
 
 

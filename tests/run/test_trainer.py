@@ -252,8 +252,8 @@ def test_dynamic_sampling_drops_a_zero_variance_group(tmp_path, dynamic):
     m = t.metrics(batch, t.advantages(batch.rewards), {}, {}, step_time=1.0)
     assert (m.get("dapo/refill_rounds"), m.get("dapo/groups_dropped")) == ((1, 1) if dynamic else (None, None))
     assert ({"dapo/refill_rounds", "dapo/groups_dropped"} <= set(t.metric_keys())) == dynamic
-    groups = [t.examples[i]["prompt"] for i in batch.rollout.prompt_index[::G]]
-    assert len(batch.rollout) == len(batch.rewards) == 4 * G
+    groups = [t.examples[i]["prompt"] for i in batch.samples.prompt_index[::G]]
+    assert len(batch.samples) == len(batch.rewards) == 4 * G
     if dynamic:
         assert sorted(groups[:3]) == others  # the first round's groups with a signal, the flat one dropped
         assert t.stream.position == 5 and len(batch.scored) == 5 * G  # one prompt drawn to refill
@@ -266,10 +266,10 @@ def test_dynamic_sampling_drops_a_zero_variance_group(tmp_path, dynamic):
 
 
 def test_overlong_penalty_values():
-    from backstream.rl.records import Rollout
+    from backstream.rl.records import Samples
     from backstream.rl.scoring import shaping
 
-    r = Rollout(prompt_index=[0, 0, 0], prompt_ids=[torch.tensor([1])] * 3,
+    r = Samples(prompt_index=[0, 0, 0], prompt_ids=[torch.tensor([1])] * 3,
                 completion_ids=[torch.zeros(n, dtype=torch.long) for n in (4, 7, 8)],
                 logprobs=[torch.zeros(n) for n in (4, 7, 8)], finish_reason=["eos", "eos", "length"], group_size=3)
     ac = config.AlgorithmConfig(overlong="penalty", overlong_buffer=4)

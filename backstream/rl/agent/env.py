@@ -15,7 +15,7 @@ this:
   feedback loops). A method named `step` is a tool like any other.
 - `tools = ["file.py:fn", ...]`: stateless function tools, beside or instead of a class.
 
-Every episode's environment lives in a worker process of its own (rl/agent/worker.py), so that
+Every episode's environment lives in a worker process of its own (rl/agent/process.py), so that
 `env.tool_timeout_s` really stops a tool or a `reset`: the worker is killed, the environment discarded,
 the episode ends with a counted error. One instance is built in the trainer's own process, once,
 before the run (`Environment.load` checks that the class builds with no argument and has a `reset`):
@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
 from backstream.checks import UserError, at_least, literals
-from backstream.rl.agent.worker import EnvHandle, EnvTimeout, RemoteError, WorkerPool
+from backstream.rl.agent.process import EnvHandle, EnvTimeout, RemoteError, WorkerPool
 from backstream.usercode import load_object, where_in
 
 TEXT_HOOK = "env_response"  # the text environment's hook: not a tool

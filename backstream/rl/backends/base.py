@@ -2,7 +2,7 @@
 (`Backend`) that the samplers ask for tokens, and the sync side (`Sync`) through which the rollout
 source keeps what samples on the learner's current weights.
 
-Every kind of sampler (single-turn completions: rl/rollout/completions.py `Sampler`; episodes against an
+Every kind of sampler (single-turn completions: rl/rollout/completions.py `CompletionSampler`; episodes against an
 environment: rl/rollout/episodes.py; agent programs through the endpoint: rl/rollout/programs.py) takes a
 `Backend` and asks it for tokens in one of three shapes; the backend decides how they are computed:
 

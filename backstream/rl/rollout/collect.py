@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from backstream.metrics import episode_rows
-from backstream.rl.records import Rollout
+from backstream.rl.records import Samples
 from backstream.rl.scoring.rewards import RewardLog, TrainerState
 from backstream.rl.scoring.shaping import informative_groups, overlong_shaping
 
@@ -26,7 +26,7 @@ class Batch:
     them get a loss; for the metrics, the reward of every sample scored in the step (dropped groups
     included) as the reward functions gave it."""
 
-    rollout: Rollout
+    samples: Samples
     rewards: Tensor  # [N] float, shaped
     keep: Tensor  # [N] bool: False where overlong filtering takes a sample out of the loss
     scored: Tensor  # [M >= N] total reward of every sample scored, before shaping
@@ -44,13 +44,13 @@ class Collector:
             cfg, source, sampler, rewards, examples, dp
 
     def collect(self, step: int, times: dict[str, float], log: RewardLog, episode_log, phase) -> Batch:
-        """Rollout rounds until `prompts_per_step` groups are kept: sample, score, shape the overlong
+        """Samples rounds until `prompts_per_step` groups are kept: sample, score, shape the overlong
         samples. With dynamic sampling (DAPO) a round keeps only the groups whose rewards differ and
         the next one refills the rest; the last (after `max_refills`) keeps what it gets. `step`: the
         steps done; `times`: the step's seconds per phase, added to; `log`: what the reward functions
         log; `episode_log`: the samples' log; `phase(what)`: the progress line."""
         ac, G = self.cfg.algorithm, self.cfg.rollout.group_size
-        kept: list[tuple[Rollout, Tensor, Tensor]] = []
+        kept: list[tuple[Samples, Tensor, Tensor]] = []
         scored, by_fn, dropped = [], {}, 0
         self.dp.begin_step()
         for attempt in range(1 + (ac.max_refills if ac.dynamic_sampling else 0)):
@@ -71,18 +71,18 @@ class Collector:
             kept.append((r, total, keep))
         self.source.idle()  # the step's samples are in: what samples may rest while the learner trains
         rollouts, rewards, keeps = zip(*kept)
-        return Batch(rollout=Rollout.concat(list(rollouts)), rewards=torch.cat(rewards), keep=torch.cat(keeps),
+        return Batch(samples=Samples.concat(list(rollouts)), rewards=torch.cat(rewards), keep=torch.cat(keeps),
                      scored=torch.cat(scored), scored_by_fn={k: torch.cat(v) for k, v in by_fn.items()},
                      refill_rounds=len(kept) - 1, groups_dropped=dropped)  # `kept`: one entry per round
 
     def round(self, n: int, refill: bool, step: int, times: dict[str, float], log: RewardLog, episode_log,
-              phase) -> tuple[Rollout, Tensor, dict[str, Tensor]]:
+              phase) -> tuple[Samples, Tensor, dict[str, Tensor]]:
         """One rollout round and its rewards (total, per function), over the whole round: each process
         samples and scores its groups, `dp.join_round` hands every rank every group (without the K/V,
         which stay where they were computed), in the round's order."""
         with timed(times, "rollout"):  # asynchronous: the learner's wait for the samples
             got = self.source.take(n, refill)
-        r = got.rollout
+        r = got.samples
         for name, seconds in got.seconds.items():  # inside the rollout: on their own line
             times[name] += seconds
             times["rollout"] -= seconds
@@ -94,10 +94,10 @@ class Collector:
         self.sampler.release(r)  # scored: an episode's environment goes back to its pool
         return self.dp.join_round(r, total, per_fn)
 
-    def score(self, r: Rollout, step: int, sampler=None, examples: list[dict] | None = None,
+    def score(self, r: Samples, step: int, sampler=None, examples: list[dict] | None = None,
               log: RewardLog | None = None) -> tuple[Tensor, dict[str, Tensor]]:
         """Total reward per sample and each reward function's, called as TRL calls them (the sampler
-        formats prompts and completions: `Sampler.reward_inputs`), with the step and every column.
+        formats prompts and completions: `CompletionSampler.reward_inputs`), with the step and every column.
         `sampler`/`examples`: those `r` came from (default: the training ones); `log` collects what
         the functions log (log_metric, log_extra)."""
         sampler, examples = sampler or self.sampler, examples or self.examples

@@ -8,10 +8,10 @@ import torch
 from torch import Tensor
 
 from backstream.rl.backends.base import SamplingConfig
-from backstream.rl.records import Rollout
+from backstream.rl.records import Samples
 
 
-class Sampler:
+class CompletionSampler:
     """The sampler of single-turn completions (rl/rollout/sampler.py's protocol): G per prompt, sampled by the
     run's backend (rl/backends/), and the inputs of the reward functions in TRL's formats
     (`reward_inputs`)."""
@@ -27,30 +27,30 @@ class Sampler:
         # the longest sequence it samples, and what sets it (a server's context must hold it: `Sync.need_context`)
         self.needs = (longest + new, f"the longest prompt, {longest} tokens, + rollout.max_new_tokens = {new}")
 
-    def sample(self, rows: list[dict], indices: list[int], generators: list, progress=None) -> Rollout:
+    def sample(self, rows: list[dict], indices: list[int], generators: list, progress=None) -> Samples:
         """G samples for each example `indices[j]` (the data's rows `rows[j]`), group j drawn with
         `generators[j]`; `prompt_index` holds the examples' indices."""
         G = self.config.group_size
         prompts = [self.prompts[i] for i in indices]
         out = self.backend.complete(prompts, G, self.config.max_new_tokens, generators, self.return_kv, progress)
-        return Rollout(prompt_index=[i for i in indices for _ in range(G)],
+        return Samples(prompt_index=[i for i in indices for _ in range(G)],
                        prompt_ids=[p for p in prompts for _ in range(G)],
                        completion_ids=[torch.tensor(c.ids, dtype=torch.long) for c in out],
                        logprobs=[c.logprobs for c in out], finish_reason=[c.reason for c in out],
                        kv=[c.kv for c in out] if self.return_kv else None, group_size=G,
                        weight_version=[c.versions for c in out])
 
-    def reward_inputs(self, r: Rollout, rows: list[dict]) -> tuple[list, list, dict]:
+    def reward_inputs(self, r: Samples, rows: list[dict]) -> tuple[list, list, dict]:
         return completion_reward_inputs(r, rows, self.tok, self.prompt_text, self.config.stop)
 
-    def metrics(self, r: Rollout) -> dict[str, float]:
+    def metrics(self, r: Samples) -> dict[str, float]:
         return self.backend.metrics(r.weight_version)
 
-    def timings(self, r: Rollout) -> dict[str, float]:
+    def timings(self, r: Samples) -> dict[str, float]:
         """Seconds of sampling `r` spent in phases of their own (none here; an episode's tools: "tool")."""
         return {}
 
-    def release(self, r: Rollout | None = None) -> None:
+    def release(self, r: Samples | None = None) -> None:
         """Let go of what `r` (None: every sample so far) held for its reward functions (nothing here)."""
 
     def close(self) -> None:
@@ -70,7 +70,7 @@ def before_stop(text: str, stop: list[str]) -> str:
     return text[:cut]
 
 
-def completion_reward_inputs(r: Rollout, rows: list[dict], tokenizer, prompt_text: list[str],
+def completion_reward_inputs(r: Samples, rows: list[dict], tokenizer, prompt_text: list[str],
                              stop: list[str] = ()):
     """(completions, prompts, extra keyword arguments) of single-turn samples as TRL passes them: chat
     prompts give the prompt's messages and the completion as an assistant message, text prompts

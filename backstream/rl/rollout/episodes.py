@@ -4,7 +4,7 @@ environment and hands the trainer one token sequence per episode.
 An episode of a task: the prompt (its tools' schemas and `reset`'s text in it), then turns. A turn is
 what the policy samples up to its end-of-turn token; a turn that calls tools is followed by their
 results, one that does not ends the episode (or, in a text environment, is followed by the next user
-message). Only the sampled tokens carry a loss (`Rollout.sampled`); tool results, template tokens and
+message). Only the sampled tokens carry a loss (`Samples.sampled`); tool results, template tokens and
 user messages are context of weight 0, and the trie of the streamed backward merges a group's shared
 prompt and any turns its episodes share, so an episode costs its unique tokens.
 
@@ -31,7 +31,7 @@ from backstream.checks import UserError
 from backstream.rl.agent.env import EnvConfig, EnvError, Environment, ToolResult
 from backstream.rl.agent.turns import make_format
 from backstream.rl.backends.base import SamplingConfig
-from backstream.rl.records import CONTEXT, Completion, EpisodeInfo, Rollout
+from backstream.rl.records import CONTEXT, Completion, EpisodeInfo, Samples
 
 METRIC_KEYS = ("episode/turns/mean", "episode/tool_calls/mean", "episode/tool_errors/mean", "episode/truncated",
                "episode/timeouts", "episode/results_cut/mean")
@@ -92,7 +92,7 @@ class EpisodeSampler:
         self.live: list = []  # the environments of the episodes not released yet (`release`)
         self.starting = threading.Lock()  # episodes of concurrent `sample` calls start one at a time
 
-    def timings(self, r: Rollout) -> dict[str, float]:
+    def timings(self, r: Samples) -> dict[str, float]:
         """An in-process backend plays the episodes' tools between its rounds: a slice of the step's time
         ("tool"); a server's episodes run theirs while the others' turns are sampled (no slice of it:
         episode/tool_seconds has their sum)."""
@@ -103,7 +103,7 @@ class EpisodeSampler:
         that a prompt the format cannot render fails before the run starts; returns the longest."""
         return max(len(self.format.prompt(ex["prompt"], None)[0]) if "prompt" in ex else 0 for ex in examples)
 
-    def sample(self, rows: list[dict], indices: list[int], generators: list, progress=None) -> Rollout:
+    def sample(self, rows: list[dict], indices: list[int], generators: list, progress=None) -> Samples:
         G = self.config.group_size
         episodes = self._start_groups(rows, indices)
         left, lock = [G] * len(rows), threading.Lock()  # live episodes per group (a server's turn from threads)
@@ -128,7 +128,7 @@ class EpisodeSampler:
                                    self.return_kv)
         return self._rollout(episodes, indices, played)
 
-    def release(self, r: Rollout | None = None) -> None:
+    def release(self, r: Samples | None = None) -> None:
         """Hand the environments of `r`'s episodes back to their pool, once they are scored (None: of every
         episode not released yet)."""
         with self.starting:
@@ -250,14 +250,14 @@ class EpisodeSampler:
         kept = self.tok.decode(ids[:cap]) if len(ids) > cap else text
         return kept + CUT.format(max(res.length, len(text)) - len(kept)), True
 
-    def _rollout(self, episodes: list[_Episode], indices: list[int], played: list) -> Rollout:
+    def _rollout(self, episodes: list[_Episode], indices: list[int], played: list) -> Samples:
         G = self.config.group_size
         kv = [p.kv for p in played] if self.return_kv else None
         infos = [EpisodeInfo(turns=ep.turns, tool_calls=ep.tool_calls, tool_errors=ep.tool_errors,
                              results_cut=ep.results_cut, timed_out=ep.reason == "timeout", tool_seconds=ep.tool_s,
                              prompt=ep.prompt_for_rewards, messages=ep.messages, env=ep.env, fed=p.fed)
                  for ep, p in zip(episodes, played)]
-        return Rollout(
+        return Samples(
             prompt_index=[i for i in indices for _ in range(G)],
             prompt_ids=[torch.tensor(ep.prompt, dtype=torch.long) for ep in episodes],
             completion_ids=[torch.tensor(ep.ids, dtype=torch.long) for ep in episodes],
@@ -266,7 +266,7 @@ class EpisodeSampler:
             sampled=[torch.tensor(ep.sampled, dtype=torch.bool) for ep in episodes], episodes=infos,
             weight_version=[torch.tensor(ep.versions, dtype=torch.long) for ep in episodes])
 
-    def reward_inputs(self, r: Rollout, rows: list[dict]) -> tuple[list, list, dict]:
+    def reward_inputs(self, r: Samples, rows: list[dict]) -> tuple[list, list, dict]:
         """As TRL passes them with an environment: each episode's messages after the prompt (the last
         assistant message says how the episode ended: `finish_reason`), its prompt (messages for chat
         data, text otherwise; reset's text in it), its environment, its completion's ids."""
@@ -275,7 +275,7 @@ class EpisodeSampler:
         ids = [c.tolist() for c in r.completion_ids]
         return completions, prompts, {"completion_ids": ids, "environments": [e.env for e in r.episodes]}
 
-    def metrics(self, r: Rollout) -> dict[str, float]:
+    def metrics(self, r: Samples) -> dict[str, float]:
         n, e = max(1, len(r)), r.episodes or []
         return {"episode/turns/mean": sum(x.turns for x in e) / n,
                 "episode/tool_calls/mean": sum(x.tool_calls for x in e) / n,

@@ -35,7 +35,7 @@ from backstream.rl.agent.runner import AgentResult, run_command, run_function
 from backstream.rl.agent.transcript import Branch
 from backstream.rl.agent.turns import make_format, prompt_head
 from backstream.rl.backends.base import SamplingConfig
-from backstream.rl.records import Completion, EpisodeInfo, Fork, Rollout
+from backstream.rl.records import Completion, EpisodeInfo, Fork, Samples
 from backstream.usercode import load_object
 
 METRIC_KEYS = ("episode/requests/mean", "episode/branches/mean", "episode/tool_calls/mean", "episode/truncated",
@@ -126,7 +126,7 @@ class AgentSampler:
                          "each")
             return self.endpoint
 
-    def sample(self, rows: list[dict], indices: list[int], generators: list, progress=None) -> Rollout:
+    def sample(self, rows: list[dict], indices: list[int], generators: list, progress=None) -> Samples:
         G, endpoint = self.config.group_size, self._serve()
         seeds = [int(torch.randint(0, 2**31 - 1, (1,), generator=gen)) for gen in generators for _ in range(G)]
         round_ = _Round(self.backend)
@@ -174,9 +174,9 @@ class AgentSampler:
         return run_command(self.env_cfg.agent_command, session.base_url, session.key, self.served_name, row, timeout)
 
     def _rollout(self, sessions: list[EpisodeSession], results: list[AgentResult], rows: list[dict],
-                 indices: list[int], dtype: torch.dtype) -> Rollout:
+                 indices: list[int], dtype: torch.dtype) -> Samples:
         G = self.config.group_size
-        out = Rollout(prompt_index=[], prompt_ids=[], completion_ids=[], logprobs=[], finish_reason=[],
+        out = Samples(prompt_index=[], prompt_ids=[], completion_ids=[], logprobs=[], finish_reason=[],
                       group_size=G, sampled=[], episodes=[], weight_version=[], forks=[])
         for k, (s, res) in enumerate(zip(sessions, results)):
             t = s.transcript
@@ -210,13 +210,13 @@ class AgentSampler:
                 agent_seconds=res.seconds))
         return out
 
-    def reward_inputs(self, r: Rollout, rows: list[dict]) -> tuple[list, list, dict]:
+    def reward_inputs(self, r: Samples, rows: list[dict]) -> tuple[list, list, dict]:
         """As TRL passes them with an environment: each episode's final conversation after its prompt,
         the task's prompt, each episode's `AgentOutcome`, its completion's ids."""
         return ([e.messages for e in r.episodes], [e.prompt for e in r.episodes],
                 {"completion_ids": [c.tolist() for c in r.completion_ids], "environments": [e.env for e in r.episodes]})
 
-    def metrics(self, r: Rollout) -> dict[str, float]:
+    def metrics(self, r: Samples) -> dict[str, float]:
         n, e = max(1, len(r)), r.episodes or []
         return {"episode/requests/mean": sum(x.turns for x in e) / n,
                 "episode/branches/mean": sum(x.branches for x in e) / n,
@@ -227,10 +227,10 @@ class AgentSampler:
                 "episode/agent_seconds/mean": sum(x.agent_seconds for x in e) / n,
                 **self.backend.metrics(r.weight_version)}
 
-    def timings(self, r: Rollout) -> dict[str, float]:
+    def timings(self, r: Samples) -> dict[str, float]:
         return {}
 
-    def release(self, r: Rollout | None = None) -> None:
+    def release(self, r: Samples | None = None) -> None:
         """Nothing is held for the rewards (an episode's outcome is in its sample)."""
 
     def close(self) -> None:

@@ -1,7 +1,7 @@
 """What a sampler is (docs/design.md §1, §6d): the one protocol the rollout source talks to, whichever
 backend samples. The run has one backend (rl/backends/: `LocalBackend` in process, `ServerBackend` on
 a vLLM server) and `Samplers.build` puts one kind of sampler over it for the training data and one
-for the evaluation's: `rollout.Sampler` (G single-turn completions per prompt),
+for the evaluation's: `rollout.CompletionSampler` (G single-turn completions per prompt),
 `agent.episodes.EpisodeSampler` (G multi-turn episodes per task against `[env]`) or
 `agent.programs.AgentSampler` (an agent program's episodes through the run's endpoint).
 """
@@ -13,10 +13,10 @@ from typing import Protocol
 from torch import Tensor
 
 from backstream.rl.backends.base import SamplingConfig
-from backstream.rl.records import Rollout
+from backstream.rl.records import Samples
 
 
-class RolloutSampler(Protocol):
+class Sampler(Protocol):
     """A sampler as the rollout source uses it."""
 
     metric_keys: tuple[str, ...]
@@ -29,21 +29,21 @@ class RolloutSampler(Protocol):
     def check_prompts(self, examples: list[dict]) -> int:
         """Render every example's prompt once before the run (a mistake fails now); the longest."""
 
-    def sample(self, rows: list[dict], indices: list[int], generators: list, progress=None) -> Rollout:
+    def sample(self, rows: list[dict], indices: list[int], generators: list, progress=None) -> Samples:
         """G samples for each example `indices[j]` (the data's row `rows[j]`), group j drawn with
         `generators[j]`, by the backend at the weights it was last synced with; `progress(done, n)`
         after each group. Thread-safe: an asynchronous source samples groups from threads of its own."""
 
-    def reward_inputs(self, r: Rollout, rows: list[dict]) -> tuple[list, list, dict]:
+    def reward_inputs(self, r: Samples, rows: list[dict]) -> tuple[list, list, dict]:
         """(completions, prompts, extra keyword arguments) as TRL passes them to reward functions."""
 
-    def metrics(self, r: Rollout) -> dict[str, float]:
+    def metrics(self, r: Samples) -> dict[str, float]:
         """The rollout's own metrics (`metric_keys`)."""
 
-    def timings(self, r: Rollout) -> dict[str, float]:
+    def timings(self, r: Samples) -> dict[str, float]:
         """Seconds of sampling `r` spent in phases of their own (an episode's tools: "tool")."""
 
-    def release(self, r: Rollout | None = None) -> None:
+    def release(self, r: Samples | None = None) -> None:
         """Let go of what the samples of `r` (None: every sample so far) held for their reward functions,
         once they are scored (an episode's environment)."""
 
@@ -58,10 +58,10 @@ class Samplers:
     def __init__(self, cfg, tokenizer, eos: list[int], context: int | None, backend, sync):
         self.cfg, self.tok, self.eos, self.context = cfg, tokenizer, eos, context
         self.backend, self.sync = backend, sync
-        self.built: list[RolloutSampler] = []
+        self.built: list[Sampler] = []
 
     def build(self, config: SamplingConfig, prompts: list[Tensor], prompt_text: list[str],
-              return_kv: bool) -> RolloutSampler:
+              return_kv: bool) -> Sampler:
         env = self.cfg.env
         if env.program:
             from backstream.rl.rollout.programs import AgentSampler  # noqa: PLC0415  (the agent room)
@@ -72,9 +72,9 @@ class Samplers:
 
             sampler = EpisodeSampler(config, env, self.tok, self.eos, return_kv, self.context, self.backend)
         else:
-            from backstream.rl.rollout.completions import Sampler  # noqa: PLC0415
+            from backstream.rl.rollout.completions import CompletionSampler  # noqa: PLC0415
 
-            sampler = Sampler(config, self.tok, self.eos, return_kv, prompts, prompt_text, self.backend)
+            sampler = CompletionSampler(config, self.tok, self.eos, return_kv, prompts, prompt_text, self.backend)
         self.built.append(sampler)
         return sampler
 

@@ -15,7 +15,7 @@ The source owns what every round needs, in one place:
 - errors: a rank's failed round is raised on every rank (`dp.fail_together`).
 
 Two sources:
-- `RolloutSource` (rollout.max_staleness = 0, the synchronous loop): a round is sampled when the step
+- `Source` (rollout.max_staleness = 0, the synchronous loop): a round is sampled when the step
   asks for it, with the learner's weights as they are;
 - `AsyncSource` (rollout.max_staleness = k >= 1, a backend that samples beside the learner): groups are
   sampled ahead while the learner trains. The learner's weights are synced at each step boundary
@@ -53,7 +53,7 @@ import torch
 from backstream.checks import UserError
 from backstream.log import log
 from backstream.quant.linear import quantized, set_int8_gemm
-from backstream.rl.records import Rollout
+from backstream.rl.records import Samples
 
 # The interpreter's thread switch interval while an asynchronous source runs (Python's default: 5 ms).
 # Its threads wake for a moment per server answer (parse it, call a tool, send the next turn) and then
@@ -69,11 +69,11 @@ class Round:
     """A round's samples (this rank's groups) and the seconds they spent in phases of their own
     ("sync": publishing the weights; "tool": an in-process episode's tools)."""
 
-    rollout: Rollout
+    samples: Samples
     seconds: dict[str, float] = field(default_factory=dict)
 
 
-class RolloutSource:
+class Source:
     """The synchronous loop's source (see the module docstring). `sampler`: the run's kind of sampler
     over the run's backend; `sync`: that backend's sync side (rl/backends/base.py `Sync`); `examples`:
     the data; `stream`: its prompt stream (data.PromptStream); `dp`: the run's rl/parallel.py object;
@@ -155,7 +155,7 @@ class RolloutSource:
         pass
 
 
-class AsyncSource(RolloutSource):
+class AsyncSource(Source):
     """rollout.max_staleness = k >= 1: groups sampled ahead, in flight while the learner trains (see
     the module docstring); `per_step`: P."""
 
@@ -205,14 +205,14 @@ class AsyncSource(RolloutSource):
                 error = error or e
         self.handed = first + n
         self.dp.fail_together(error)
-        r = Rollout.concat(parts) if parts else self.sampler.sample([], [], [])
+        r = Samples.concat(parts) if parts else self.sampler.sample([], [], [])
         self._check_bound(r)
         return Round(r, {})
 
     def idle(self) -> None:
         """Nothing: the backend samples ahead while the learner trains."""
 
-    def _check_bound(self, r: Rollout) -> None:
+    def _check_bound(self, r: Samples) -> None:
         oldest = min((int(v.min()) for v in r.sampled_versions() if len(v)), default=self.step)
         if oldest < self.step - self.k:
             raise RuntimeError(f"a sample trained after step {self.step} holds tokens of weight version {oldest}, "
@@ -307,12 +307,12 @@ def check_backend(cfg, backend) -> None:
                         "server samples ahead), or rollout.max_staleness = 0")
 
 
-def build_source(cfg, sampler, sync, examples: list[dict], stream, dp, model, phase=None) -> RolloutSource:
+def build_source(cfg, sampler, sync, examples: list[dict], stream, dp, model, phase=None) -> Source:
     """The run's source (`check_backend` passed): synchronous, or asynchronous with rollout.max_staleness
     = k >= 1; `sync`: the backend's sync side."""
     k = cfg.rollout.max_staleness
     if not k:
-        return RolloutSource(sampler, sync, examples, stream, dp, model, cfg.quant, phase)
+        return Source(sampler, sync, examples, stream, dp, model, cfg.quant, phase)
     if cfg.rollout.backend == "vllm" and not cfg.vllm.addresses():
         dp.on_main(lambda: log.warning(SHARED_WARNING.format(
             k=k, what="GPUs" if torch.cuda.is_available() else "CPU cores")))

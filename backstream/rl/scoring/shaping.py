@@ -13,18 +13,18 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from backstream.rl.records import Rollout
+from backstream.rl.records import Samples
 
 
-def _none(rollout: Rollout, rewards: Tensor, max_new: int, buffer: int) -> tuple[Tensor, Tensor]:
+def _none(rollout: Samples, rewards: Tensor, max_new: int, buffer: int) -> tuple[Tensor, Tensor]:
     return rewards, torch.ones(len(rewards), dtype=torch.bool)
 
 
-def _filter(rollout: Rollout, rewards: Tensor, max_new: int, buffer: int) -> tuple[Tensor, Tensor]:
+def _filter(rollout: Samples, rewards: Tensor, max_new: int, buffer: int) -> tuple[Tensor, Tensor]:
     return rewards, torch.tensor([r != "length" for r in rollout.finish_reason], dtype=torch.bool)
 
 
-def _penalty(rollout: Rollout, rewards: Tensor, max_new: int, buffer: int) -> tuple[Tensor, Tensor]:
+def _penalty(rollout: Samples, rewards: Tensor, max_new: int, buffer: int) -> tuple[Tensor, Tensor]:
     lens = torch.tensor(rollout.sampled_tokens(), dtype=torch.float32)
     start = max_new - buffer
     shaped = rewards + torch.clamp((start - lens) / max(buffer, 1), min=-1.0, max=0.0)
@@ -32,7 +32,7 @@ def _penalty(rollout: Rollout, rewards: Tensor, max_new: int, buffer: int) -> tu
 
 
 # algorithm.overlong → (rollout, rewards [N], max_new_tokens, overlong_buffer) → (rewards, keep [N] bool)
-OVERLONG: dict[str, Callable[[Rollout, Tensor, int, int], tuple[Tensor, Tensor]]] = {
+OVERLONG: dict[str, Callable[[Samples, Tensor, int, int], tuple[Tensor, Tensor]]] = {
     "none": _none, "filter": _filter, "penalty": _penalty}
 
 
@@ -43,6 +43,6 @@ def informative_groups(rewards: Tensor, group_size: int) -> list[int]:
     return [g for g in range(len(rewards) // G) if rewards[g * G:(g + 1) * G].std() > 0]
 
 
-def overlong_shaping(rollout: Rollout, rewards: Tensor, ac, max_new: int) -> tuple[Tensor, Tensor]:
+def overlong_shaping(rollout: Samples, rewards: Tensor, ac, max_new: int) -> tuple[Tensor, Tensor]:
     """`ac.overlong`'s shaping (an AlgorithmConfig): (shaped rewards [N], keep [N]: which samples get a loss)."""
     return OVERLONG[ac.overlong](rollout, rewards, max_new, ac.overlong_buffer)

@@ -150,7 +150,7 @@ MISMATCH_KEYS = ("mismatch/kl", "mismatch/abs_log_ratio/mean", "mismatch/logprob
 
 
 def mismatch_metrics(learner: list[Tensor | None], sampler: list[Tensor], mask: list[Tensor]) -> dict[str, float]:
-    """Sampler/learner agreement over the completion tokens (`mask`) where both log-probs are
+    """CompletionSampler/learner agreement over the completion tokens (`mask`) where both log-probs are
     finite (the learner leaves NaN where it computed nothing; a None entry is skipped). See the
     module docstring for the keys; with no such token, only {"mismatch/tokens": 0}."""
     parts = []

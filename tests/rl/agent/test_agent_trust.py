@@ -22,7 +22,7 @@ from helpers import CHAT_TEMPLATE, episode_sampler, info, run_cfg, sample, sampl
 from backstream import trainer
 from backstream.metrics import Logger
 from backstream.rl.agent.env import EnvConfig, EnvError
-from backstream.rl.agent.worker import EnvDiscarded, wait_dead
+from backstream.rl.agent.process import EnvDiscarded, wait_dead
 from backstream.rl.backends.base import SamplingConfig
 from backstream.rl.scoring.rewards import RewardLog, Rewards, env_reward, exact_match, format_reward
 

@@ -456,7 +456,7 @@ def _versions(rows) -> list[float]:
 
 
 def _agree(rows) -> bool:
-    """Sampler and learner agree on every step whose learner computed log-probs (a step where every
+    """CompletionSampler and learner agree on every step whose learner computed log-probs (a step where every
     advantage is 0 computes none: its mismatch is null)."""
     kls = [r["mismatch/kl"] for r in rows if r["batch/zero_adv_frac"] < 1]
     return bool(kls) and all(k is not None and k < 1e-4 for k in kls)

@@ -85,7 +85,7 @@ def test_the_serve_command_starts_what_a_run_needs(monkeypatch):
     assert value("--model") == str(DEFAULT_MODEL_DIR) and value("--served-model-name") == "policy"
     assert value("--host") == "127.0.0.1" and value("--port") == "8123" and value("--dtype") == "float32"
     assert value("--logprobs-mode") == "raw_logprobs"  # top_p < 1: the learner's log-probs are the raw ones
-    assert value("--worker-extension-cls") == "backstream.rl.backends.vllm.worker_ext.WeightSync"
+    assert value("--worker-extension-cls") == "backstream.rl.backends.vllm.worker_ext.WorkerExtension"
     assert "--no-enable-chunked-prefill" in args and value("--max-model-len") == "4096"  # the model's context
     assert value("--max-num-batched-tokens") == "4096" and "--enable-lora" not in args
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "1"

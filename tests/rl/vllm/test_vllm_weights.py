@@ -1,6 +1,6 @@
 """The rollout pool and the weight syncs without vLLM (rl/backends/vllm/pool.py, rl/backends/vllm/weights/sync.py), over
 stand-ins of servers that do what a server's worker does with what it is sent (they load the files or the
-handles, and keep the ledger of rl/backends/vllm/weights/engine.py), or not:
+handles, and keep the ledger of rl/backends/vllm/weights/receive.py), or not:
 
 - routing: a key's requests to one server, a new key to the one with the least in flight; a server found
   gone: its requests go to the others, said once, and with none left the error names every log;

@@ -16,7 +16,7 @@ from torch import Tensor
 from backstream.checks import UserError
 from backstream.rl.backends.base import SamplingConfig
 from backstream.rl.backends.local.decode import Rows, check_return_kv, decode
-from backstream.rl.records import Rollout
+from backstream.rl.records import Samples
 from backstream.stream.hf import takes_logits_to_keep
 
 
@@ -31,7 +31,7 @@ def generate(
     generator: torch.Generator | list[torch.Generator] | None = None,
     return_kv: bool = False,
     progress=None,
-) -> Rollout:
+) -> Samples:
     """Sample `config.group_size` completions for every prompt (1-D token-id tensors).
 
     eos_token_id: the token(s) that end a completion (kept as its last token); None for none.
@@ -63,7 +63,7 @@ def generate(
     prompts = [p.detach().to("cpu", torch.long) for p in prompts]
     check_return_kv(model, return_kv)
     if not prompts:  # a rank's share of a round too small to reach it
-        return Rollout(prompt_index=[], prompt_ids=[], completion_ids=[], logprobs=[], finish_reason=[],
+        return Samples(prompt_index=[], prompt_ids=[], completion_ids=[], logprobs=[], finish_reason=[],
                        kv=[] if return_kv else None, group_size=G)
     rows = Rows.of_prompts(model, [prompts[i // G].tolist() for i in range(n)], keep_last, config.max_new_tokens)
     left = [G] * len(prompts)  # rows of each group still sampling
@@ -75,7 +75,7 @@ def generate(
 
     out = decode(model, rows, config, eos, tokenizer, [gens[i // G] for i in range(n)], keep_last,
                  [config.max_new_tokens] * n, keep_kv=return_kv, finished=finished)
-    return Rollout(prompt_index=[i // G for i in range(n)], prompt_ids=[prompts[i // G] for i in range(n)],
+    return Samples(prompt_index=[i // G for i in range(n)], prompt_ids=[prompts[i // G] for i in range(n)],
                    completion_ids=[torch.tensor(ids, dtype=torch.long) for ids in out.tokens],
                    logprobs=out.logprobs, finish_reason=out.reasons,
                    kv=[c.as_kv() for c in out.caches] if return_kv else None, group_size=G)

@@ -37,7 +37,7 @@ from backstream.rl.backends.vllm.server import (
 from backstream.rl.backends.vllm.setup import default_dir, python_of
 
 DEFAULT_PORT = 8000
-EXTENSION = "backstream.rl.backends.vllm.worker_ext.WeightSync"
+EXTENSION = "backstream.rl.backends.vllm.worker_ext.WorkerExtension"
 # how each log-prob mode is the learner's convention, log_softmax(logits / T) before truncation
 MODE_WHY = {"processed_logprobs": "log_softmax(logits / T), the learner's for a run without top-p/top-k",
             "raw_logprobs": "log_softmax(logits) before truncation, the learner's for a run with rollout.top_p < 1 "

@@ -36,7 +36,7 @@ from backstream.rl.backends.vllm.weights import ENGINE
 
 SERVED_NAME = "policy"  # the name requests use for the served base model
 # every server the run starts, or `backstream vllm serve` starts, can take the weights by transfer
-# (rl/backends/vllm/weights/engine.py, registered by the worker extension): vLLM's engine named "backstream"
+# (rl/backends/vllm/weights/receive.py, registered by the worker extension): vLLM's engine named "backstream"
 TAKES_TRANSFERS = ("--weight-transfer-config", json.dumps({"backend": ENGINE}))
 
 
@@ -226,7 +226,7 @@ def server_args(model_dir: str, port: int, max_model_len: int, dtype: str, seed:
             # 0.32.0, gpu_model_runner._bookkeeping_sync); whole prefills, up to a whole context a step,
             # and at least 4,096 tokens: a run's short context (its longest sequence) would cap a step's batch
             "--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(max_model_len, 4096)),
-            "--worker-extension-cls", "backstream.rl.backends.vllm.worker_ext.WeightSync",
+            "--worker-extension-cls", "backstream.rl.backends.vllm.worker_ext.WorkerExtension",
             # /inference/v1/generate: token ids in and out, with the weight version of every sampled token
             "--enable-scale-out", *TAKES_TRANSFERS]
     if lora_rank:

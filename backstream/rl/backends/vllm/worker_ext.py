@@ -1,7 +1,7 @@
-"""Runs inside the vLLM server (`--worker-extension-cls backstream.rl.backends.vllm.worker_ext.WeightSync`, the
+"""Runs inside the vLLM server (`--worker-extension-cls backstream.rl.backends.vllm.worker_ext.WorkerExtension`, the
 package's folder on the server's PYTHONPATH): what the run asks of the worker through
 `/collective_rpc`. Imports nothing of backstream but the server's side of the weights beside it
-(rl/backends/vllm/weights/engine.py: the disk reload, the transfer engine, which importing this module
+(rl/backends/vllm/weights/receive.py: the disk reload, the transfer engine, which importing this module
 registers with vLLM before it creates its engine, and the ledger of each publish); the server's
 environment has vLLM's own transformers, not ours.
 
@@ -38,7 +38,7 @@ def _spin_less() -> None:
 _spin_less()
 
 try:  # the server's side of the weights (vLLM's environment); absent, nothing here runs anyway
-    from backstream.rl.backends.vllm.weights import engine as _weights
+    from backstream.rl.backends.vllm.weights import receive as _weights
 except ImportError:  # pragma: no cover
     _weights = None
 
@@ -168,9 +168,9 @@ def _int8_gemm(model) -> dict:
     return {"gemm": gemm, "kernel": "onednn", "probe": got}
 
 
-class WeightSync(_weights.ServerWeights if _weights is not None else object):
+class WorkerExtension(_weights.WorkerWeights if _weights is not None else object):
     """Methods of the vLLM worker, called through `/collective_rpc` (the loading ones:
-    rl/backends/vllm/weights/engine.py `ServerWeights`)."""
+    rl/backends/vllm/weights/receive.py `WorkerWeights`)."""
 
     def backstream_info(self, probe: str = "") -> dict:
         """What this server runs, as its model runner has it, for a run that connects to a server it did
@@ -204,7 +204,7 @@ class WeightSync(_weights.ServerWeights if _weights is not None else object):
         return _int8_gemm(self.model_runner.get_model())
 
     def backstream_reload(self, path: str, version: str = "") -> dict:
-        """The disk path (rl/backends/vllm/weights/engine.py), with the CPU int8 kernels' scales kept alive."""
+        """The disk path (rl/backends/vllm/weights/receive.py), with the CPU int8 kernels' scales kept alive."""
         _keep_int8_scales(self.model_runner.get_model())
         return super().backstream_reload(path, version)
 

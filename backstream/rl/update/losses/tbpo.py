@@ -1,4 +1,4 @@
-"""TBPO: Trust-Band Policy Optimization (Gu et al., "QaRL: Rollout-Aligned Quantization-Aware RL",
+"""TBPO: Trust-Band Policy Optimization (Gu et al., "QaRL: Samples-Aligned Quantization-Aware RL",
 §3.2 and Appendix E), a sequence-level objective that drops whole responses leaving a trust band.
 
 For response i with completion tokens t = 1..|y_i| (the completion mask), advantage A_i, learner

@@ -252,7 +252,7 @@ def reset_prefix_cache(server) -> None:
 
 class DiskSync(WeightSync):
     """Safetensors in RUN_DIR/vllm/published/weights-N (the previous one deleted), reloaded in place by
-    each server's worker (rl/backends/vllm/weights/engine.py `backstream_reload`); low-bit weights compressed."""
+    each server's worker (rl/backends/vllm/weights/receive.py `backstream_reload`); low-bit weights compressed."""
 
     kind = "disk"
 
@@ -268,7 +268,7 @@ class DiskSync(WeightSync):
 
 def reload_from_disk(sync: WeightSync, model, state: dict, members, version: str, out: str) -> dict:
     """The whole weights `state` written to `out` (low-bit ones compressed) and reloaded in place by the
-    worker of each of `members`' servers (rl/backends/vllm/weights/engine.py `backstream_reload`); what was sent,
+    worker of each of `members`' servers (rl/backends/vllm/weights/receive.py `backstream_reload`); what was sent,
     fingerprinted, for `check`. The disk way's publish, and the base under an adapter's first one."""
     shutil.rmtree(out, ignore_errors=True)
     weights = base_names(model, state)

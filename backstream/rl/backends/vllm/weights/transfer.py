@@ -1,4 +1,4 @@
-"""The learner's side of vLLM's weight-transfer engine (rl/backends/vllm/weights/engine.py is the servers'): one
+"""The learner's side of vLLM's weight-transfer engine (rl/backends/vllm/weights/receive.py is the servers'): one
 process group of the learner's rank 0 and every worker of every server, and the four phases of a
 publish driven over HTTP on every server at once while rank 0 broadcasts the weights.
 

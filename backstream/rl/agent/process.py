@@ -165,7 +165,7 @@ class Zygote:
 
     def __init__(self):
         ours, theirs = socket.socketpair()
-        code = "import sys; from backstream.rl.agent.worker import zygote_main; zygote_main(int(sys.argv[1]))"
+        code = "import sys; from backstream.rl.agent.process import zygote_main; zygote_main(int(sys.argv[1]))"
         self.proc = subprocess.Popen([sys.executable, "-c", code, str(theirs.fileno())], pass_fds=[theirs.fileno()],
                                      stdin=subprocess.DEVNULL)
         theirs.close()

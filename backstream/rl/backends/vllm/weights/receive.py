@@ -14,7 +14,7 @@ rl/backends/vllm/worker_ext.py, imports it, which registers the engine before vL
   On one host (`shm_path`) the bytes go through a shared-memory file the learner writes and the
   worker reads in place, the group carrying an 8-byte signal per bucket: loopback TCP alone moved
   2.4 GB in 2.6-3.1 s here, a 0.6B model's whole budget.
-- `ServerWeights`, the worker extension's methods: `backstream_reload(path, version)` (the disk path:
+- `WorkerWeights`, the worker extension's methods: `backstream_reload(path, version)` (the disk path:
   the same load, from safetensors), `backstream_group()` (the group it is in) and
   `backstream_ledger()`, what the last publish loaded
   (rl/backends/vllm/weights/ledger.py), which the learner checks after every publish: vLLM itself answers 200
@@ -43,8 +43,8 @@ import torch.distributed as dist
 from backstream.rl.backends.vllm.weights import ENGINE as BACKEND
 from backstream.rl.backends.vllm.weights.ledger import fingerprint
 
-LAST: dict = {}  # the ledger of this worker's last publish, by whichever path (`ServerWeights.backstream_ledger`)
-JOINED: dict = {}  # the transfer group this worker is in: its name (`ServerWeights.backstream_group`)
+LAST: dict = {}  # the ledger of this worker's last publish, by whichever path (`WorkerWeights.backstream_ledger`)
+JOINED: dict = {}  # the transfer group this worker is in: its name (`WorkerWeights.backstream_group`)
 
 try:  # inside vLLM's environment; the learner never imports this module
     from vllm.distributed.weight_transfer.base import (
@@ -325,7 +325,7 @@ if WeightTransferEngineFactory is not None:
         WeightTransferEngineFactory.register_engine(BACKEND, BackstreamEngine)
 
 
-class ServerWeights:
+class WorkerWeights:
     """The worker extension's methods that load weights (rl/backends/vllm/worker_ext.py's class has them)."""
 
     def backstream_reload(self, path: str, version: str = "") -> dict:
