@@ -26,12 +26,12 @@ from typing import Any, Literal
 from backstream.checks import UserError, at_least, choice, literals
 from backstream.quant.linear import QuantConfig
 from backstream.rl.agent.env import EnvConfig
-from backstream.rl.backends.base import SamplingConfig
 from backstream.rl.backends.vllm.server import VLLMConfig
 from backstream.rl.data.prompts import DataConfig
 from backstream.rl.parallel import DistributedConfig
 from backstream.rl.policy import ModelConfig
 from backstream.rl.rollout.evaluate import EvalConfig
+from backstream.rl.rollout.source import RolloutConfig
 from backstream.rl.scoring.advantages import ADVANTAGES
 from backstream.rl.scoring.rewards import RewardConfig
 from backstream.rl.scoring.shaping import OVERLONG
@@ -124,8 +124,6 @@ class TrainConfig:
 LOSSES = LOSS_TYPES  # [loss] is the variant its `type` key names (the registry of backstream.rl.update.losses)
 # sections whose class is a variant picked by one of their keys: section → (key, registry, default)
 VARIANTS: dict[str, tuple[str, dict[str, type], str]] = {"loss": ("type", LOSSES, "ppo_clip")}
-# the run's rollout defaults (a run samples groups; `SamplingConfig`'s own defaults are generate()'s)
-RUN_ROLLOUT = {"group_size": 8, "max_new_tokens": 8}
 
 
 def variants(section: str) -> list[type]:
@@ -143,7 +141,7 @@ def section_class(section: str, values: dict) -> type:
     return registry[kind]
 
 SECTIONS: dict[str, type] = {
-    "model": ModelConfig, "data": DataConfig, "rollout": SamplingConfig, "env": EnvConfig, "reward": RewardConfig,
+    "model": ModelConfig, "data": DataConfig, "rollout": RolloutConfig, "env": EnvConfig, "reward": RewardConfig,
     "algorithm": AlgorithmConfig, "loss": PPOClipConfig, "optim": OptimConfig, "engine": EngineConfig,
     "train": TrainConfig, "eval": EvalConfig, "quant": QuantConfig, "distributed": DistributedConfig,
     "vllm": VLLMConfig,
@@ -159,7 +157,7 @@ class RunConfig:
 
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
-    rollout: SamplingConfig = field(default_factory=lambda: SamplingConfig(**RUN_ROLLOUT))
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
@@ -359,8 +357,6 @@ def _build(section: str, values: dict):
             raise UserError(f"{section}.{key}: unknown key; the keys of [{section}] are {sorted(names)}")
     hints = typing.get_type_hints(cls)
     kwargs = {k: _coerce(f"{section}.{k}", v, hints.get(k, Any)) for k, v in values.items()}
-    if section == "rollout":
-        kwargs = {**RUN_ROLLOUT, **kwargs}
     try:
         return cls(**kwargs)
     except TypeError as e:  # a missing required key

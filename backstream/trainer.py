@@ -49,7 +49,7 @@ from backstream.rl.parallel import take
 from backstream.rl.policy import eos_ids, reference_policy
 from backstream.rl.records import Samples
 from backstream.rl.rollout.collect import Batch, Collector, timed
-from backstream.rl.rollout.evaluate import Evaluator, with_group_size
+from backstream.rl.rollout.evaluate import Evaluator
 from backstream.rl.rollout.sampler import Samplers
 from backstream.rl.rollout.source import build_source, check_backend
 from backstream.rl.scoring.advantages import ADVANTAGES, ZeroAdvantageWatch, format_hint
@@ -170,7 +170,7 @@ class Trainer:
         ctx = getattr(self.model.config, "max_position_embeddings", None)
         prompts, text = datamod.encode_and_render(examples, self.tok, self.cfg.data.max_prompt_tokens,
                                                   self.cfg.rollout.max_new_tokens, ctx)
-        return self.samplers.build(with_group_size(self.cfg.rollout, k), prompts, text, return_kv)
+        return self.samplers.build(self.cfg.rollout.sampling(), k, prompts, text, return_kv)
 
     def evaluate(self) -> dict[str, float]:
         """The held-out metrics at the current weights (rl/rollout/evaluate.py), in the rollout's numerics."""

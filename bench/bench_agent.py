@@ -54,7 +54,7 @@ from backstream import reference_backward, stream_backward
 from backstream.default_model import build_tokenizer
 from backstream.rl.agent.env import EnvConfig
 from backstream.rl.agent.transcript import common_prefix
-from backstream.rl.backends.base import SamplingConfig, no_rounds
+from backstream.rl.backends.base import SamplingParams, no_rounds
 from backstream.rl.records import Completion
 from backstream.rl.rollout.programs import AgentSampler
 from bench import common
@@ -150,7 +150,7 @@ def agent_rollout(G: int, P: int, T: int, R: int, S: int, seed: int = 0):
         numbers = torch.randint(1, 1000, (T,), generator=g).tolist()
         rows.append({"system": system, "prompt": "Add up " + ", ".join(map(str, numbers))})
     policy = Scripted(tok, T, R)
-    sampler = AgentSampler(SamplingConfig(group_size=G, max_new_tokens=2 * R + 100),
+    sampler = AgentSampler(SamplingParams(max_new_tokens=2 * R + 100), G,
                            EnvConfig(agent="bench.bench_agent:tool_agent", format="chat", max_turns=T), tok,
                            [tok.eos_token_id], None, policy)
     try:
@@ -331,7 +331,7 @@ def reuse(rounds: int = 2) -> dict:
     HTTP = DefaultHttpxClient()
     torch.set_num_threads(2)
     model, tok = load_default()
-    cfg = SamplingConfig(group_size=8, max_new_tokens=16)
+    cfg = SamplingParams(max_new_tokens=16)
     prompt = "".join(f"k{i}={i * 7 % 100};" for i in range(300)) + " 12+34="
     best: dict[str, float] = {}
     for _ in range(rounds):
@@ -339,7 +339,7 @@ def reuse(rounds: int = 2) -> dict:
             answers = LocalBackend(cfg, [tok.eos_token_id], tok)
             LocalSync(answers).sync(model, 0)
             answers.reuse_min = reuse_min
-            s = AgentSampler(cfg, EnvConfig(agent="bench.bench_agent:appending_agent", format="plain"), tok,
+            s = AgentSampler(cfg, 8, EnvConfig(agent="bench.bench_agent:appending_agent", format="plain"), tok,
                              [tok.eos_token_id], 4096, answers)
             t = time.perf_counter()
             s.sample([{"prompt": prompt}], [0], [torch.Generator().manual_seed(0)])

@@ -27,7 +27,7 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from backstream.quant.linear import QuantConfig, quantize_model, quantized
-from backstream.rl.backends.base import SamplingConfig
+from backstream.rl.backends.base import SamplingParams
 from backstream.rl.backends.local.generate import generate
 from bench.common import RESULTS, timed_side_by_side
 
@@ -52,12 +52,13 @@ def speed(a) -> dict:
             if hasattr(m, "qweight"):
                 m.qweight()
     prompt = torch.randint(3, 151936, (a.prompt,), generator=torch.Generator().manual_seed(1))
-    sc = SamplingConfig(group_size=a.group, max_new_tokens=a.new, temperature=1.0)
+    sc = SamplingParams(max_new_tokens=a.new, temperature=1.0)
 
     def run(fmt):
         def go():
             with quantized(models[fmt], fmt != "float32"):
-                generate(models[fmt], [prompt], sc, eos_token_id=None, generator=torch.Generator().manual_seed(0))
+                generate(models[fmt], [prompt], sc, group_size=a.group, eos_token_id=None,
+                         generator=torch.Generator().manual_seed(0))
         return go
 
     best = timed_side_by_side({f: run(f) for f in ["float32", *FORMATS]}, rounds=3)

@@ -135,7 +135,7 @@ def side_rollout(steps: int, out: str, n: int) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from backstream.rl.backends.base import SamplingConfig
+    from backstream.rl.backends.base import SamplingParams
     from backstream.rl.backends.local.generate import generate
     from backstream.rl.policy import eos_ids
 
@@ -147,8 +147,8 @@ def side_rollout(steps: int, out: str, n: int) -> dict:
     times = []
     for step in range(steps):
         t = time.perf_counter()
-        generate(model, [torch.tensor(ids)], SamplingConfig(group_size=LONG_G, max_new_tokens=LONG_NEW),
-                 eos_token_id=eos_ids(model, tok), generator=torch.Generator().manual_seed(step))
+        generate(model, [torch.tensor(ids)], SamplingParams(max_new_tokens=LONG_NEW),
+                 eos_token_id=eos_ids(model, tok), generator=torch.Generator().manual_seed(step), group_size=LONG_G)
         times.append(time.perf_counter() - t)
     return {"step_s": times, "reward": [], "peak_mib_by_step": [], "prompt_tokens": len(ids)}
 

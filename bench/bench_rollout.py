@@ -27,7 +27,7 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from backstream.default_model import load_default
-from backstream.rl.backends.base import SamplingConfig
+from backstream.rl.backends.base import SamplingParams
 from backstream.rl.backends.local.generate import generate
 from backstream.rl.data.tasks import make_dataset
 
@@ -54,7 +54,7 @@ def samplers(model, prompts: list[torch.Tensor], G: int, new: int, rounds: int, 
     """tokens/s of the local sampler and of `model.generate` on the same batch, side by side."""
     device = next(model.parameters()).device
     n_tokens = len(prompts) * G * new
-    cfg = SamplingConfig(group_size=G, max_new_tokens=new)
+    cfg = SamplingParams(max_new_tokens=new)
     gen = torch.Generator().manual_seed(0)
     # model.generate on the whole batch, left-padded, with the mask that hides the pads
     width = max(len(p) for p in prompts)
@@ -63,7 +63,7 @@ def samplers(model, prompts: list[torch.Tensor], G: int, new: int, rounds: int, 
     mask = torch.stack([(torch.arange(width) >= width - len(p)).long() for p in rows]).to(device)
 
     def local():
-        generate(model, prompts, cfg, eos_token_id=None, generator=gen)
+        generate(model, prompts, cfg, group_size=G, eos_token_id=None, generator=gen)
         sync(device)
 
     def hf():

@@ -27,7 +27,7 @@ from transformers import (
 from backstream import config, reference_backward, stream_backward
 from backstream.default_model import build_tokenizer
 from backstream.rl.agent.env import EnvConfig
-from backstream.rl.backends.base import SamplingConfig
+from backstream.rl.backends.base import SamplingParams
 from backstream.rl.backends.local import decode as D
 from backstream.rl.backends.local.backend import LocalBackend, LocalSync
 from backstream.rl.rollout import episodes as E
@@ -259,14 +259,14 @@ def backend_for(config, tok, eos=None, model=None):
     return backend
 
 
-def episode_sampler(tok, config, env_cfg, return_kv=False, context=256, eos=None):
+def episode_sampler(tok, config, env_cfg, return_kv=False, context=256, eos=None, group_size=1):
     eos = [tok.eos_token_id] if eos is None else eos
-    return E.EpisodeSampler(config, env_cfg, tok, eos, return_kv, context, backend_for(config, tok, eos))
+    return E.EpisodeSampler(config, group_size, env_cfg, tok, eos, return_kv, context, backend_for(config, tok, eos))
 
 
 def sampler(tok, env="envs_for_tests:Calc", G=2, max_new=24, **env_kw):
-    return episode_sampler(tok, SamplingConfig(group_size=G, max_new_tokens=max_new), EnvConfig(factory=env, **env_kw),
-                           True)
+    return episode_sampler(tok, SamplingParams(max_new_tokens=max_new), EnvConfig(factory=env, **env_kw),
+                           True, group_size=G)
 
 
 def sample(s, model, rows, seed=0):

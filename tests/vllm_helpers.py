@@ -5,7 +5,7 @@ from helpers import KEY
 
 from backstream import config
 from backstream.quant.linear import QuantConfig
-from backstream.rl.backends.base import SamplingConfig
+from backstream.rl.backends.base import SamplingParams
 from backstream.rl.backends.vllm.backend import build
 from backstream.rl.parallel import DataParallel
 from backstream.rl.rollout.completions import CompletionSampler
@@ -39,8 +39,8 @@ class Served:
             self.sync.sync(model, self.version)
 
     def sampler(self, prompts, G=4, max_new=12, cfg=None):
-        cfg = cfg or SamplingConfig(group_size=G, max_new_tokens=max_new)
-        return CompletionSampler(cfg, self.tok, [self.tok.eos_token_id], False, prompts, ["" for _ in prompts],
+        cfg = cfg or SamplingParams(max_new_tokens=max_new)
+        return CompletionSampler(cfg, G, self.tok, [self.tok.eos_token_id], False, prompts, ["" for _ in prompts],
                                  self.backend)
 
     def sample(self, s, model, rows, indices, gens):

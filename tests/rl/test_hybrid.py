@@ -11,7 +11,7 @@ from helpers import REPO, episode_sampler, rel, run_cfg, sample, text, tiny_hybr
 from backstream import config, trainer
 from backstream.checks import UserError
 from backstream.rl.agent.env import EnvConfig
-from backstream.rl.backends.base import SamplingConfig
+from backstream.rl.backends.base import SamplingParams
 from backstream.rl.backends.local.decode import shares
 from backstream.rl.backends.local.generate import generate
 from backstream.stream.adapter import probe_layout
@@ -34,8 +34,8 @@ def test_sampler_logprobs_are_the_learners_float64():
     gen = torch.Generator().manual_seed(0)
     with keep_float64():
         # a fifth of the vocabulary ends a row: rows end at different steps and leave the batch
-        r = generate(model, prompts, SamplingConfig(group_size=3, max_new_tokens=12, temperature=1.0),
-                     eos_token_id=list(range(10, 30)), generator=gen)
+        r = generate(model, prompts, SamplingParams(max_new_tokens=12, temperature=1.0),
+                     eos_token_id=list(range(10, 30)), generator=gen, group_size=3)
         assert len(set(map(len, r.completion_ids))) > 1  # rows ended at different steps
         for seq, m, lp in zip(r.sequences(), r.completion_mask(), r.aligned_logprobs()):
             ref = learner_logprobs(model, seq)
@@ -51,8 +51,8 @@ def test_a_prompts_states_are_computed_once_for_its_group():
     shares(model)
     seen = []
     handle = model.get_input_embeddings().register_forward_hook(lambda m, i, o: seen.append(tuple(i[0].shape)))
-    generate(model, prompts, SamplingConfig(group_size=4, max_new_tokens=5), eos_token_id=None,
-             generator=torch.Generator().manual_seed(0))
+    generate(model, prompts, SamplingParams(max_new_tokens=5), eos_token_id=None,
+             generator=torch.Generator().manual_seed(0), group_size=4)
     handle.remove()
     prefills = [s for s in seen if s[1] > 1]
     assert sorted(prefills) == [(1, len(prompts[1])), (1, len(prompts[0]))]
@@ -66,7 +66,7 @@ def test_episodes_on_a_hybrid_float64(script):
     model, tok = tiny_hybrid()
     script([["[add 12 34]<eos>", "46<eos>"], ["[add 1 2]<eos>", "[add 3 4]<eos>", "7<eos>"], ["46<eos>"],
             ["[add 100 200]<eos>", "300<eos>"]])
-    s = episode_sampler(tok, SamplingConfig(group_size=2, max_new_tokens=40), EnvConfig(factory="envs_for_tests:Calc"))
+    s = episode_sampler(tok, SamplingParams(max_new_tokens=40), EnvConfig(factory="envs_for_tests:Calc"), group_size=2)
     with keep_float64():
         r = sample(s, model, [{"prompt": "12+34=", "answer": "46"}, {"prompt": "1+2+4=", "answer": "7"}])
         assert [e.turns for e in r.episodes] == [2, 3, 1, 2]
@@ -79,8 +79,8 @@ def test_episodes_on_a_hybrid_float64(script):
 def test_rollout_kv_refused_for_a_hybrid(tmp_path):
     model, tok = tiny_hybrid()
     with pytest.raises(UserError, match=r"^return_kv: .*keeps recurrent or convolution state"):
-        generate(model, [torch.tensor([5, 6, 7])], SamplingConfig(group_size=2, max_new_tokens=3), eos_token_id=None,
-                 return_kv=True)
+        generate(model, [torch.tensor([5, 6, 7])], SamplingParams(max_new_tokens=3), eos_token_id=None,
+                 return_kv=True, group_size=2)
     cfg = run_cfg(tmp_path, "run", "engine.reuse_rollout_kv=true")
     with pytest.raises(UserError, match=r"^engine.reuse_rollout_kv: Qwen3_5ForCausalLM keeps recurrent or convolution "
                                         r"state in layers \[0, 1\]"):

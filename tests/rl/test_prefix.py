@@ -13,7 +13,7 @@ from helpers import make
 from transformers import AutoConfig
 
 from backstream import reference_backward, stream_backward
-from backstream.rl.backends.base import SamplingConfig
+from backstream.rl.backends.base import SamplingParams
 from backstream.rl.backends.local.backend import LocalBackend, LocalSync
 from backstream.rl.backends.local.decode import Rows, decode, shares
 from backstream.rl.backends.local.generate import generate
@@ -51,7 +51,7 @@ def test_shared_prefixes_decode_what_copies_decode(name):
     at different steps and leave the batch."""
     model = family(name)
     rows_p = [p for p in prompts() for _ in range(G)]
-    cfg = SamplingConfig(max_new_tokens=12, group_size=G)
+    cfg = SamplingParams(max_new_tokens=12)
     with keep_float64():
         assert shares(model)
         out = []
@@ -84,8 +84,8 @@ def test_the_samplers_logprobs_and_kv_are_the_learners():
     the engine the reference gradient with no prefill."""
     model = make("qwen3", dtype=torch.float64)
     ps = [torch.tensor(p) for p in prompts((3, 60))]
-    r = generate(model, ps, SamplingConfig(max_new_tokens=8, group_size=3), eos_token_id=list(range(0, 64, 6)),
-                 return_kv=True, generator=[torch.Generator().manual_seed(j) for j in range(len(ps))])
+    r = generate(model, ps, SamplingParams(max_new_tokens=8), eos_token_id=list(range(0, 64, 6)),
+                 return_kv=True, generator=[torch.Generator().manual_seed(j) for j in range(len(ps))], group_size=3)
     assert all(isinstance(k, Pieces) for kv in r.kv for k, _ in kv)
     for seq, m, lp in zip(r.sequences(), r.completion_mask(), r.logprobs):
         with torch.no_grad():
@@ -106,7 +106,7 @@ def test_episodes_and_requests_keep_reading_their_prompt():
     it (their K/V are the prompt's `Prefix`, then their own), and every sampled token's log-prob is the
     learner's. An agent request that continues an earlier one's history takes over its K/V, prompt shared."""
     model = make("qwen3", dtype=torch.float64)
-    cfg = SamplingConfig(max_new_tokens=5, group_size=1)
+    cfg = SamplingParams(max_new_tokens=5)
     backend = LocalBackend(cfg, [63], None)
     LocalSync(backend).sync(model, 0)
     start = prompts((3, 60), (40,))[0]
@@ -170,7 +170,7 @@ def test_the_rollout_holds_one_copy_of_the_prompt():
         with torch.no_grad(), LiveBytes(model) as m:
             rows = Rows.of_prompts(model, [prompt] * G * 2, False, new, share_min)
             held[share_min] = _kv_storages(rows.cache)
-            decode(model, rows, SamplingConfig(max_new_tokens=new), set(), None, [None] * 2 * G, False, [new] * 2 * G)
+            decode(model, rows, SamplingParams(max_new_tokens=new), set(), None, [None] * 2 * G, False, [new] * 2 * G)
             del rows
         peaks[share_min] = m.peak
     own = 2 * G * copy_bytes / len(prompt) * new  # what the samples add, room for `new` tokens each

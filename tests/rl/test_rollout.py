@@ -9,10 +9,11 @@ import torch
 from helpers import VOCAB, lora, make
 from transformers import DynamicCache
 
-from backstream.rl.backends.base import SamplingConfig
+from backstream.rl.backends.base import SamplingParams
 from backstream.rl.backends.local.decode import NonFiniteLogits, shares
 from backstream.rl.backends.local.generate import generate
 from backstream.rl.records import Samples
+from backstream.rl.rollout.source import RolloutConfig
 from backstream.stream.adapter import probe_layout
 from backstream.stream.hf import cache_arg, returned_cache
 
@@ -40,7 +41,7 @@ def test_greedy_equals_hf_generate(family):
     # the windowed families decode past their window (4): HF uses sliding cache layers, we keep it all
     model = model32(family)
     model.generation_config.eos_token_id = None
-    r = run(model, SamplingConfig(temperature=0, max_new_tokens=12, group_size=2))
+    r = run(model, SamplingParams(temperature=0, max_new_tokens=12), group_size=2)
     refs = [model.generate(p[None], do_sample=False, max_new_tokens=12, pad_token_id=0)[0] for p in PROMPTS]
     for i, seq in enumerate(r.sequences()):
         assert torch.equal(seq, refs[r.prompt_index[i]])
@@ -50,7 +51,7 @@ def test_greedy_equals_hf_generate(family):
 @pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.7, 5, 0.9), (0, 0, 1.0)])
 def test_logprobs_match_teacher_forced(temperature, top_k, top_p):
     model = model32()
-    r = run(model, SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=10, group_size=3))
+    r = run(model, SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=10), group_size=3)
     for seq, mask, lp, aligned in zip(r.sequences(), r.completion_mask(), r.logprobs, r.aligned_logprobs()):
         assert lp.dtype == torch.float32 and len(lp) == int(mask.sum())
         ref, logits_LV = teacher_forced(model, seq, temperature or 1.0)
@@ -63,15 +64,15 @@ def test_logprobs_match_teacher_forced(temperature, top_k, top_p):
 
 def test_peft_model():
     model = lora(model32())
-    r = run(model, SamplingConfig(temperature=0.8, max_new_tokens=6, group_size=2))
+    r = run(model, SamplingParams(temperature=0.8, max_new_tokens=6), group_size=2)
     for seq, mask, lp in zip(r.sequences(), r.completion_mask(), r.logprobs):
         torch.testing.assert_close(lp, teacher_forced(model, seq, 0.8)[0][mask[1:]], atol=1e-5, rtol=0)
 
 
 def test_seeding():
     model = model32()
-    cfg = SamplingConfig(max_new_tokens=16, group_size=4)
-    a, b, c = run(model, cfg, seed=1), run(model, cfg, seed=1), run(model, cfg, seed=2)
+    cfg = SamplingParams(max_new_tokens=16)
+    a, b, c = (run(model, cfg, seed=s, group_size=4) for s in (1, 1, 2))
     assert all(torch.equal(x, y) for x, y in zip(a.completion_ids, b.completion_ids))
     assert all(torch.equal(x, y) for x, y in zip(a.logprobs, b.logprobs))
     assert any(not torch.equal(x, y) for x, y in zip(a.completion_ids, c.completion_ids))
@@ -82,8 +83,8 @@ def test_seeding():
 @pytest.mark.parametrize("kw", [dict(top_k=1), dict(top_p=1e-6)])
 def test_extreme_truncation_is_greedy(kw):
     model = model32()
-    greedy = run(model, SamplingConfig(temperature=0, max_new_tokens=10))
-    r = run(model, SamplingConfig(temperature=1.0, max_new_tokens=10, **kw))
+    greedy = run(model, SamplingParams(temperature=0, max_new_tokens=10))
+    r = run(model, SamplingParams(temperature=1.0, max_new_tokens=10, **kw))
     assert all(torch.equal(x, y) for x, y in zip(greedy.completion_ids, r.completion_ids))
     # both report log-probs at T = 1 before truncation
     assert all(torch.allclose(x, y) for x, y in zip(greedy.logprobs, r.logprobs))
@@ -92,7 +93,7 @@ def test_extreme_truncation_is_greedy(kw):
 def test_eos_ends_row_and_is_kept():
     model = model32()
     eos = list(range(0, VOCAB, 3))  # a third of the vocabulary: some rows end early, some not
-    r = run(model, SamplingConfig(max_new_tokens=6, group_size=8), eos_token_id=eos)
+    r = run(model, SamplingParams(max_new_tokens=6), eos_token_id=eos, group_size=8)
     assert r.prompt_index == [0] * 8 + [1] * 8 and r.group_size == 8
     assert {"eos", "length"} == set(r.finish_reason)
     for c, reason in zip(r.completion_ids, r.finish_reason):
@@ -102,7 +103,7 @@ def test_eos_ends_row_and_is_kept():
         else:
             assert len(c) == 6 and not any(ends)
     # an int eos works too
-    r1 = run(model, SamplingConfig(max_new_tokens=6, group_size=8), eos_token_id=eos[1])
+    r1 = run(model, SamplingParams(max_new_tokens=6), eos_token_id=eos[1], group_size=8)
     assert all((reason == "eos") == (int(c[-1]) == eos[1]) for c, reason in zip(r1.completion_ids, r1.finish_reason))
 
 
@@ -117,12 +118,12 @@ class MultiCharTokenizer:
 
 def test_stop_strings_cut_after_completing_token():
     model, tok = model32(), MultiCharTokenizer()
-    cfg = dict(max_new_tokens=30, group_size=4)
-    free = run(model, SamplingConfig(**cfg), seed=3)
+    cfg = dict(max_new_tokens=30)
+    free = run(model, SamplingParams(**cfg), seed=3, group_size=4)
     # stop strings from the middle of two unconstrained completions of the first group; with the same
     # seed that group samples the same tokens until a row stops (each row's draw ignores the others)
     stop = [tok.decode(free.completion_ids[0].tolist())[8:11], tok.decode(free.completion_ids[1].tolist())[12:14]]
-    r = run(model, SamplingConfig(**cfg, stop=stop), seed=3, tokenizer=tok)
+    r = run(model, SamplingParams(**cfg, stop=stop), seed=3, tokenizer=tok, group_size=4)
     for i in range(4):
         ids = free.completion_ids[i].tolist()
         first = next((n for n in range(1, len(ids) + 1) if any(s in tok.decode(ids[:n]) for s in stop)), None)
@@ -133,7 +134,7 @@ def test_stop_strings_cut_after_completing_token():
             assert r.texts(tok)[i] == tok.decode(ids[:first])
     assert r.finish_reason[:2] == ["stop", "stop"]
     with pytest.raises(ValueError, match="tokenizer"):
-        run(model, SamplingConfig(stop=["x"]))
+        run(model, SamplingParams(stop=["x"], max_new_tokens=64))
 
 
 def spy_shapes(model) -> list:
@@ -154,7 +155,7 @@ def spy_shapes(model) -> list:
 def test_one_prefill_per_group():
     model = model32()
     shapes = spy_shapes(model)
-    r = run(model, SamplingConfig(max_new_tokens=5, group_size=4))
+    r = run(model, SamplingParams(max_new_tokens=5), group_size=4)
     # one prefill per prompt, then the 8 rows of both groups (prompts of 5 and 7 tokens) as one batch
     assert shapes == [(1, 5), (1, 7)] + [(8, 1)] * 4
     assert len(r) == 8
@@ -169,10 +170,10 @@ def test_one_batch_equals_each_group_alone(device):
     # a call with three prompts of 3, 5 and 7 tokens = each prompt sampled alone with its generator
     model = make("qwen3", dtype=torch.float64).to(device)
     prompts = [PROMPTS[1], torch.tensor([4, 2, 9]), PROMPTS[0]]
-    cfg = SamplingConfig(max_new_tokens=9, group_size=4, temperature=0.9)
+    cfg = SamplingParams(max_new_tokens=9, temperature=0.9)
     eos = list(range(0, VOCAB, 5))
     shapes = spy_shapes(model)
-    together = generate(model, prompts, cfg, eos_token_id=eos, return_kv=True,
+    together = generate(model, prompts, cfg, group_size=4, eos_token_id=eos, return_kv=True,
                         generator=[torch.Generator().manual_seed(10 + j) for j in range(3)])
     decode_rows = [s[0] for s in shapes if s[1] == 1]
     assert decode_rows == sorted(decode_rows, reverse=True) and decode_rows[0] <= 12 and decode_rows[-1] < 12
@@ -181,7 +182,7 @@ def test_one_batch_equals_each_group_alone(device):
     del model.forward
     assert {"eos", "length"} <= set(together.finish_reason)
     for j, p in enumerate(prompts):
-        alone = generate(model, [p], cfg, eos_token_id=eos, return_kv=True,
+        alone = generate(model, [p], cfg, group_size=4, eos_token_id=eos, return_kv=True,
                          generator=torch.Generator().manual_seed(10 + j))
         for k in range(4):
             i = j * 4 + k
@@ -203,7 +204,7 @@ def test_one_batch_equals_each_group_alone(device):
 def test_return_kv_matches_full_forward(family):
     model = model32(family)
     eos = list(range(0, VOCAB, 4))  # uneven lengths within a group
-    r = run(model, SamplingConfig(max_new_tokens=9, group_size=3), eos_token_id=eos, return_kv=True)
+    r = run(model, SamplingParams(max_new_tokens=9), eos_token_id=eos, return_kv=True, group_size=3)
     layers = model.config.num_hidden_layers
     assert len(set(len(c) for c in r.completion_ids)) > 1
     for seq, kv in zip(r.sequences(), r.kv):
@@ -221,8 +222,8 @@ def test_rollout_kv_feeds_stream_backward():
     from backstream import stream_backward
 
     model = model32()
-    r = run(model, SamplingConfig(max_new_tokens=6, group_size=3), eos_token_id=list(range(0, VOCAB, 4)),
-            return_kv=True)
+    r = run(model, SamplingParams(max_new_tokens=6), eos_token_id=list(range(0, VOCAB, 4)),
+            return_kv=True, group_size=3)
     weights = [m.float() * (i - 2.5) for i, m in enumerate(r.completion_mask())]
     grads, logprobs = [], []
     for kv in (None, r.kv):
@@ -238,7 +239,7 @@ def test_rollout_kv_feeds_stream_backward():
 
 def test_no_prompt_no_sample():
     # a rank's share of a round can be empty (torchrun: DAPO refills, an eval smaller than the world)
-    r = generate(model32(), [], SamplingConfig(group_size=3), eos_token_id=None, return_kv=True)
+    r = generate(model32(), [], SamplingParams(max_new_tokens=64), eos_token_id=None, return_kv=True, group_size=3)
     assert len(r) == 0 and r.kv == [] and r.group_size == 3
 
 
@@ -247,12 +248,12 @@ def test_nonfinite_logits_stop_the_sampler():
     with torch.no_grad():
         model.lm_head.weight[3] = float("nan")  # tied: token 3's embedding too
     with pytest.raises(NonFiniteLogits, match="logits hold NaN/inf.*optim.lr"):
-        run(model, SamplingConfig(max_new_tokens=4, group_size=2))
+        run(model, SamplingParams(max_new_tokens=4), group_size=2)
 
 
 def test_bf16_model():
     model = make("qwen3", dtype=torch.bfloat16)
-    r = run(model, SamplingConfig(max_new_tokens=4, group_size=2))
+    r = run(model, SamplingParams(max_new_tokens=4), group_size=2)
     assert all(lp.dtype == torch.float32 and (lp <= 0).all() for lp in r.logprobs)
 
 
@@ -271,7 +272,10 @@ def test_bf16_model():
 ])
 def test_config_validation_names_field(kw, field):
     with pytest.raises(ValueError, match=rf"rollout\.{field}: got .*expected"):  # the run file's key
-        SamplingConfig(**kw)
+        RolloutConfig(**kw)
+    if field != "group_size":  # the sampling parameters alone check theirs the same way
+        with pytest.raises(ValueError, match=rf"rollout\.{field}: got .*expected"):
+            SamplingParams(**{"max_new_tokens": 8, **kw})
 
 
 def test_rollout_helpers():

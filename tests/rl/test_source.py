@@ -20,7 +20,7 @@ from helpers import no_run_written, run_cfg, tiny
 
 from backstream import trainer
 from backstream.quant.linear import QuantConfig, quant_linears, quantize_model
-from backstream.rl.backends.base import SamplingConfig
+from backstream.rl.backends.base import SamplingParams
 from backstream.rl.data.prompts import PromptStream
 from backstream.rl.parallel import DataParallel, group_generator
 from backstream.rl.records import Samples
@@ -32,8 +32,8 @@ def _source(backend, n: int, seed: int, P: int = 3, k: int | None = None):
     """A source over `n` examples, example i's prompt the token i (the fake records each group's seed
     by it), one sample per group, 6 tokens each."""
     model, _ = tiny(torch.float32)
-    sampler = CompletionSampler(SamplingConfig(group_size=1, max_new_tokens=6), None, [0], False,
-                      [torch.tensor([i]) for i in range(n)], [""] * n, backend)
+    sampler = CompletionSampler(SamplingParams(max_new_tokens=6), 1, None, [0], False,
+                                [torch.tensor([i]) for i in range(n)], [""] * n, backend)
     args = (sampler, backend, [{}] * n, PromptStream(n, seed), DataParallel(seed), model, QuantConfig())
     return AsyncSource(*args, per_step=P, k=k) if k else Source(*args)
 

@@ -113,16 +113,16 @@ def play_toolcalc(rows, temperature: float, group_size: int):
     """toolcalc episodes of the shipped model through the trainer's episode sampler, with the task's
     defaults (environment, turns, turn budget): per episode (tool calls, tool errors, turns, reward)."""
     from backstream.rl.agent.env import EnvConfig
-    from backstream.rl.backends.base import SamplingConfig
+    from backstream.rl.backends.base import SamplingParams
     from backstream.rl.backends.local.backend import LocalBackend, LocalSync
     from backstream.rl.rollout.episodes import EpisodeSampler
 
     model, tok = shipped()
     d = TASKS["toolcalc"].defaults
-    config = SamplingConfig(temperature=temperature, group_size=group_size, max_new_tokens=d["rollout.max_new_tokens"])
+    config = SamplingParams(temperature=temperature, max_new_tokens=d["rollout.max_new_tokens"])
     backend = LocalBackend(config, [tok.eos_token_id], tok)
     LocalSync(backend).sync(model, 0)
-    sampler = EpisodeSampler(config, EnvConfig(factory=d["env.factory"], max_turns=d["env.max_turns"]), tok,
+    sampler = EpisodeSampler(config, group_size, EnvConfig(factory=d["env.factory"], max_turns=d["env.max_turns"]), tok,
                              [tok.eos_token_id], False, None, backend)
     gens = [torch.Generator().manual_seed(i) for i in range(len(rows))]
     r = sampler.sample(rows, list(range(len(rows))), gens)

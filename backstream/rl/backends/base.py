@@ -25,68 +25,59 @@ How weights travel is the sync's alone (rl/backends/vllm/weights/).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Protocol
 
 from torch import Tensor
 
-from backstream.checks import UserError, literals
+from backstream.checks import UserError
 from backstream.rl.records import Completion, Played
 
 
 @dataclass(kw_only=True)
-class SamplingConfig:
+class SamplingParams:
+    """What a backend samples with: the sampling keys of `[rollout]` (rl/rollout/source.py `RolloutConfig`
+    is the section: these, and how many samples per prompt, who samples and how far ahead). A caller of
+    the decoder says how many tokens: `max_new_tokens` has no default here, the run's is the section's."""
+
     temperature: float = 1.0
     """Softmax temperature; 0 means greedy (argmax) decoding."""
     top_p: float = 1.0
     """Nucleus sampling: keep the smallest set of top tokens holding at least this mass; in (0, 1]."""
     top_k: int = 0
     """Keep only the k most likely tokens before sampling; 0 turns it off."""
-    max_new_tokens: int = 64
+    max_new_tokens: int
     """Most tokens sampled per completion (a completion cut here has finish_reason "length")."""
     stop: list[str] = field(default_factory=list)
     """Stop strings: a completion ends right after the token that completes one (needs a tokenizer)."""
-    group_size: int = 1
-    """G: completions sampled per prompt, sharing one prefill of the prompt."""
-    backend: Literal["local", "vllm"] = "local"
-    """Who samples: "local" (this process's sampler) or "vllm" (a vLLM server, `[vllm]`; the learner's
-    weights are published to it after every optimizer step)."""
-    max_staleness: int = 0
-    """k: how many optimizer steps behind the learner a trained token's weights may be. 0: the synchronous
-    loop (sample, then train). k >= 1 (rollout.backend = "vllm"): the server samples the next steps'
-    prompts while the learner trains, every group started with weights at most k steps older than
-    those its update starts from (rl/rollout/source.py, docs/design.md §6e)."""
-    in_flight: Literal["resume", "keep"] = "resume"
-    """With max_staleness >= 1, what a publish does with the samples in flight: "resume" aborts them and
-    resumes each from its tokens so far, re-prefilled with the new weights; "keep" pauses them and their
-    next tokens are sampled with the new weights after K/V computed with the old ones. Either way each
-    token records the version it was sampled with."""
 
     def __post_init__(self):
-        def bad(name, allowed):
-            raise UserError(f"rollout.{name}: got {getattr(self, name)!r}, expected {allowed}")
-
-        def is_int(x):
-            return isinstance(x, int) and not isinstance(x, bool)
-
         t = self.temperature
         if not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
-            bad("temperature", "a finite number >= 0 (0 = greedy)")
+            bad(self, "temperature", "a finite number >= 0 (0 = greedy)")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
-            bad("top_p", "a number in (0, 1]")
+            bad(self, "top_p", "a number in (0, 1]")
         if not is_int(self.top_k) or self.top_k < 0:
-            bad("top_k", "an integer >= 0 (0 = off)")
+            bad(self, "top_k", "an integer >= 0 (0 = off)")
         if not is_int(self.max_new_tokens) or self.max_new_tokens < 1:
-            bad("max_new_tokens", "an integer >= 1")
+            bad(self, "max_new_tokens", "an integer >= 1")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
-            bad("stop", "a list of non-empty strings")
-        if not is_int(self.group_size) or self.group_size < 1:
-            bad("group_size", "an integer >= 1")
-        if not is_int(self.max_staleness) or self.max_staleness < 0:
-            bad("max_staleness", "an integer >= 0 (0 = the synchronous loop)")
-        literals(self, "rollout")
+            bad(self, "stop", "a list of non-empty strings")
+
+    def sampling(self) -> SamplingParams:
+        """These parameters alone (of a `RolloutConfig`: without the section's other keys)."""
+        return SamplingParams(**{f.name: getattr(self, f.name) for f in dataclasses.fields(SamplingParams)})
+
+
+def bad(config, name: str, allowed: str):
+    raise UserError(f"rollout.{name}: got {getattr(config, name)!r}, expected {allowed}")
+
+
+def is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 class Backend(Protocol):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from backstream.rl.backends.base import SamplingConfig
+from backstream.rl.backends.base import SamplingParams
 from backstream.rl.records import Samples
 
 
@@ -18,9 +18,9 @@ class CompletionSampler:
 
     environment = None  # an EpisodeSampler's Environment (its get_reward is a reward)
 
-    def __init__(self, config: SamplingConfig, tokenizer, eos: list[int], return_kv: bool, prompts: list[Tensor],
-                 prompt_text: list[str], backend):
-        self.config, self.tok, self.eos, self.return_kv = config, tokenizer, eos, return_kv
+    def __init__(self, config: SamplingParams, group_size: int, tokenizer, eos: list[int], return_kv: bool,
+                 prompts: list[Tensor], prompt_text: list[str], backend):
+        self.config, self.group_size, self.tok, self.eos, self.return_kv = config, group_size, tokenizer, eos, return_kv
         self.prompts, self.prompt_text = prompts, prompt_text  # per example: its token ids and text
         self.backend, self.metric_keys = backend, tuple(backend.metric_keys)
         longest, new = max((len(p) for p in prompts), default=0), config.max_new_tokens
@@ -30,7 +30,7 @@ class CompletionSampler:
     def sample(self, rows: list[dict], indices: list[int], generators: list, progress=None) -> Samples:
         """G samples for each example `indices[j]` (the data's rows `rows[j]`), group j drawn with
         `generators[j]`; `prompt_index` holds the examples' indices."""
-        G = self.config.group_size
+        G = self.group_size
         prompts = [self.prompts[i] for i in indices]
         out = self.backend.complete(prompts, G, self.config.max_new_tokens, generators, self.return_kv, progress)
         return Samples(prompt_index=[i for i in indices for _ in range(G)],

@@ -30,7 +30,7 @@ import torch
 from backstream.checks import UserError
 from backstream.rl.agent.env import EnvConfig, EnvError, Environment, ToolResult
 from backstream.rl.agent.turns import make_format
-from backstream.rl.backends.base import SamplingConfig
+from backstream.rl.backends.base import SamplingParams
 from backstream.rl.records import CONTEXT, Completion, EpisodeInfo, Samples
 
 METRIC_KEYS = ("episode/turns/mean", "episode/tool_calls/mean", "episode/tool_errors/mean", "episode/truncated",
@@ -78,9 +78,9 @@ class EpisodeSampler:
     """The sampler of `[env]` runs (rl/rollout/sampler.py's protocol): G episodes per task (see the module
     docstring)."""
 
-    def __init__(self, config: SamplingConfig, env_cfg: EnvConfig, tokenizer, eos: list[int], return_kv: bool,
-                 context: int | None, backend):
-        self.config, self.tok, self.eos, self.return_kv = config, tokenizer, eos, return_kv
+    def __init__(self, config: SamplingParams, group_size: int, env_cfg: EnvConfig, tokenizer, eos: list[int],
+                 return_kv: bool, context: int | None, backend):
+        self.config, self.group_size, self.tok, self.eos, self.return_kv = config, group_size, tokenizer, eos, return_kv
         self.backend, self.metric_keys = backend, (*METRIC_KEYS, "episode/tool_seconds", *backend.metric_keys)
         self.env_cfg, self.env = env_cfg, Environment.load(env_cfg)
         self.environment = self.env
@@ -104,7 +104,7 @@ class EpisodeSampler:
         return max(len(self.format.prompt(ex["prompt"], None)[0]) if "prompt" in ex else 0 for ex in examples)
 
     def sample(self, rows: list[dict], indices: list[int], generators: list, progress=None) -> Samples:
-        G = self.config.group_size
+        G = self.group_size
         episodes = self._start_groups(rows, indices)
         left, lock = [G] * len(rows), threading.Lock()  # live episodes per group (a server's turn from threads)
 
@@ -150,7 +150,7 @@ class EpisodeSampler:
         environments' pool is shared); a prompt with no room for a turn is an error."""
         with self.starting:
             episodes = [self._start(row, index) for row, index in zip(rows, indices)
-                        for _ in range(self.config.group_size)]
+                        for _ in range(self.group_size)]
         for ep in episodes:
             if len(ep.prompt) >= self.max_tokens:
                 raise UserError(f"env.max_episode_tokens: a prompt of {len(ep.prompt)} tokens leaves no room for "
@@ -251,7 +251,7 @@ class EpisodeSampler:
         return kept + CUT.format(max(res.length, len(text)) - len(kept)), True
 
     def _rollout(self, episodes: list[_Episode], indices: list[int], played: list) -> Samples:
-        G = self.config.group_size
+        G = self.group_size
         kv = [p.kv for p in played] if self.return_kv else None
         infos = [EpisodeInfo(turns=ep.turns, tool_calls=ep.tool_calls, tool_errors=ep.tool_errors,
                              results_cut=ep.results_cut, timed_out=ep.reason == "timeout", tool_seconds=ep.tool_s,

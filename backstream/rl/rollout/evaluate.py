@@ -15,7 +15,6 @@ changes nothing of the training run, and gives the same samples on any number of
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -136,7 +135,3 @@ def held_out(cfg: EvalConfig, data_cfg, seed: int, train: list[dict]) -> list[di
         raise UserError(f"eval: every prompt of task {data_cfg.task!r} is in the training data; set eval.path")
     return out
 
-
-def with_group_size(config, k: int):
-    """The rollout config with `k` samples per prompt."""
-    return dataclasses.replace(config, group_size=k)

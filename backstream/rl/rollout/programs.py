@@ -34,7 +34,7 @@ from backstream.rl.agent.endpoint import TOOLS_DROPPED, Endpoint, EpisodeSession
 from backstream.rl.agent.runner import AgentResult, run_command, run_function
 from backstream.rl.agent.transcript import Branch
 from backstream.rl.agent.turns import make_format, prompt_head
-from backstream.rl.backends.base import SamplingConfig
+from backstream.rl.backends.base import SamplingParams
 from backstream.rl.records import Completion, EpisodeInfo, Fork, Samples
 from backstream.usercode import load_object
 
@@ -84,8 +84,10 @@ def format_for(env_cfg, tokenizer, eos: list[int]):
 class AgentSampler:
     """The sampler of an agent program's episodes (see the module docstring); `backend`: the run's."""
 
-    def __init__(self, config: SamplingConfig, env_cfg, tokenizer, eos: list[int], context: int | None, backend):
+    def __init__(self, config: SamplingParams, group_size: int, env_cfg, tokenizer, eos: list[int], context: int | None,
+                 backend):
         self.config, self.env_cfg, self.tok, self.eos, self.backend = config, env_cfg, tokenizer, eos, backend
+        self.group_size = group_size
         self.metric_keys = (*METRIC_KEYS, *backend.metric_keys)
         if env_cfg.agent:
             self.fn = load_object(env_cfg.agent, "env.agent")
@@ -127,7 +129,7 @@ class AgentSampler:
             return self.endpoint
 
     def sample(self, rows: list[dict], indices: list[int], generators: list, progress=None) -> Samples:
-        G, endpoint = self.config.group_size, self._serve()
+        G, endpoint = self.group_size, self._serve()
         seeds = [int(torch.randint(0, 2**31 - 1, (1,), generator=gen)) for gen in generators for _ in range(G)]
         round_ = _Round(self.backend)
         sessions = [endpoint.open(seed, round_.generate) for seed in seeds]
@@ -175,7 +177,7 @@ class AgentSampler:
 
     def _rollout(self, sessions: list[EpisodeSession], results: list[AgentResult], rows: list[dict],
                  indices: list[int], dtype: torch.dtype) -> Samples:
-        G = self.config.group_size
+        G = self.group_size
         out = Samples(prompt_index=[], prompt_ids=[], completion_ids=[], logprobs=[], finish_reason=[],
                       group_size=G, sampled=[], episodes=[], weight_version=[], forks=[])
         for k, (s, res) in enumerate(zip(sessions, results)):

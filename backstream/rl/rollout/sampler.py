@@ -12,7 +12,7 @@ from typing import Protocol
 
 from torch import Tensor
 
-from backstream.rl.backends.base import SamplingConfig
+from backstream.rl.backends.base import SamplingParams
 from backstream.rl.records import Samples
 
 
@@ -60,21 +60,23 @@ class Samplers:
         self.backend, self.sync = backend, sync
         self.built: list[Sampler] = []
 
-    def build(self, config: SamplingConfig, prompts: list[Tensor], prompt_text: list[str],
+    def build(self, config: SamplingParams, group_size: int, prompts: list[Tensor], prompt_text: list[str],
               return_kv: bool) -> Sampler:
+        """The run's kind of sampler, `group_size` samples per prompt of `prompts`."""
         env = self.cfg.env
         if env.program:
             from backstream.rl.rollout.programs import AgentSampler  # noqa: PLC0415  (the agent room)
 
-            sampler = AgentSampler(config, env, self.tok, self.eos, self.context, self.backend)
+            sampler = AgentSampler(config, group_size, env, self.tok, self.eos, self.context, self.backend)
         elif env.enabled:
             from backstream.rl.rollout.episodes import EpisodeSampler  # noqa: PLC0415
 
-            sampler = EpisodeSampler(config, env, self.tok, self.eos, return_kv, self.context, self.backend)
+            sampler = EpisodeSampler(config, group_size, env, self.tok, self.eos, return_kv, self.context, self.backend)
         else:
             from backstream.rl.rollout.completions import CompletionSampler  # noqa: PLC0415
 
-            sampler = CompletionSampler(config, self.tok, self.eos, return_kv, prompts, prompt_text, self.backend)
+            sampler = CompletionSampler(config, group_size, self.tok, self.eos, return_kv, prompts, prompt_text,
+                                        self.backend)
         self.built.append(sampler)
         return sampler
 

@@ -47,12 +47,14 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
-from backstream.checks import UserError
+from backstream.checks import UserError, literals
 from backstream.log import log
 from backstream.quant.linear import quantized, set_int8_gemm
+from backstream.rl.backends.base import SamplingParams, is_int
 from backstream.rl.records import Samples
 
 # The interpreter's thread switch interval while an asynchronous source runs (Python's default: 5 ms).
@@ -62,6 +64,38 @@ from backstream.rl.records import Samples
 # bench/bench_async.py (toolcalc, k = 1, server and learner on a core each, 6 steps): 1.01 s a step at
 # 5 ms, 0.81 s at 0.5 ms, 0.71 s at 1 ms, 0.75 s at 0.2 ms; the synchronous loop 1.2 s at either.
 SWITCH_INTERVAL_S = 0.001
+
+
+@dataclass(kw_only=True)
+class RolloutConfig(SamplingParams):
+    """`[rollout]`: what is sampled (the sampling parameters a backend takes, `sampling()`), how many
+    samples per prompt, who samples them, and how far ahead of the learner."""
+
+    max_new_tokens: int = 8  # the run's (a caller of the decoder gives its own)
+    group_size: int = 8
+    """G: completions (or episodes) sampled per prompt; its prompt is prefilled and trained once for all."""
+    backend: Literal["local", "vllm"] = "local"
+    """Who samples: "local" (this process's sampler) or "vllm" (a vLLM server, `[vllm]`; the learner's
+    weights are published to it after every optimizer step)."""
+    max_staleness: int = 0
+    """k: how many optimizer steps behind the learner a trained token's weights may be. 0: the synchronous
+    loop (sample, then train). k >= 1 (rollout.backend = "vllm"): the server samples the next steps'
+    prompts while the learner trains, every group started with weights at most k steps older than
+    those its update starts from (rl/rollout/source.py, docs/design.md §6e)."""
+    in_flight: Literal["resume", "keep"] = "resume"
+    """With max_staleness >= 1, what a publish does with the samples in flight: "resume" aborts them and
+    resumes each from its tokens so far, re-prefilled with the new weights; "keep" pauses them and their
+    next tokens are sampled with the new weights after K/V computed with the old ones. Either way each
+    token records the version it was sampled with."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not is_int(self.group_size) or self.group_size < 1:
+            raise UserError(f"rollout.group_size: got {self.group_size!r}, expected an integer >= 1")
+        if not is_int(self.max_staleness) or self.max_staleness < 0:
+            raise UserError(f"rollout.max_staleness: got {self.max_staleness!r}, expected an integer >= 0 (0 = the "
+                            "synchronous loop)")
+        literals(self, "rollout")
 
 
 @dataclass

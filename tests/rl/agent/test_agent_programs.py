@@ -19,7 +19,7 @@ from test_endpoint import THINKING
 from backstream import config, trainer
 from backstream.checks import UserError
 from backstream.rl.agent.env import EnvConfig
-from backstream.rl.backends.base import SamplingConfig
+from backstream.rl.backends.base import SamplingParams
 from backstream.rl.backends.local.backend import LocalBackend, LocalSync
 from backstream.rl.rollout.programs import AgentSampler
 from backstream.stream.engine import logprobs
@@ -51,11 +51,11 @@ def test_every_sampled_token_is_trained_once_in_the_context_it_was_sampled_in():
     sampler was fed, with its loss there and nowhere else; the learner's float64 log-probs over every
     trained sequence equal the sampler's at every trained token; branches are counted."""
     model, tok = _chat_tiny()
-    cfg = SamplingConfig(group_size=2, max_new_tokens=5)
+    cfg = SamplingParams(max_new_tokens=5)
     eos = [tok.eos_token_id]
     answers = Recorder(cfg, eos, tok)
     LocalSync(answers).sync(model, 0)
-    sampler = AgentSampler(cfg, EnvConfig(agent="agents_for_tests:rewriting_agent", format="chat"), tok, eos, 256,
+    sampler = AgentSampler(cfg, 2, EnvConfig(agent="agents_for_tests:rewriting_agent", format="chat"), tok, eos, 256,
                            answers)
     try:
         gens = [torch.Generator().manual_seed(s) for s in (1, 2)]
@@ -174,10 +174,10 @@ def test_programs_that_fail_or_hang_end_their_episode_with_reward_zero(env_kw, c
     """A function that overruns env.agent_timeout_s, a command that exits non-zero: reward 0 as "env",
     counted, the round ends; a command's last line is its reward."""
     model, tok = _chat_tiny()
-    cfg = SamplingConfig(group_size=2, max_new_tokens=4)
+    cfg = SamplingParams(max_new_tokens=4)
     backend = LocalBackend(cfg, [tok.eos_token_id], tok)
     LocalSync(backend).sync(model, 0)
-    sampler = AgentSampler(cfg, EnvConfig(format="chat", **env_kw), tok, [tok.eos_token_id], 256, backend)
+    sampler = AgentSampler(cfg, 2, EnvConfig(format="chat", **env_kw), tok, [tok.eos_token_id], 256, backend)
     try:
         r = sampler.sample([{"prompt": "1+1="}], [0], [torch.Generator().manual_seed(0)])
     finally:
@@ -197,11 +197,11 @@ def test_a_request_that_extends_the_last_one_continues_its_kv_exactly():
     new tokens after the K/V of the one before (reuse on, from 1 token); the sampler's float64 log-probs
     still equal the learner's on the trained sequence, and nothing branches."""
     model, tok = tiny(torch.float64)
-    cfg = SamplingConfig(group_size=2, max_new_tokens=6)
+    cfg = SamplingParams(max_new_tokens=6)
     answers = LocalBackend(cfg, [tok.eos_token_id], tok)
     LocalSync(answers).sync(model, 0)
     answers.reuse_min = 1
-    sampler = AgentSampler(cfg, EnvConfig(agent="agents_for_tests:appending_agent", format="plain"), tok,
+    sampler = AgentSampler(cfg, 2, EnvConfig(agent="agents_for_tests:appending_agent", format="plain"), tok,
                            [tok.eos_token_id], 256, answers)
     try:
         r = sampler.sample([{"prompt": "12+34="}], [0], [torch.Generator().manual_seed(3)])

@@ -23,7 +23,7 @@ from backstream import trainer
 from backstream.metrics import Logger
 from backstream.rl.agent.env import EnvConfig, EnvError
 from backstream.rl.agent.process import EnvDiscarded, wait_dead
-from backstream.rl.backends.base import SamplingConfig
+from backstream.rl.backends.base import SamplingParams
 from backstream.rl.scoring.rewards import RewardLog, Rewards, env_reward, exact_match, format_reward
 
 
@@ -288,7 +288,7 @@ def test_the_trainer_builds_rewards_with_the_environment(tmp_path):
 
 def test_the_episode_sampler_protocol():
     model, tok = tiny(torch.float32)
-    s = episode_sampler(tok, SamplingConfig(group_size=1, max_new_tokens=4), EnvConfig(factory="envs_for_tests:Calc"))
+    s = episode_sampler(tok, SamplingParams(max_new_tokens=4), EnvConfig(factory="envs_for_tests:Calc"), group_size=1)
     r = sample(s, model, [{"prompt": "1+2="}])
     assert s.timings(r) == {"tool": sum(e.tool_seconds for e in r.episodes)} and s.environment is s.env
     s.close()

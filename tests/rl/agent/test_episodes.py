@@ -15,7 +15,7 @@ from helpers import CHAT_TEMPLATE, REPO, episode_sampler, info, rel, run_cfg, sa
 
 from backstream import reference_backward, stream_backward, trainer
 from backstream.rl.agent.env import EnvConfig, EnvError
-from backstream.rl.backends.base import SamplingConfig
+from backstream.rl.backends.base import SamplingParams
 from backstream.stream.verify import relative_errors
 
 # -- the environment contract ---------------------------------------------------------------------------
@@ -95,8 +95,8 @@ def test_reset_that_raises_a_tool_that_hangs_and_reset_text(script):
 
 def test_function_tools_beside_no_class(script):
     model, tok = tiny(torch.float32)
-    s = episode_sampler(tok, SamplingConfig(group_size=1, max_new_tokens=24),
-                        EnvConfig(tools=["envs_for_tests:double"]))
+    s = episode_sampler(tok, SamplingParams(max_new_tokens=24),
+                        EnvConfig(tools=["envs_for_tests:double"]), group_size=1)
     script([["[double 21]<eos>", "42<eos>"]])
     r = sample(s, model, [{"prompt": "2*21="}])
     assert text(tok, r, 0) == "2*21=[double 21]<eos>\n=42\n42<eos>" and info(r, "tool_calls") == [1]

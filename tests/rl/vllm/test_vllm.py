@@ -35,7 +35,7 @@ from vllm_helpers import Served, urls_of
 from backstream import logprobs, trainer
 from backstream.default_model import load_default
 from backstream.quant.linear import QuantConfig, quant_linears, quantize_model, quantized, set_int8_gemm
-from backstream.rl.backends.base import SamplingConfig
+from backstream.rl.backends.base import SamplingParams
 from backstream.rl.backends.vllm.setup import default_dir, python_of, setup
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
@@ -111,10 +111,10 @@ def test_long_seeded_prompts_are_prefilled_whole(served):
 def test_stop_strings_end_a_completion_with_the_token_that_completes_them(served):
     model, tok, srv, _ = served
     prompts = [torch.tensor(tok("12+34=", add_special_tokens=True)["input_ids"])]
-    cfg = SamplingConfig(group_size=8, max_new_tokens=12, stop=["4", "5"])
+    cfg = SamplingParams(max_new_tokens=12, stop=["4", "5"])
     other = Served(tok, srv.run_dir + "-stop", model, *srv.overrides, 'rollout.stop=["4", "5"]')
     try:
-        s = other.sampler(prompts, cfg=cfg)
+        s = other.sampler(prompts, G=8, cfg=cfg)
         r = other.sample(s, model, [{}], [0], [torch.Generator().manual_seed(2)])
     finally:
         other.close()
@@ -286,12 +286,12 @@ def test_top_p_top_k_at_temperature_1_report_the_learners_logprobs(served, lora_
     is refused before the run (it would train against log-probs 1e-3 off)."""
     model, tok, processed, _ = served
     prompts = [torch.tensor(tok("q+7=z 31 +=+ 9q", add_special_tokens=True)["input_ids"])]  # the model is unsure
-    cfg = SamplingConfig(group_size=8, max_new_tokens=12, top_p=0.6, top_k=3)
+    cfg = SamplingParams(max_new_tokens=12, top_p=0.6, top_k=3)
     with pytest.raises(ValueError, match=r"it reports log-probs as processed_logprobs, and this run needs raw_"):
         Served(tok, processed.run_dir + "-topp", model, *processed.overrides, "rollout.top_p=0.6", "rollout.top_k=3")
     policy, _, raw = lora_server
     assert raw.sync.mode == "raw_logprobs"
-    r = raw.sample(raw.sampler(prompts, cfg=cfg), policy, [{}], [0], [torch.Generator().manual_seed(3)])
+    r = raw.sample(raw.sampler(prompts, G=8, cfg=cfg), policy, [{}], [0], [torch.Generator().manual_seed(3)])
     assert _max_logprob_gap(policy, r) <= 1e-4
     with torch.no_grad():  # the truncation shaped the sampling: every token among the learner's top 3
         for seq, m in zip(r.sequences(), r.completion_mask()):
@@ -328,8 +328,8 @@ def test_episodes_through_the_server(served):
     fresh, _ = load_default()
     model.load_state_dict(fresh.state_dict())  # the shipped weights, which call the tool
     d = TASKS["toolcalc"].defaults
-    cfg = SamplingConfig(group_size=8, max_new_tokens=d["rollout.max_new_tokens"])
-    s = EpisodeSampler(cfg, EnvConfig(factory=d["env.factory"], max_turns=d["env.max_turns"]), tok,
+    cfg = SamplingParams(max_new_tokens=d["rollout.max_new_tokens"])
+    s = EpisodeSampler(cfg, 8, EnvConfig(factory=d["env.factory"], max_turns=d["env.max_turns"]), tok,
                        [tok.eos_token_id], False, 512, srv.backend)
     rows = make_dataset("toolcalc", 4, seed=3)
     r = srv.sample(s, model, rows, [0, 1, 2, 3], [torch.Generator().manual_seed(i) for i in range(4)])
@@ -362,9 +362,9 @@ def test_an_agent_program_through_the_server(served):
     model, tok, srv, _ = served
     fresh, _ = load_default()
     model.load_state_dict(fresh.state_dict())  # the shipped weights, which call the tool
-    cfg = SamplingConfig(group_size=4, max_new_tokens=32)
+    cfg = SamplingParams(max_new_tokens=32)
     example = os.path.join(os.path.dirname(__file__), "..", "..", "..", "examples", "toolcalc_agent.py")
-    s = AgentSampler(cfg, EnvConfig(agent=f"{os.path.abspath(example)}:agent", max_turns=4, format="plain"), tok,
+    s = AgentSampler(cfg, 4, EnvConfig(agent=f"{os.path.abspath(example)}:agent", max_turns=4, format="plain"), tok,
                      [tok.eos_token_id], 512, srv.backend)
     try:
         rows = make_dataset("toolcalc", 4, seed=3)

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from backstream.rl.backends.base import SamplingConfig
+from backstream.rl.backends.base import SamplingParams
 from backstream.rl.backends.local.decode import Rows, check_return_kv, decode, prefill, shares
 from backstream.rl.backends.local.generate import generate
 from backstream.rl.backends.local.prefix import SHARE_MIN
@@ -65,7 +65,7 @@ class LocalBackend:
     in_process = True
     metric_keys: tuple[str, ...] = ()
 
-    def __init__(self, config: SamplingConfig, eos: list[int], tokenizer):
+    def __init__(self, config: SamplingParams, eos: list[int], tokenizer):
         self.config, self.eos, self.tok = config, set(eos), tokenizer
         self.model = None  # `LocalSync.sync`'s
         self.version = 0  # the learner's step that made the model's weights (`LocalSync.sync`)
@@ -91,9 +91,9 @@ class LocalBackend:
     # -- completions ----------------------------------------------------------------------------------
     def complete(self, prompts: list[Tensor], group_size: int, max_tokens: int, generators: list,
                  return_kv: bool = False, progress=None) -> list[Completion]:
-        config = dataclasses.replace(self.config, group_size=group_size, max_new_tokens=max_tokens)
-        r = generate(self.model, prompts, config, eos_token_id=sorted(self.eos), tokenizer=self.tok,
-                     return_kv=return_kv, generator=generators, progress=progress)
+        config = dataclasses.replace(self.config, max_new_tokens=max_tokens)
+        r = generate(self.model, prompts, config, group_size=group_size, eos_token_id=sorted(self.eos),
+                     tokenizer=self.tok, return_kv=return_kv, generator=generators, progress=progress)
         kv = r.kv or [None] * len(r)
         return [self._completion(c.tolist(), lp, reason, k)
                 for c, lp, reason, k in zip(r.completion_ids, r.logprobs, r.finish_reason, kv)]

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from backstream.checks import UserError
-from backstream.rl.backends.base import SamplingConfig
+from backstream.rl.backends.base import SamplingParams
 from backstream.rl.backends.local.decode import Rows, check_return_kv, decode
 from backstream.rl.records import Samples
 from backstream.stream.hf import takes_logits_to_keep
@@ -24,15 +24,17 @@ from backstream.stream.hf import takes_logits_to_keep
 def generate(
     model,
     prompts: list[Tensor],
-    config: SamplingConfig,
+    config: SamplingParams,
     *,
+    group_size: int = 1,
     eos_token_id: int | list[int] | None,
     tokenizer=None,
     generator: torch.Generator | list[torch.Generator] | None = None,
     return_kv: bool = False,
     progress=None,
 ) -> Samples:
-    """Sample `config.group_size` completions for every prompt (1-D token-id tensors).
+    """Sample `group_size` completions for every prompt (1-D token-id tensors), with `config`'s sampling
+    parameters (`config.max_new_tokens` tokens at most).
 
     eos_token_id: the token(s) that end a completion (kept as its last token); None for none.
     tokenizer: anything with `decode(ids) -> str`; needed only for `config.stop`.
@@ -45,7 +47,7 @@ def generate(
     The model runs as it is: call `model.eval()` first if it has dropout.
     """
     if config.stop and tokenizer is None:
-        raise UserError("tokenizer: required to detect SamplingConfig.stop strings, got None")
+        raise UserError("tokenizer: required to detect SamplingParams.stop strings, got None")
     if not isinstance(prompts, (list, tuple)):
         raise UserError(f"prompts: expected a list of 1-D integer tensors, got {type(prompts).__name__}")
     gens = generator if isinstance(generator, (list, tuple)) else [generator] * len(prompts)
@@ -59,7 +61,7 @@ def generate(
     eos = set() if eos_token_id is None else {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
     keep_last = takes_logits_to_keep(model)
 
-    G, n = config.group_size, len(prompts) * config.group_size
+    G, n = group_size, len(prompts) * group_size
     prompts = [p.detach().to("cpu", torch.long) for p in prompts]
     check_return_kv(model, return_kv)
     if not prompts:  # a rank's share of a round too small to reach it

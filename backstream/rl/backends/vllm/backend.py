@@ -32,7 +32,7 @@ from torch import Tensor
 
 from backstream.checks import UserError
 from backstream.log import log
-from backstream.rl.backends.base import SamplingConfig, no_rounds
+from backstream.rl.backends.base import SamplingParams, no_rounds
 from backstream.rl.backends.vllm.alignment import ALIGN_PROBE, Alignment
 from backstream.rl.backends.vllm.context import ServerContext, float_dtype
 from backstream.rl.backends.vllm.pool import ServerPool, core_lists
@@ -68,7 +68,7 @@ class ServerBackend:
     in_process = False
     round = staticmethod(no_rounds)
 
-    def __init__(self, config: SamplingConfig, eos: list[int], pool: ServerPool, requests: ServerRequests):
+    def __init__(self, config: SamplingParams, eos: list[int], pool: ServerPool, requests: ServerRequests):
         self.config, self.eos, self.pool, self.requests = config, list(eos), pool, requests
         self.metric_keys = ("vllm/weight_version", *pool.metric_keys())
 

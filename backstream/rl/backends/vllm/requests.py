@@ -12,11 +12,11 @@ import uuid
 
 import torch
 
-from backstream.rl.backends.base import SamplingConfig
+from backstream.rl.backends.base import SamplingParams
 from backstream.rl.records import Completion
 
 
-def sampling_args(config: SamplingConfig) -> dict:
+def sampling_args(config: SamplingParams) -> dict:
     """rollout.stop, top_p and top_k for the server: a completion ends with the token that completes a
     stop string, and keeps it (the local sampler's convention: vLLM's returned ids then end with that
     token)."""
