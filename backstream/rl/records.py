@@ -240,6 +240,20 @@ class Samples:
                           if f.name != "group_size"}, group_size=self.group_size)
 
     @staticmethod
+    def of_groups(indices: list[int], prompts: list[Tensor], completions: list[Completion], group_size: int,
+                  kv: bool = False) -> Samples:
+        """The record of `group_size` completions after each prompt (prompt j's at j*G .. j*G+G-1), group j
+        of example `indices[j]`; `kv`: keep the completions' K/V."""
+        G = group_size
+        assert len(completions) == G * len(prompts) == G * len(indices)
+        return Samples(prompt_index=[i for i in indices for _ in range(G)],
+                       prompt_ids=[p for p in prompts for _ in range(G)],
+                       completion_ids=[torch.tensor(c.ids, dtype=torch.long) for c in completions],
+                       logprobs=[c.logprobs for c in completions], finish_reason=[c.reason for c in completions],
+                       kv=[c.kv for c in completions] if kv else None, group_size=G,
+                       weight_version=[c.versions for c in completions])
+
+    @staticmethod
     def concat(parts: list[Samples]) -> Samples:
         """The samples of every part, in order (same group size). The K/V are kept only if every part
         has them (they stay on the rank that computed them); any other field is in every part or in none,

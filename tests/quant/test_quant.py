@@ -28,6 +28,7 @@ from backstream.quant.linear import (
 )
 from backstream.rl.backends.base import SamplingParams
 from backstream.rl.backends.local.generate import generate
+from backstream.rl.records import Samples
 from backstream.stream.engine import logprobs, stream_backward
 
 warnings.filterwarnings("ignore", category=FutureWarning)
@@ -383,8 +384,9 @@ def test_aligned_learner_matches_the_sampler_and_takes_its_kv(fmt):
     gen = torch.Generator().manual_seed(13)
     prompts = [torch.randint(0, 61, (6,), generator=gen), torch.randint(0, 61, (3,), generator=gen)]
     with quantized(model, True):
-        r = generate(model, prompts, SamplingParams(max_new_tokens=12), eos_token_id=None,
-                     generator=torch.Generator().manual_seed(0), return_kv=True, group_size=4)
+        r = Samples.of_groups([0, 1], prompts, generate(model, prompts, SamplingParams(max_new_tokens=12),
+                              eos_token_id=None, generator=torch.Generator().manual_seed(0), return_kv=True,
+                              group_size=4), 4, kv=True)
     seqs, mask, sampler = r.sequences(), r.completion_mask(), r.aligned_logprobs()
     with quantized(model, True):
         aligned = logprobs(model, seqs, mask)
@@ -428,8 +430,8 @@ def test_qarl_covers_a_hybrids_linear_layers():
             "model.layers.2.self_attn.q_proj"} <= set(names)
     prompts = [torch.tensor([5, 6, 7, 8, 9]), torch.tensor([11, 12, 13])]
     with quantized(model, True), keep_float64():
-        r = generate(model, prompts, SamplingParams(max_new_tokens=8), eos_token_id=None,
-                     generator=torch.Generator().manual_seed(0), group_size=2)
+        r = Samples.of_groups([0, 1], prompts, generate(model, prompts, SamplingParams(max_new_tokens=8),
+                              eos_token_id=None, generator=torch.Generator().manual_seed(0), group_size=2), 2)
         seqs, mask = r.sequences(), r.completion_mask()
         learner = logprobs(model, seqs, mask)
         gap = max((a[m] - b[m]).abs().max().item() for a, b, m in zip(learner, r.aligned_logprobs(), mask))

@@ -14,6 +14,7 @@ from backstream.rl.agent.env import EnvConfig
 from backstream.rl.backends.base import SamplingParams
 from backstream.rl.backends.local.decode import shares
 from backstream.rl.backends.local.generate import generate
+from backstream.rl.records import Samples
 from backstream.stream.adapter import probe_layout
 from backstream.stream.miniature import keep_float64
 
@@ -34,8 +35,9 @@ def test_sampler_logprobs_are_the_learners_float64():
     gen = torch.Generator().manual_seed(0)
     with keep_float64():
         # a fifth of the vocabulary ends a row: rows end at different steps and leave the batch
-        r = generate(model, prompts, SamplingParams(max_new_tokens=12, temperature=1.0),
-                     eos_token_id=list(range(10, 30)), generator=gen, group_size=3)
+        out = generate(model, prompts, SamplingParams(max_new_tokens=12, temperature=1.0),
+                       eos_token_id=list(range(10, 30)), generator=gen, group_size=3)
+        r = Samples.of_groups([0, 1], prompts, out, 3)
         assert len(set(map(len, r.completion_ids))) > 1  # rows ended at different steps
         for seq, m, lp in zip(r.sequences(), r.completion_mask(), r.aligned_logprobs()):
             ref = learner_logprobs(model, seq)

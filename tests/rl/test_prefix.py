@@ -18,7 +18,7 @@ from backstream.rl.backends.local.backend import LocalBackend, LocalSync
 from backstream.rl.backends.local.decode import Rows, decode, shares
 from backstream.rl.backends.local.generate import generate
 from backstream.rl.backends.local.prefix import SHARE_MIN, Prefix
-from backstream.rl.records import Completion
+from backstream.rl.records import Completion, Samples
 from backstream.stream.kvstore import Pieces
 from backstream.stream.memory import LiveBytes
 from backstream.stream.miniature import keep_float64, miniature, miniature_config
@@ -84,8 +84,9 @@ def test_the_samplers_logprobs_and_kv_are_the_learners():
     the engine the reference gradient with no prefill."""
     model = make("qwen3", dtype=torch.float64)
     ps = [torch.tensor(p) for p in prompts((3, 60))]
-    r = generate(model, ps, SamplingParams(max_new_tokens=8), eos_token_id=list(range(0, 64, 6)),
-                 return_kv=True, generator=[torch.Generator().manual_seed(j) for j in range(len(ps))], group_size=3)
+    out = generate(model, ps, SamplingParams(max_new_tokens=8), eos_token_id=list(range(0, 64, 6)),
+                   return_kv=True, generator=[torch.Generator().manual_seed(j) for j in range(len(ps))], group_size=3)
+    r = Samples.of_groups(list(range(len(ps))), ps, out, 3, kv=True)
     assert all(isinstance(k, Pieces) for kv in r.kv for k, _ in kv)
     for seq, m, lp in zip(r.sequences(), r.completion_mask(), r.logprobs):
         with torch.no_grad():

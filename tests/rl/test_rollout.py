@@ -24,9 +24,12 @@ def model32(family="qwen3"):
     return make(family, dtype=torch.float32)
 
 
-def run(model, config, seed=0, **kw):
+def run(model, config, seed=0, group_size=1, return_kv=False, prompts=PROMPTS, **kw):
+    """generate()'s completions of `prompts` as the record a sampler makes of them (`Samples.of_groups`)."""
     kw.setdefault("eos_token_id", None)
-    return generate(model, PROMPTS, config, generator=torch.Generator().manual_seed(seed), **kw)
+    kw.setdefault("generator", torch.Generator().manual_seed(seed))
+    out = generate(model, prompts, config, group_size=group_size, return_kv=return_kv, **kw)
+    return Samples.of_groups(list(range(len(prompts))), prompts, out, group_size, return_kv)
 
 
 def teacher_forced(model, seq, temperature):
@@ -173,8 +176,8 @@ def test_one_batch_equals_each_group_alone(device):
     cfg = SamplingParams(max_new_tokens=9, temperature=0.9)
     eos = list(range(0, VOCAB, 5))
     shapes = spy_shapes(model)
-    together = generate(model, prompts, cfg, group_size=4, eos_token_id=eos, return_kv=True,
-                        generator=[torch.Generator().manual_seed(10 + j) for j in range(3)])
+    together = run(model, cfg, group_size=4, eos_token_id=eos, return_kv=True, prompts=prompts,
+                   generator=[torch.Generator().manual_seed(10 + j) for j in range(3)])
     decode_rows = [s[0] for s in shapes if s[1] == 1]
     assert decode_rows == sorted(decode_rows, reverse=True) and decode_rows[0] <= 12 and decode_rows[-1] < 12
     sizes = sorted(set(decode_rows), reverse=True)  # finished rows leave together, a quarter at least
@@ -182,8 +185,8 @@ def test_one_batch_equals_each_group_alone(device):
     del model.forward
     assert {"eos", "length"} <= set(together.finish_reason)
     for j, p in enumerate(prompts):
-        alone = generate(model, [p], cfg, group_size=4, eos_token_id=eos, return_kv=True,
-                         generator=torch.Generator().manual_seed(10 + j))
+        alone = run(model, cfg, group_size=4, eos_token_id=eos, return_kv=True, prompts=[p],
+                    generator=torch.Generator().manual_seed(10 + j))
         for k in range(4):
             i = j * 4 + k
             assert torch.equal(together.completion_ids[i], alone.completion_ids[k])
@@ -239,8 +242,8 @@ def test_rollout_kv_feeds_stream_backward():
 
 def test_no_prompt_no_sample():
     # a rank's share of a round can be empty (torchrun: DAPO refills, an eval smaller than the world)
-    r = generate(model32(), [], SamplingParams(max_new_tokens=64), eos_token_id=None, return_kv=True, group_size=3)
-    assert len(r) == 0 and r.kv == [] and r.group_size == 3
+    assert generate(model32(), [], SamplingParams(max_new_tokens=64), eos_token_id=None, return_kv=True,
+                    group_size=3) == []
 
 
 def test_nonfinite_logits_stop_the_sampler():

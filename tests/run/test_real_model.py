@@ -45,11 +45,12 @@ def test_sampler_logprobs_are_the_learners(smol):
     from backstream import logprobs
     from backstream.rl.backends.base import SamplingParams
     from backstream.rl.backends.local.generate import generate
+    from backstream.rl.records import Samples
 
     _, model, tok = smol
     prompts = [chat_ids(tok, "What is 37+45? Answer with the number only."), chat_ids(tok, "Name a colour.")]
-    r = generate(model, prompts, SamplingParams(max_new_tokens=16), eos_token_id=tok.eos_token_id,
-                 generator=torch.Generator().manual_seed(0), group_size=2)
+    r = Samples.of_groups([0, 1], prompts, generate(model, prompts, SamplingParams(max_new_tokens=16),
+                          eos_token_id=tok.eos_token_id, generator=torch.Generator().manual_seed(0), group_size=2), 2)
     seqs, mask = r.sequences(), r.completion_mask()
     learner = logprobs(model, seqs, mask)
     gap = max(float((a[m] - b[m]).abs().max()) for a, b, m in zip(learner, r.aligned_logprobs(), mask))

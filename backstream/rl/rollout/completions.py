@@ -4,7 +4,6 @@ backend, and the inputs of the reward functions in TRL's formats.
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from backstream.rl.backends.base import SamplingParams
@@ -33,12 +32,7 @@ class CompletionSampler:
         G = self.group_size
         prompts = [self.prompts[i] for i in indices]
         out = self.backend.complete(prompts, G, self.config.max_new_tokens, generators, self.return_kv, progress)
-        return Samples(prompt_index=[i for i in indices for _ in range(G)],
-                       prompt_ids=[p for p in prompts for _ in range(G)],
-                       completion_ids=[torch.tensor(c.ids, dtype=torch.long) for c in out],
-                       logprobs=[c.logprobs for c in out], finish_reason=[c.reason for c in out],
-                       kv=[c.kv for c in out] if self.return_kv else None, group_size=G,
-                       weight_version=[c.versions for c in out])
+        return Samples.of_groups(indices, prompts, out, G, self.return_kv)
 
     def reward_inputs(self, r: Samples, rows: list[dict]) -> tuple[list, list, dict]:
         return completion_reward_inputs(r, rows, self.tok, self.prompt_text, self.config.stop)

@@ -92,11 +92,9 @@ class LocalBackend:
     def complete(self, prompts: list[Tensor], group_size: int, max_tokens: int, generators: list,
                  return_kv: bool = False, progress=None) -> list[Completion]:
         config = dataclasses.replace(self.config, max_new_tokens=max_tokens)
-        r = generate(self.model, prompts, config, group_size=group_size, eos_token_id=sorted(self.eos),
-                     tokenizer=self.tok, return_kv=return_kv, generator=generators, progress=progress)
-        kv = r.kv or [None] * len(r)
-        return [self._completion(c.tolist(), lp, reason, k)
-                for c, lp, reason, k in zip(r.completion_ids, r.logprobs, r.finish_reason, kv)]
+        return generate(self.model, prompts, config, group_size=group_size, eos_token_id=sorted(self.eos),
+                        tokenizer=self.tok, return_kv=return_kv, generator=generators, progress=progress,
+                        version=self.version)
 
     # -- episodes -------------------------------------------------------------------------------------
     @torch.no_grad()

@@ -16,7 +16,7 @@ from torch import Tensor
 from backstream.checks import UserError
 from backstream.rl.backends.base import SamplingParams
 from backstream.rl.backends.local.decode import Rows, check_return_kv, decode
-from backstream.rl.records import Samples
+from backstream.rl.records import Completion, at_version
 from backstream.stream.hf import takes_logits_to_keep
 
 
@@ -32,7 +32,8 @@ def generate(
     generator: torch.Generator | list[torch.Generator] | None = None,
     return_kv: bool = False,
     progress=None,
-) -> Samples:
+    version: int = 0,
+) -> list[Completion]:
     """Sample `group_size` completions for every prompt (1-D token-id tensors), with `config`'s sampling
     parameters (`config.max_new_tokens` tokens at most).
 
@@ -43,7 +44,10 @@ def generate(
       depend only on its generator and its place among that generator's rows (rl/backends/local/decode.py `Draws`).
     progress: optional `progress(groups done, groups in all)`, called as each group finishes.
     return_kv: also return each sample's K/V (as the model's cache holds them, post-RoPE) for the
-      streamed backward at the same weights (`stream_backward(..., kv=rollout.kv)`).
+      streamed backward at the same weights (`stream_backward(..., kv=[c.kv for c in completions])`).
+    version: the weight version every sampled token records (rl/records.py: the learner step that made
+      the model's weights).
+    Returns the completions, the G of prompt j at j*G .. j*G+G-1 (`Samples.of_groups` makes them a record).
     The model runs as it is: call `model.eval()` first if it has dropout.
     """
     if config.stop and tokenizer is None:
@@ -65,8 +69,7 @@ def generate(
     prompts = [p.detach().to("cpu", torch.long) for p in prompts]
     check_return_kv(model, return_kv)
     if not prompts:  # a rank's share of a round too small to reach it
-        return Samples(prompt_index=[], prompt_ids=[], completion_ids=[], logprobs=[], finish_reason=[],
-                       kv=[] if return_kv else None, group_size=G)
+        return []
     rows = Rows.of_prompts(model, [prompts[i // G].tolist() for i in range(n)], keep_last, config.max_new_tokens)
     left = [G] * len(prompts)  # rows of each group still sampling
 
@@ -77,7 +80,6 @@ def generate(
 
     out = decode(model, rows, config, eos, tokenizer, [gens[i // G] for i in range(n)], keep_last,
                  [config.max_new_tokens] * n, keep_kv=return_kv, finished=finished)
-    return Samples(prompt_index=[i // G for i in range(n)], prompt_ids=[prompts[i // G] for i in range(n)],
-                   completion_ids=[torch.tensor(ids, dtype=torch.long) for ids in out.tokens],
-                   logprobs=out.logprobs, finish_reason=out.reasons,
-                   kv=[c.as_kv() for c in out.caches] if return_kv else None, group_size=G)
+    kv = [c.as_kv() for c in out.caches] if return_kv else [None] * n
+    return [at_version(ids, lp, version, reason, k)
+            for ids, lp, reason, k in zip(out.tokens, out.logprobs, out.reasons, kv)]
