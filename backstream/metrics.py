@@ -234,7 +234,7 @@ def gathered_means(parts: list[dict[str, float]]) -> dict[str, list[float]]:
     return out
 
 
-def episode_rows(sampler, r, total, per_fn: dict, columns: dict[str, list],
+def episode_rows(sampler, tokenizer, r, total, per_fn: dict, columns: dict[str, list],
                  rows: list[dict]) -> list[dict]:
     """The samples of a round as `EpisodeLog` writes them (see metrics.EpisodeLog)."""
     completions, prompts, _ = sampler.reward_inputs(r, rows)
@@ -247,7 +247,7 @@ def episode_rows(sampler, r, total, per_fn: dict, columns: dict[str, list],
             if not runs or runs[-1]["sampled"] != s:
                 runs.append({"sampled": s, "ids": []})
             runs[-1]["ids"].append(t)
-        tokens = [{"sampled": run["sampled"], "text": sampler.tok.decode(run["ids"])} for run in runs]
+        tokens = [{"sampled": run["sampled"], "text": tokenizer.decode(run["ids"])} for run in runs]
         info = r.episodes[i].light() if r.episodes is not None else None
         out.append({"prompt_index": r.prompt_index[i], "prompt": prompts[i], "completion": completions[i],
                     "tokens": tokens, "reward": float(total[i]),

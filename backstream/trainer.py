@@ -19,6 +19,7 @@ branches on none of them, only on the algorithm's own options (DAPO's dynamic sa
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -48,9 +49,9 @@ from backstream.rl.data import prompts as datamod
 from backstream.rl.parallel import take
 from backstream.rl.policy import eos_ids, reference_policy
 from backstream.rl.records import Samples
+from backstream.rl.rollout import build_sampler
 from backstream.rl.rollout.collect import Batch, Collector, timed
 from backstream.rl.rollout.evaluate import Evaluator
-from backstream.rl.rollout.sampler import Samplers
 from backstream.rl.rollout.source import build_source, check_backend
 from backstream.rl.scoring.advantages import ADVANTAGES, ZeroAdvantageWatch, format_hint
 from backstream.rl.scoring.rewards import RewardLog, Rewards
@@ -106,17 +107,25 @@ class Trainer:
         self._build_policy(model, tokenizer)
         self.cfg = cfg = cfg.for_tokenizer(self.tok)  # a built-in task through a chat model's template
         self.examples = cfg.data.build(tc.seed, prompt_optional=bool(cfg.env.factory or cfg.env.program))
-        eos = eos_ids(self.model, self.tok)
-        self.backend, self.sync = backend or build_backend(cfg, self.tok, eos, self.run_dir, self.dp, self.model)
-        check_backend(cfg, self.backend)
-        self.samplers = Samplers(cfg, self.tok, eos, getattr(self.model.config, "max_position_embeddings", None),
-                                 self.backend, self.sync)
-        self.sampler = self._sampler_for(self.examples, cfg.rollout.group_size, cfg.engine.reuse_rollout_kv)
-        self.sampler.check_prompts(self.examples)
-        self.rewards = Rewards(cfg.reward, environment=self.sampler.environment)
+        self.eos = eos_ids(self.model, self.tok)
+        self.closing = contextlib.ExitStack()
+        self.sampling = backend or build_backend(cfg.rollout, cfg.vllm, policy=cfg.model, quant=cfg.quant, seed=tc.seed,
+                                                 tokenizer=self.tok, eos=self.eos, run_dir=self.run_dir,
+                                                 model=self.model, dp=self.dp)
+        self.closing.enter_context(self.sampling.closing)
+        check_backend(cfg.rollout, self.sampling.backend)
+        self.built: list = []
+        self.sampler, environment = self._sampler_for(self.examples, cfg.rollout.group_size,
+                                                      cfg.engine.reuse_rollout_kv)
+        self.rewards = Rewards(cfg.reward, environment=environment)
         self.reward_log = RewardLog()  # what the reward functions log during the current step
-        self.evaluator = Evaluator.build(cfg.eval, cfg.data, tc.seed, self.examples, self._sampler_for)
-        self.samplers.check(self.model)  # every sampler built: the backend's needs (a server's context, its cache)
+        self.evaluator = Evaluator.build(cfg.eval, cfg.data, tc.seed, self.examples,
+                                         lambda examples, k: self._sampler_for(examples, k)[0])
+        for check in self.sampling.preflight:  # every sampler built: the backend's needs (a server's context)
+            for sampler in self.built:
+                if sampler.needs is not None:
+                    check.need_context(*sampler.needs)
+            check.check(self.model)
         self.ref = reference_policy(cfg, self.model, copy_of_given=model is not None)  # a whole copy, before sharding
         self.dp.prepare(self.model, self.ref)  # after LoRA and quantization; the optimizer then holds the shards
         self.opt, self.sched = cfg.optim.build(self.model.parameters())
@@ -130,9 +139,16 @@ class Trainer:
                                where=lambda: (self.step, checkpoint.latest(self.run_dir)))
         self.times = dict.fromkeys(PHASES, 0.0)
         self.zero_adv = ZeroAdvantageWatch(format_hint(self.tok, cfg.data.format, cfg.reward.functions))
-        self.source = build_source(cfg, self.sampler, self.sync, self.examples, self.stream, self.dp, self.model,
-                                   lambda what: self.logger.phase(self.step + 1, what))
-        self.collector = Collector(cfg, self.source, self.sampler, self.rewards, self.examples, self.dp)
+        self.source = build_source(cfg.rollout, self.sampler, self.sampling, self.examples, self.stream, self.dp,
+                                   self.model, cfg.quant, per_step=tc.prompts_per_step,
+                                   servers_here=cfg.rollout.backend == "vllm" and not cfg.vllm.addresses(),
+                                   phase=lambda what: self.logger.phase(self.step + 1, what))
+        asynchronous = (self.source,) if cfg.rollout.max_staleness else ()
+        for source in asynchronous:
+            self.closing.callback(source.close)
+        self.reporters = (self.sampler, *self.sampling.reporters, *asynchronous)
+        self.collector = Collector(cfg.rollout, cfg.algorithm, tc.prompts_per_step, tc.steps, self.source, self.sampler,
+                                   self.rewards, self.examples, self.dp, self.tok, self.sampling.resting)
         self._open_run(resume, overwrite, changes, allow_changed_files)
         self.source.at_step(self.step)  # a resumed run's weights are its checkpoint's step's
 
@@ -170,7 +186,12 @@ class Trainer:
         ctx = getattr(self.model.config, "max_position_embeddings", None)
         prompts, text = datamod.encode_and_render(examples, self.tok, self.cfg.data.max_prompt_tokens,
                                                   self.cfg.rollout.max_new_tokens, ctx)
-        return self.samplers.build(self.cfg.rollout.sampling(), k, prompts, text, return_kv)
+        sampler, environment = build_sampler(self.cfg.env, self.cfg.rollout.sampling(), k, tokenizer=self.tok,
+                                             eos=self.eos, context=ctx, backend=self.sampling.backend,
+                                             examples=examples, prompts=prompts, prompt_text=text, return_kv=return_kv,
+                                             closing=self.closing)
+        self.built.append(sampler)
+        return sampler, environment
 
     def evaluate(self) -> dict[str, float]:
         """The held-out metrics at the current weights (rl/rollout/evaluate.py), in the rollout's numerics."""
@@ -300,14 +321,12 @@ class Trainer:
         loss = [k if "/" in k else f"loss/{k}" for k in self.cfg.loss.metric_keys()]
         loss += ["loss/router_aux"] * (self.cfg.loss.router_aux_coef > 0)
         dapo = ["dapo/refill_rounds", "dapo/groups_dropped"] if self.cfg.algorithm.dynamic_sampling else []
-        return ["step", *self.evaluator.keys(), "reward/mean", "reward/std", "response_length/mean",
-                "response/truncated", "batch/groups",
-                "batch/zero_adv_frac", *dapo,
-                *[f"reward/{name}" for name in self.rewards.functions], *self.sampler.metric_keys,
+        return ["step", *self.evaluator.keys(), "reward/mean", "reward/std",
+                *[k for r in self.reporters for k in r.metric_keys], "batch/groups", "batch/zero_adv_frac", *dapo,
+                *[f"reward/{name}" for name in self.rewards.functions],
                 "tree/tokens_total", "tree/tokens_unique", *loss, "optim/grad_norm", *MISMATCH_KEYS, *STALENESS_KEYS,
                 *staleness_mismatch_keys(self.cfg.rollout.max_staleness),
-                "optim/skipped_nonfinite", *[f"time/{p}" for p in PHASES], *self.source.metric_keys,
-                "time/step", "throughput/tokens_per_s",
+                "optim/skipped_nonfinite", *[f"time/{p}" for p in PHASES], "time/step", "throughput/tokens_per_s",
                 "optim/lr", "memory/peak_mib"]
 
     def metrics(self, batch: Batch, adv: Tensor, logged: dict[str, list[float]], mismatch: dict[str, float],
@@ -315,15 +334,14 @@ class Trainer:
         """The step's line: rewards as scored, lengths, the loss terms averaged over the optimizer
         steps, sampler/learner mismatch, time per phase, throughput, learning rate, peak memory."""
         r, n, ro = batch.scored, len(batch.samples), batch.samples
-        m = {"step": self.step, "reward/mean": float(r.mean()), "reward/std": float(r.std()) if len(r) > 1 else 0.0,
-             "response_length/mean": float(sum(ro.sampled_tokens()) / n),  # the policy's tokens (of an episode too)
-             "response/truncated": sum(x == "length" for x in ro.finish_reason) / n,  # ran to the token limit
-             "batch/groups": n // ro.group_size, "batch/zero_adv_frac": float((adv == 0).float().mean())}
+        m = {"step": self.step, "reward/mean": float(r.mean()), "reward/std": float(r.std()) if len(r) > 1 else 0.0}
+        for part in self.reporters:  # the samples' lengths and episodes, a server pool's, the asynchronous source's
+            m.update(part.metrics(ro))
+        m.update({"batch/groups": n // ro.group_size, "batch/zero_adv_frac": float((adv == 0).float().mean())})
         if self.cfg.algorithm.dynamic_sampling:
             m.update({"dapo/refill_rounds": batch.refill_rounds, "dapo/groups_dropped": batch.groups_dropped})
         # a function's mean over the samples it scored (None: TRL's "does not apply")
         m.update({f"reward/{k}": float(v.nanmean()) for k, v in batch.scored_by_fn.items()})
-        m.update(self.sampler.metrics(ro))
         logged_means = self.reward_log.means()
         m.update({k: float(sum(v) / len(v)) for k, v in gathered_means(self.dp.gather(logged_means)).items()})
         m["tree/tokens_total"] = ro.tokens_total()
@@ -336,7 +354,6 @@ class Trainer:
         tokens = m["tree/tokens_total"]
         m["optim/skipped_nonfinite"] = self.stepper.skipped
         m.update({f"time/{k}": v for k, v in self.times.items()})  # rank 0's, under torchrun
-        m.update(self.source.metrics())
         m.update({"time/step": step_time, "throughput/tokens_per_s": tokens / step_time,
                   "optim/lr": self.sched.get_last_lr()[0],
                   "memory/peak_mib": max(self.dp.gather(peak_mib(self.device)))})  # the fullest rank's
@@ -375,8 +392,7 @@ class Trainer:
         """The logs, the samplers' worker processes."""
         self.logger.close()
         self.episode_log.close()
-        self.source.close()
-        self.samplers.close()
+        self.closing.close()
 
 
 def train(config: cfgmod.RunConfig | str | None = None, overrides: list[str] = (), resume: str | None = None,

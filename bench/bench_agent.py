@@ -43,6 +43,7 @@ to its conversation (4 requests) on a ~2.3K-token prompt. Results: results/agent
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import platform
@@ -54,7 +55,7 @@ from backstream import reference_backward, stream_backward
 from backstream.default_model import build_tokenizer
 from backstream.rl.agent.env import EnvConfig
 from backstream.rl.agent.transcript import common_prefix
-from backstream.rl.backends.base import SamplingParams, no_rounds
+from backstream.rl.backends.base import SamplingParams
 from backstream.rl.records import Completion
 from backstream.rl.rollout.programs import AgentSampler
 from bench import common
@@ -108,16 +109,14 @@ class Scripted:
         self.tok, self.T, self.R = tok, T, R
         self.calls: list[tuple[list[int], list[int]]] = []
 
-    metric_keys = ()  # a backend of rl/backends/base.py's protocol (the parts agents use)
-    round = staticmethod(no_rounds)
+    @contextlib.contextmanager
+    def round(self, episodes: int):  # the part of rl/backends/base.py's `Backend` an agent sampler uses
+        yield self
 
-    def need_context(self, tokens: int, why: str) -> None:
-        pass
+    def finish(self, key: str) -> None:
+        """Nothing to forget: every request is answered by the script."""
 
-    def metrics(self, versions) -> dict:
-        return {}
-
-    def generate(self, ids: list[int], max_tokens: int, seed: int, key: str | None = None) -> Completion:
+    def generate(self, ids: list[int], max_tokens: int, seed: int, key: str) -> Completion:
         g = torch.Generator().manual_seed(seed)
         k = self.tok.decode(ids).count("<tool_response>")
         n = self.R + int(torch.randint(-self.R // 5, self.R // 5 + 1, (1,), generator=g))
@@ -154,7 +153,7 @@ def agent_rollout(G: int, P: int, T: int, R: int, S: int, seed: int = 0):
                            EnvConfig(agent="bench.bench_agent:tool_agent", format="chat", max_turns=T), tok,
                            [tok.eos_token_id], None, policy)
     try:
-        r = sampler.sample(rows, list(range(P)), [torch.Generator().manual_seed(seed + j) for j in range(P)])
+        r = sampler.sample(rows, list(range(P)), [torch.Generator().manual_seed(seed + j) for j in range(P)]).samples
     finally:
         sampler.close()
     assert all(e.turns == T and not e.agent_error for e in r.episodes), "an episode did not play its T requests"
@@ -325,7 +324,7 @@ def reuse(rounds: int = 2) -> dict:
     from openai import DefaultHttpxClient
 
     from backstream.default_model import load_default
-    from backstream.rl.backends.local.backend import LocalBackend, LocalSync
+    from backstream.rl.backends.local.backend import LocalBackend
 
     global HTTP
     HTTP = DefaultHttpxClient()
@@ -337,7 +336,7 @@ def reuse(rounds: int = 2) -> dict:
     for _ in range(rounds):
         for name, reuse_min in (("prefill whole", 10**9), ("continue the K/V", 256)):
             answers = LocalBackend(cfg, [tok.eos_token_id], tok)
-            LocalSync(answers).sync(model, 0)
+            answers.weights.sync(model, 0)
             answers.reuse_min = reuse_min
             s = AgentSampler(cfg, 8, EnvConfig(agent="bench.bench_agent:appending_agent", format="plain"), tok,
                              [tok.eos_token_id], 4096, answers)

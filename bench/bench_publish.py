@@ -47,7 +47,7 @@ def main():
     a = ap.parse_args()
     from backstream import config
     from backstream.default_model import load_default
-    from backstream.rl.backends.vllm.backend import build
+    from backstream.rl.backends import build_backend
     from backstream.rl.backends.vllm.weights.sync import DiskSync
     from backstream.rl.parallel import DataParallel
 
@@ -56,33 +56,33 @@ def main():
     with tempfile.TemporaryDirectory() as run_dir:
         cfg = config.load(None, ['rollout.backend="vllm"', 'vllm.extra_args=["--skip-tokenizer-init"]',
                                  "vllm.max_model_len=256", "vllm.kv_cache_gb=1", f'train.output_dir="{run_dir}"'])
-        backend, sync = build(cfg, tok, [0], run_dir, DataParallel(), model)
-        transfer = sync.weights
-        disk = DiskSync(sync.pool, DataParallel(), transfer.folder)
+        sampling = build_backend(cfg.rollout, cfg.vllm, policy=cfg.model, quant=cfg.quant, seed=0, tokenizer=tok,
+                                 eos=[0], run_dir=run_dir, model=model, dp=DataParallel())
+        transfer = sampling.weights
+        disk = DiskSync(transfer.pool, transfer.launcher, DataParallel(), transfer.folder)
         probe = torch.arange(3, 67)
         times = {"disk": [], "transfer": []}
         gaps = []
         try:
             with torch.no_grad():
-                sync.sync(model, 0)  # the server started from the initial weights
+                transfer.sync(model, 0)  # the server started from the initial weights
                 step = 0
                 for _ in range(a.rounds):
                     for name, way in (("disk", disk), ("transfer", transfer)):
                         for p in model.parameters():  # an optimizer step: every weight moved in place
                             p.mul_(1.0001)
                         step += 1
-                        for m in sync.pool.members:  # the server holds what the other way published: stale
+                        for m in transfer.pool.members:  # the server holds what the other way published: stale
                             m.weights = -1
                         t = time.perf_counter()
                         way.sync(model, step)
                         times[name].append(time.perf_counter() - t)
-                        gaps.append(_gap(model, sync.pool.alive()[0].server, probe))
+                        gaps.append(_gap(model, transfer.pool.alive()[0].server, probe))
                         print(json.dumps({"publish": name, "s": round(times[name][-1], 3), "gap": gaps[-1]}),
                               flush=True)
         finally:
-            backend.close()
             disk.close()
-            sync.close()
+            sampling.close()
     res = {"disk_s": round(statistics.median(times["disk"]), 3),
            "transfer_s": round(statistics.median(times["transfer"]), 3),
            "ratio": round(statistics.median(times["transfer"]) / statistics.median(times["disk"]), 3),

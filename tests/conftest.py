@@ -18,6 +18,17 @@ def script():
     helpers.SCRIPT = None
 
 
+@pytest.fixture(autouse=True)
+def _close_environments():
+    """The environments a test's episode samplers loaded (helpers.episode_sampler): their worker
+    processes stopped after it."""
+    yield
+    import helpers
+
+    while helpers.OPEN_ENVIRONMENTS:
+        helpers.OPEN_ENVIRONMENTS.pop().close()
+
+
 def pytest_collection_modifyitems(config, items):
     """tests/distributed/ spawns process groups: marked distributed and slow."""
     for item in items:

@@ -247,15 +247,13 @@ def vllm_job(out: str, overrides: list[str]) -> dict:
     from backstream.rl.backends.vllm.server import Server, ServerError
 
     t = trainer.Trainer(config.load(None, [f'train.output_dir="{out}"', *overrides]))
-    sync, seen = t.sync, {}
-    close = sync.close
+    weights, seen = t.sampling.weights, {}
 
-    def recorded():  # the servers as the run leaves them
-        seen.update(servers=[(m.server.url, m.server.proc, m.server.log_path) for m in sync.pool.members],
-                    published=sync.weights.published, kind=sync.weights.kind)
-        close()
+    def recorded():  # the servers as the run leaves them (stopped last built first: before the servers)
+        seen.update(servers=[(m.server.url, m.server.proc, m.server.log_path) for m in weights.pool.members],
+                    published=weights.published, kind=weights.kind)
 
-    sync.close = recorded
+    t.sampling.closing.callback(recorded)
     shares = []  # the number of groups of each `sample` call of this rank (training, then [eval])
     for s in [t.sampler, *([t.evaluator.sampler] if hasattr(t.evaluator, "sampler") else [])]:
         s.sample = _counted(s.sample, shares)

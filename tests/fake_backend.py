@@ -1,6 +1,6 @@
-"""A fake of both sides of the backend protocol (rl/backends/base.py: `Backend`, `Sync`) for the rollout
+"""A fake of the backend protocols (rl/backends/base.py: `Backend`, `Weights`, `Reporter`) for the rollout
 layer's tests: it samples without a model, so what is tested is the rollout source, the samplers and
-the trainer around it (`sides()`: the pair a trainer takes as `backend=`).
+the trainer around it (`sides()`: the `Sampling` a trainer takes as `backend=`).
 
 Each group's tokens are drawn from the seed its generator gives (as a server's would be), never the
 end-of-sequence token, with fixed log-probs; every token is labelled with the weight version synced at
@@ -15,55 +15,34 @@ import time
 
 import torch
 
-from backstream.rl.backends.base import no_rounds
+from backstream.rl.backends.base import Sampling
 from backstream.rl.records import Completion, Played, oldest
 
 
 class FakeBackend:
     in_process = False
     metric_keys = ("fake/weight_version",)
-    round = staticmethod(no_rounds)
 
     def __init__(self, vocab: int, eos: int | None = None, seconds: float = 0.0, fail: str | None = None):
         self.vocab, self.eos, self.seconds, self.fail = vocab, eos, seconds, fail
         self.step = 0  # the learner's (`at_step`)
         self.version = 0  # the weights "the server" holds (`sync`)
         self.syncs = 0
+        self.finished = 0  # agent sessions over (`finish`)
         self.seeds: dict[int, int] = {}  # a prompt's first token -> the seed its group drew with
         self.lock = threading.Lock()
 
-    def need_context(self, tokens: int, why: str) -> None:
-        pass
-
-    def check(self, model) -> None:
-        pass
-
-    def sides(self) -> tuple:
-        """(sampling side, sync side): the fake is both."""
-        return self, self
-
-    def view(self, model):
-        return contextlib.nullcontext()
+    def sides(self) -> Sampling:
+        """What a trainer samples with: the fake is its backend, its weights and a reporter."""
+        return Sampling(backend=self, weights=self, reporters=(self,))
 
     def sync(self, model, step: int, progress=None) -> float:
         self.step = step
         self.version, self.syncs = step, self.syncs + 1
         return 0.0
 
-    def idle(self) -> None:
-        pass
-
-    def kernels(self) -> dict:
-        return {}
-
-    def check_aligned(self, model) -> None:
-        pass
-
-    def metrics(self, versions) -> dict:
-        return {"fake/weight_version": oldest(versions)}
-
-    def close(self) -> None:
-        pass
+    def metrics(self, samples) -> dict:
+        return {"fake/weight_version": oldest(samples.weight_version)}
 
     def _tokens(self, g: torch.Generator, n: int) -> Completion:
         ids = torch.randint(0, self.vocab, (n,), generator=g)
@@ -106,7 +85,14 @@ class FakeBackend:
                 ids, t = ids + c.ids + list(inserted), t + 1
         return played
 
-    def generate(self, ids, max_tokens, seed, key=None):
+    @contextlib.contextmanager
+    def round(self, episodes):
+        yield self
+
+    def generate(self, ids, max_tokens, seed, key):
         if self.fail:
             raise RuntimeError(self.fail)
         return self._tokens(torch.Generator().manual_seed(seed), max_tokens)
+
+    def finish(self, key) -> None:
+        self.finished += 1

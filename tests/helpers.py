@@ -26,10 +26,10 @@ from transformers import (
 
 from backstream import config, reference_backward, stream_backward
 from backstream.default_model import build_tokenizer
-from backstream.rl.agent.env import EnvConfig
+from backstream.rl.agent.env import EnvConfig, Environment
 from backstream.rl.backends.base import SamplingParams
 from backstream.rl.backends.local import decode as D
-from backstream.rl.backends.local.backend import LocalBackend, LocalSync
+from backstream.rl.backends.local.backend import LocalBackend
 from backstream.rl.rollout import episodes as E
 from backstream.rl.update.losses import (
     build_objective,
@@ -216,7 +216,7 @@ class ScriptedBackend(LocalBackend):
         super().__init__(config, eos, tok)
         self.state = state
 
-    def decode_rows(self, rows, generators, keep_last, budgets):
+    def decode_rows(self, model, rows, generators, keep_last, budgets):
         B, qs, state = len(rows.lengths), self.state["queues"], self.state
         if not any(q for q in qs[: state["next"]]):
             episodes = list(range(state["next"], state["next"] + B))  # first turns
@@ -233,7 +233,7 @@ class ScriptedBackend(LocalBackend):
             lp = torch.log_softmax(logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32), -1)
             return toks, lp.gather(-1, toks[:, None])[:, 0]
 
-        return D.decode(self.model, rows, self.config, self.eos, self.tok, generators, keep_last, budgets,
+        return D.decode(model, rows, self.config, self.eos, self.tok, generators, keep_last, budgets,
                         keep_kv=True, finished=live.remove, choose=choose)
 
 
@@ -255,13 +255,19 @@ def backend_for(config, tok, eos=None, model=None):
     eos = [tok.eos_token_id] if eos is None else eos
     backend = ScriptedBackend(config, eos, tok, SCRIPT) if SCRIPT is not None else LocalBackend(config, eos, tok)
     if model is not None:
-        LocalSync(backend).sync(model, 0)
+        backend.weights.sync(model, 0)
     return backend
+
+
+OPEN_ENVIRONMENTS: list = []  # the environments `episode_sampler` loaded, closed after each test (conftest)
 
 
 def episode_sampler(tok, config, env_cfg, return_kv=False, context=256, eos=None, group_size=1):
     eos = [tok.eos_token_id] if eos is None else eos
-    return E.EpisodeSampler(config, group_size, env_cfg, tok, eos, return_kv, context, backend_for(config, tok, eos))
+    environment = Environment.load(env_cfg)
+    OPEN_ENVIRONMENTS.append(environment)
+    return E.EpisodeSampler(config, group_size, env_cfg, environment, tok, eos, return_kv, context,
+                            backend_for(config, tok, eos))
 
 
 def sampler(tok, env="envs_for_tests:Calc", G=2, max_new=24, **env_kw):
@@ -271,8 +277,8 @@ def sampler(tok, env="envs_for_tests:Calc", G=2, max_new=24, **env_kw):
 
 def sample(s, model, rows, seed=0):
     """The sampler's samples of `rows` at `model`'s weights (its backend synced first)."""
-    LocalSync(s.backend).sync(model, 0)
-    return s.sample(rows, list(range(len(rows))), [torch.Generator().manual_seed(seed) for _ in rows])
+    s.backend.weights.sync(model, 0)
+    return s.sample(rows, list(range(len(rows))), [torch.Generator().manual_seed(seed) for _ in rows]).samples
 
 
 def text(tok, r, i):
@@ -334,7 +340,7 @@ def kill_the_server_then_step(t) -> None:
 
     from backstream.rl.backends.vllm.server import ServerError
 
-    server = t.sync.pool.members[0].server
+    server = t.sampling.weights.pool.members[0].server
     os.killpg(server.proc.pid, signal.SIGKILL)
     server.proc.wait()
     with pytest.raises(ServerError, match=r"vLLM .*(died|no answer).*vllm.log.*--resume"):

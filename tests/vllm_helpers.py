@@ -1,42 +1,48 @@
-"""The vLLM tests' helpers (tests/rl/vllm/): the two sides of a server backend as a run holds them."""
+"""The vLLM tests' helpers (tests/rl/vllm/): a server backend as a run holds it (rl/backends/base.py
+`Sampling`)."""
 
 import torch
 from helpers import KEY
 
 from backstream import config
 from backstream.quant.linear import QuantConfig
+from backstream.rl.backends import build_backend
 from backstream.rl.backends.base import SamplingParams
-from backstream.rl.backends.vllm.backend import build
+from backstream.rl.backends.vllm.server import logprobs_mode
 from backstream.rl.parallel import DataParallel
 from backstream.rl.rollout.completions import CompletionSampler
 from backstream.rl.rollout.source import Source
 
 
 class Served:
-    """The two sides of a server backend (rl/backends/vllm/backend.py `build`) for `model` (its LoRA decides the
-    way weights travel), built from a run config with `overrides`, and the learner's step: what a run's
+    """A server backend (rl/backends/__init__.py `build_backend`) for `model` (its LoRA decides the way
+    weights travel), built from a run config with `overrides`, and the learner's step: what a run's
     rollout source holds. `sampler(...)` / `sample(...)` sample as a run does; `step(model)` moves the
-    weights as an optimizer step does."""
+    weights as an optimizer step does; `mode`: the servers' log-prob mode."""
 
     def __init__(self, tok, run_dir: str, model, *overrides, quant=None):
         cfg = config.load(None, [f'train.output_dir="{run_dir}"', 'rollout.backend="vllm"', *overrides])
         self.tok, self.run_dir, self.quant, self.overrides = tok, run_dir, quant or QuantConfig(), overrides
-        self.backend, self.sync = build(cfg, tok, [tok.eos_token_id], run_dir, DataParallel(), model)
+        self.sampling = build_backend(cfg.rollout, cfg.vllm, policy=cfg.model, quant=cfg.quant, seed=cfg.train.seed,
+                                      tokenizer=tok, eos=[tok.eos_token_id], run_dir=run_dir, model=model,
+                                      dp=DataParallel())
+        self.backend, self.weights = self.sampling.backend, self.sampling.weights
+        self.mode = logprobs_mode(cfg.rollout.top_p, cfg.rollout.top_k)
         self.version = 0  # the learner's step that made the current weights
 
     @property
-    def weights(self):
-        return self.sync.weights
+    def pool(self):
+        return self.weights.pool
 
     @property
     def servers(self):
-        return [m.server for m in self.sync.pool.alive()]
+        return [m.server for m in self.pool.alive()]
 
     def publish(self, model) -> None:
         """`model`'s weights published now, whatever the servers held (another test's, say)."""
-        self.sync.weights.seen = None
+        self.weights.seen = None
         with torch.no_grad():
-            self.sync.sync(model, self.version)
+            self.weights.sync(model, self.version)
 
     def sampler(self, prompts, G=4, max_new=12, cfg=None):
         cfg = cfg or SamplingParams(max_new_tokens=max_new)
@@ -46,7 +52,7 @@ class Served:
     def sample(self, s, model, rows, indices, gens):
         """`s`'s samples as a run's rollout source takes them: in the policy view, the weights synced
         first (published if they changed; QaRL's alignment at the first sync)."""
-        source = Source(s, self.sync, [], None, DataParallel(0), model, self.quant)
+        source = Source(s, self.sampling, [], None, DataParallel(0), model, self.quant)
         source.at_step(self.version)
         return source.sample(s, rows, indices, gens).samples
 
@@ -62,8 +68,7 @@ class Served:
         self.version += 1
 
     def close(self) -> None:
-        self.backend.close()
-        self.sync.close()
+        self.sampling.close()
 
 
 def urls_of(pool, n: int = 2) -> list[str]:

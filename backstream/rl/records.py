@@ -1,6 +1,6 @@
 """The records of a rollout that several parts of the rollout layer share, at its bottom floor: what a
-backend answers (`Completion`, an episode's `Played`), what a round hands the trainer (`Samples`, its
-`Fork`s, an episode's `EpisodeInfo`), what the update trains (`TrainingRows`), and the one version
+backend answers (`Completion`, an episode's `Played`), what a round hands the trainer (`Round`: its
+`Samples`, their `Fork`s, an episode's `EpisodeInfo`), what the update trains (`TrainingRows`), and the one version
 convention of them all (docs/design.md §6e, §6f):
 
 - a sampled token carries the learner step whose weights sampled it (0: the initial weights);
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -72,10 +72,11 @@ class EpisodeInfo:
     messages: list | None = None  # after the prompt; the last assistant message has a `finish_reason`
     env: object = None
     fed: list | None = None  # every token the backend fed the model, in order (the fidelity test's)
+    hold: object = None  # what it holds until it is scored (its environment's worker), let go by `Samples.release`
 
     def light(self) -> EpisodeInfo:
         """The counts alone (what crosses ranks)."""
-        return dataclasses.replace(self, prompt=None, messages=None, env=None, fed=None)
+        return dataclasses.replace(self, prompt=None, messages=None, env=None, fed=None, hold=None)
 
 
 @dataclass
@@ -146,6 +147,13 @@ class Samples:
 
     def __len__(self) -> int:
         return len(self.completion_ids)
+
+    def release(self) -> None:
+        """Let go of what the samples held for their reward functions once they are scored (an episode's
+        environment goes back to its pool)."""
+        for e in self.episodes or []:
+            if e.hold is not None:
+                e.hold.release()
 
     def sampled_ids(self) -> list[Tensor]:
         """Per sample, the token ids the policy sampled (of an episode: its turns, without what came between)."""
@@ -275,3 +283,12 @@ class Samples:
         fields = {f.name: ([] if like is None or getattr(like, f.name) is not None else None)
                   for f in dataclasses.fields(Samples) if f.name != "group_size"}
         return Samples(**fields, group_size=group_size)
+
+
+@dataclass
+class Round:
+    """A round's samples (this rank's groups) and the seconds they spent in phases of their own ("sync":
+    publishing the weights; "tool": an in-process episode's tools)."""
+
+    samples: Samples
+    seconds: dict[str, float] = field(default_factory=dict)

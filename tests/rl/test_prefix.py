@@ -14,7 +14,7 @@ from transformers import AutoConfig
 
 from backstream import reference_backward, stream_backward
 from backstream.rl.backends.base import SamplingParams
-from backstream.rl.backends.local.backend import LocalBackend, LocalSync
+from backstream.rl.backends.local.backend import LocalBackend
 from backstream.rl.backends.local.decode import Rows, decode, shares
 from backstream.rl.backends.local.generate import generate
 from backstream.rl.backends.local.prefix import SHARE_MIN, Prefix
@@ -109,7 +109,7 @@ def test_episodes_and_requests_keep_reading_their_prompt():
     model = make("qwen3", dtype=torch.float64)
     cfg = SamplingParams(max_new_tokens=5)
     backend = LocalBackend(cfg, [63], None)
-    LocalSync(backend).sync(model, 0)
+    backend.weights.sync(model, 0)
     start = prompts((3, 60), (40,))[0]
     seen = []
 
@@ -132,11 +132,11 @@ def test_episodes_and_requests_keep_reading_their_prompt():
             ends += len(c.ids) + 3
         got = torch.cat([c.logprobs.double() for c in sampled])
         torch.testing.assert_close(got, ref[at], atol=1e-12, rtol=0)
-    with backend.round(1):
+    with backend.round(1) as requests:
         backend.reuse_min = 8
-        first = backend.generate(start, 4, 0)
+        first = requests.generate(start, 4, 0, "a")
         continued = start + first.ids + [7, 8]
-        again = backend.generate(continued, 4, 1)
+        again = requests.generate(continued, 4, 1, "a")
         assert backend.reused == len(start) + len(first.ids) - 1
         seq = torch.tensor(continued + again.ids)
         with torch.no_grad():

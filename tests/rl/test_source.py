@@ -11,6 +11,7 @@ is the synchronous loop, bitwise the same run as without the key; the local back
 refused before the run folder.
 """
 
+import dataclasses
 import time
 
 import pytest
@@ -28,13 +29,14 @@ from backstream.rl.rollout.completions import CompletionSampler
 from backstream.rl.rollout.source import AsyncSource, Source
 
 
-def _source(backend, n: int, seed: int, P: int = 3, k: int | None = None):
+def _source(backend, n: int, seed: int, P: int = 3, k: int | None = None, sampling=None):
     """A source over `n` examples, example i's prompt the token i (the fake records each group's seed
     by it), one sample per group, 6 tokens each."""
     model, _ = tiny(torch.float32)
     sampler = CompletionSampler(SamplingParams(max_new_tokens=6), 1, None, [0], False,
                                 [torch.tensor([i]) for i in range(n)], [""] * n, backend)
-    args = (sampler, backend, [{}] * n, PromptStream(n, seed), DataParallel(seed), model, QuantConfig())
+    args = (sampler, sampling or backend.sides(), [{}] * n, PromptStream(n, seed), DataParallel(seed), model,
+            QuantConfig())
     return AsyncSource(*args, per_step=P, k=k) if k else Source(*args)
 
 
@@ -68,22 +70,23 @@ def test_a_failed_group_stops_the_step_that_takes_it(k):
     source = _source(FakeBackend(vocab=50, fail="the server died"), 8, 0, P=2, k=k)
     with pytest.raises(RuntimeError, match="the server died"):
         source.take(2)
-    source.close()
+    if k:
+        source.close()
 
 
 def test_the_synchronous_source_syncs_before_each_round_and_sets_the_backends_kernels():
     """Every round samples the learner's current weights (a sync, then the samples carry its version);
     at the first sync the backend's int8 GEMM is set on the learner's w8a8 layers, before the backend's
     alignment check sees the learner."""
-    class Kernels(FakeBackend):
+    class Kernels:  # a low-bit sampler's QaRL side (rl/backends/base.py `Aligned`)
         def kernels(self):
             return {"int8_gemm": "int16-pairs"}
 
         def check_aligned(self, model):
             self.gemms = {m.gemm for m in quant_linears(model).values()}
 
-    backend = Kernels(vocab=50)
-    source = _source(backend, 8, 0)
+    backend, aligned = FakeBackend(vocab=50), Kernels()
+    source = _source(backend, 8, 0, sampling=dataclasses.replace(backend.sides(), aligned=(aligned,)))
     quant = QuantConfig(rollout="w8a8", aligned=True)
     quantize_model(source.model, quant)
     source.quant = quant
@@ -92,7 +95,7 @@ def test_the_synchronous_source_syncs_before_each_round_and_sets_the_backends_ke
         source.at_step(step)
         r = source.take(2).samples
         assert all(int(v.min()) == step for v in r.weight_version)
-    assert backend.syncs == 3 and backend.gemms == {"int16-pairs"}
+    assert backend.syncs == 3 and aligned.gemms == {"int16-pairs"}
 
 
 def test_max_staleness_0_is_the_synchronous_run_bitwise(tmp_path):

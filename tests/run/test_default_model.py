@@ -114,18 +114,18 @@ def play_toolcalc(rows, temperature: float, group_size: int):
     defaults (environment, turns, turn budget): per episode (tool calls, tool errors, turns, reward)."""
     from backstream.rl.agent.env import EnvConfig
     from backstream.rl.backends.base import SamplingParams
-    from backstream.rl.backends.local.backend import LocalBackend, LocalSync
+    from backstream.rl.backends.local.backend import LocalBackend
     from backstream.rl.rollout.episodes import EpisodeSampler
 
     model, tok = shipped()
     d = TASKS["toolcalc"].defaults
     config = SamplingParams(temperature=temperature, max_new_tokens=d["rollout.max_new_tokens"])
     backend = LocalBackend(config, [tok.eos_token_id], tok)
-    LocalSync(backend).sync(model, 0)
+    backend.weights.sync(model, 0)
     sampler = EpisodeSampler(config, group_size, EnvConfig(factory=d["env.factory"], max_turns=d["env.max_turns"]), tok,
                              [tok.eos_token_id], False, None, backend)
     gens = [torch.Generator().manual_seed(i) for i in range(len(rows))]
-    r = sampler.sample(rows, list(range(len(rows))), gens)
+    r = sampler.sample(rows, list(range(len(rows))), gens).samples
     out = []
     completions, _, _ = sampler.reward_inputs(r, [rows[i] for i in r.prompt_index])
     for i, (e, messages) in enumerate(zip(r.episodes, completions)):

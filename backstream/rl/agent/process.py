@@ -336,6 +336,11 @@ class EnvHandle:
     def call_method(self, name: str, *args, **kwargs) -> Any:
         return self._request(("method", self._state["id"], name, args, kwargs))
 
+    @property
+    def released(self) -> bool:
+        """Whether its worker went back to the pool (`release`)."""
+        return self._state["released"]
+
     def release(self) -> None:
         st = self._state
         if not st["released"]:

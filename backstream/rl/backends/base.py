@@ -1,25 +1,25 @@
-"""The two sides of whoever samples the policy's tokens (docs/design.md §1, §6e): the sampling side
-(`Backend`) that the samplers ask for tokens, and the sync side (`Sync`) through which the rollout
-source keeps what samples on the learner's current weights.
+"""Who samples the policy's tokens, as the rest of the run sees it (docs/design.md §1, §6e): the
+protocols a backend implements, each as narrow as its users need it, and `Sampling`, what the run
+holds of one (built by rl/backends/__init__.py `build_backend`).
 
-Every kind of sampler (single-turn completions: rl/rollout/completions.py `CompletionSampler`; episodes against an
-environment: rl/rollout/episodes.py; agent programs through the endpoint: rl/rollout/programs.py) takes a
-`Backend` and asks it for tokens in one of three shapes; the backend decides how they are computed:
-
-- `complete(prompts, generators, return_kv)`: G samples after each prompt (a rollout round's groups);
-- `play(starts, generators, turn, ...)`: episodes, each a sequence of turns the backend samples and
-  the sampler's `turn(k, completion)` continues (the tokens it inserts) or ends (None);
-- `generate(ids, max_tokens, seed, key)`: one request after exactly `ids`, from any thread (an agent
-  program's), batched with the requests in flight; `key` names its session (a pool of servers sends
-  a session's requests to one server).
+- `Backend`, what the samplers ask for tokens, in one of three shapes (the backend decides how they
+  are computed): `complete(prompts, ...)`, G samples after each prompt (a round's groups);
+  `play(starts, ..., turn)`, episodes, each a sequence of turns the backend samples and the sampler's
+  `turn(k, completion)` continues (the tokens it inserts) or ends (None); `round(episodes)`, a round of
+  agent programs whose `Requests` (`generate` after exactly the ids given, from any thread; `finish`
+  when a session is over) it batches or routes.
+- `Weights`, what keeps the backend on the learner's weights: `sync(model, step)` (a server's:
+  published when they changed; the version every token records). How weights travel is the server
+  weights' alone (rl/backends/vllm/weights/).
+- What only some backends have, each a protocol of its own that `Sampling` lists where it exists:
+  `Preflight` (what the policy must fit, checked before the run folder is written: a server's context
+  and K/V cache), `Aligned` (QaRL: a sampler's low-bit kernels the learner copies and is checked
+  against), `Resting` (a server on the learner's GPU that sleeps while the learner trains) and
+  `Reporter` (metrics of its own on the step's line: a pool's requests per server).
 
 Each answer is a `Completion` (rl/records.py, with the version convention of every record). Two
-backends: rl/backends/local/backend.py (the in-process decoder) and rl/backends/vllm/backend.py (a pool of vLLM
-servers); tests bring fakes of both protocols.
-
-The sync side: `sync(model, step)` makes the backend sample `model`'s current weights, those of the
-learner's step `step` (a server's: published when they changed; the versions its tokens record).
-How weights travel is the sync's alone (rl/backends/vllm/weights/).
+backends: rl/backends/local/ (the in-process decoder) and rl/backends/vllm/ (a pool of vLLM servers);
+tests bring fakes of the protocols (tests/fake_backend.py).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from typing import Protocol
 from torch import Tensor
 
 from backstream.checks import UserError
-from backstream.rl.records import Completion, Played
+from backstream.rl.records import Completion, Played, Samples
 
 
 @dataclass(kw_only=True)
@@ -80,14 +80,23 @@ def is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+class Requests(Protocol):
+    """A round's requests of agent programs (`Backend.round`)."""
+
+    def generate(self, ids: list[int], max_tokens: int, seed: int, key: str) -> Completion:
+        """One request after exactly `ids` (thread-safe), drawn with `seed`; `key`: its session."""
+
+    def finish(self, key: str) -> None:
+        """Session `key` is over: no request of it comes again (a local backend batches on who still
+        plays; a pool forgets which server held it)."""
+
+
 class Backend(Protocol):
     """What a sampler asks of whoever samples (see the module docstring)."""
 
     in_process: bool
     """True: the learner's own model samples in this process (its K/V can be handed to the engine, an
     episode's tools run between its rounds, and nothing samples while the learner trains)."""
-    metric_keys: tuple[str, ...]
-    """The keys `metrics` adds to a step's line."""
 
     def complete(self, prompts: list[Tensor], group_size: int, max_tokens: int, generators: list,
                  return_kv: bool = False, progress=None) -> list[Completion]:
@@ -99,60 +108,70 @@ class Backend(Protocol):
         sampled after the episode's ids so far with `budget(length)` tokens at most, then
         `turn(k, completion)` returns the tokens to feed before its next turn, or None when it is over."""
 
-    def generate(self, ids: list[int], max_tokens: int, seed: int, key: str | None = None) -> Completion:
-        """One request after exactly `ids` (thread-safe), drawn with `seed`; `key`: its session."""
-
-    def round(self, episodes: int):
-        """A context in which a round's `episodes` agent programs send requests (`generate`); its value's
-        `done()` says one episode is over (a local backend batches on who still plays)."""
-
-    def metrics(self, versions: list[Tensor]) -> dict[str, float]:
-        """The backend's metrics of a rollout's per-sample token versions (`metric_keys`)."""
-
-    def close(self) -> None:
-        """Let go of what the sampling side holds (requests in flight on a server of your own)."""
+    def round(self, episodes: int) -> contextlib.AbstractContextManager[Requests]:
+        """A context in which a round's `episodes` agent programs send their `Requests`; a request after
+        it ended is refused where the model is the learner's own (it is being trained)."""
 
 
-class Sync(Protocol):
-    """The sync side: what samples holds the policy's weights (see the module docstring)."""
-
-    def need_context(self, tokens: int, why: str) -> None:
-        """A sampler's longest sequence, `why` naming what sets it (a server's context must hold it)."""
-
-    def check(self, model) -> None:
-        """What sampling needs of the policy, before the run folder is written (a server's context)."""
-
-    def view(self, model):
-        """A context in which `model` is as the sampler reads it (FSDP's parameters gathered, for one
-        that samples in process; a server's sync gathers what it publishes itself)."""
+class Weights(Protocol):
+    """What keeps the backend sampling the learner's current weights."""
 
     def sync(self, model, step: int, progress=None) -> float:
         """Sample `model`'s current weights, those of the learner's step `step`, from now on (a server:
         started at the first call, published when they changed); the seconds spent publishing.
         `progress(seconds)` while a server starts."""
 
-    def idle(self) -> None:
-        """Sampling is over until the next sync (a server on the learner's GPU sleeps: vllm.colocate)."""
+
+class Preflight(Protocol):
+    """What sampling needs of the policy, checked before the run folder is written."""
+
+    def need_context(self, tokens: int, why: str) -> None:
+        """A sampler's longest sequence, `why` naming what sets it (a server's context must hold it)."""
+
+    def check(self, model) -> None:
+        """Refuse, by name, a policy the backend cannot sample (a server's context and K/V cache)."""
+
+
+class Aligned(Protocol):
+    """QaRL (docs/quant.md): a sampler's low-bit kernels, which the learner's quantized forward copies."""
 
     def kernels(self) -> dict[str, str]:
         """What the sampler's low-bit kernels compute, for the learner to copy ({"int8_gemm": name} or {})."""
 
     def check_aligned(self, model) -> None:
-        """QaRL: refuse a sampler whose quantized forward differs from the learner's (after `kernels`)."""
+        """Refuse a sampler whose quantized forward differs from the learner's (after `kernels`)."""
+
+
+class Resting(Protocol):
+    """A backend that gives the learner its device while the learner trains."""
+
+    def rest(self) -> None:
+        """The step's samples are in: sampling is over until the next sync."""
+
+
+class Reporter(Protocol):
+    """A part with metrics of its own on the step's line."""
+
+    metric_keys: tuple[str, ...]
+    """The keys `metrics` adds."""
+
+    def metrics(self, samples: Samples) -> dict[str, float]:
+        """Its metrics of the step (`samples`: the step's, every rank's)."""
+
+
+@dataclass
+class Sampling:
+    """What the run samples with (`build_backend`, or a test's fakes): the backend the samplers ask, the
+    weights the rollout source syncs, and what only some backends have (see the module docstring);
+    `closing` stops what they started, last built first."""
+
+    backend: Backend
+    weights: Weights
+    preflight: tuple[Preflight, ...] = ()
+    aligned: tuple[Aligned, ...] = ()
+    resting: tuple[Resting, ...] = ()
+    reporters: tuple[Reporter, ...] = ()
+    closing: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
 
     def close(self) -> None:
-        """Stop what the sync side started (servers), and what it wrote."""
-
-
-class Done:
-    """The value of a round that needs no bookkeeping: `done()` does nothing."""
-
-    def done(self) -> None:
-        """Nothing: requests are taken whenever they come."""
-
-
-@contextlib.contextmanager
-def no_rounds(episodes: int):
-    """`Backend.round` of a backend that takes requests whenever they come and batches what is in flight
-    itself (a server, a test's fake): nothing to open, close or count."""
-    yield Done()
+        self.closing.close()

@@ -36,12 +36,17 @@ class Batch:
 
 
 class Collector:
-    """The run's collect phase: `source` (the rounds), `sampler` (the reward functions' inputs and what
-    the samples hold), `rewards`, the data's `examples`, `dp` (rl/parallel.py)."""
+    """The run's collect phase: `rollout` ([rollout]: G, the token limit), `algorithm` ([algorithm]: DAPO's
+    dynamic sampling, the overlong shaping), `per_step` / `steps` (train.prompts_per_step, train.steps),
+    `source` (the rounds), `sampler` (the reward functions' inputs), `rewards`, the data's `examples`,
+    `dp` (rl/parallel/), `tokenizer` (the samples' log), `resting` (what rests once a step's samples are
+    in: rl/backends/base.py `Resting`)."""
 
-    def __init__(self, cfg, source, sampler, rewards, examples: list[dict], dp):
-        self.cfg, self.source, self.sampler, self.rewards, self.examples, self.dp = \
-            cfg, source, sampler, rewards, examples, dp
+    def __init__(self, rollout, algorithm, per_step: int, steps: int, source, sampler, rewards, examples: list[dict],
+                 dp, tokenizer, resting=()):
+        self.rollout, self.algorithm, self.per_step, self.steps = rollout, algorithm, per_step, steps
+        self.source, self.sampler, self.rewards, self.examples, self.dp = source, sampler, rewards, examples, dp
+        self.tok, self.resting = tokenizer, tuple(resting)
 
     def collect(self, step: int, times: dict[str, float], log: RewardLog, episode_log, phase) -> Batch:
         """Samples rounds until `prompts_per_step` groups are kept: sample, score, shape the overlong
@@ -49,19 +54,19 @@ class Collector:
         the next one refills the rest; the last (after `max_refills`) keeps what it gets. `step`: the
         steps done; `times`: the step's seconds per phase, added to; `log`: what the reward functions
         log; `episode_log`: the samples' log; `phase(what)`: the progress line."""
-        ac, G = self.cfg.algorithm, self.cfg.rollout.group_size
+        ac, G = self.algorithm, self.rollout.group_size
         kept: list[tuple[Samples, Tensor, Tensor]] = []
         scored, by_fn, dropped = [], {}, 0
         self.dp.begin_step()
         for attempt in range(1 + (ac.max_refills if ac.dynamic_sampling else 0)):
-            need = self.cfg.train.prompts_per_step - sum(len(r) for r, _, _ in kept) // G
+            need = self.per_step - sum(len(r) for r, _, _ in kept) // G
             if need <= 0:
                 break
             r, total, per_fn = self.round(need, attempt > 0, step, times, log, episode_log, phase)
             scored.append(total)
             for k, v in per_fn.items():
                 by_fn.setdefault(k, []).append(v)
-            total, keep = overlong_shaping(r, total, ac, self.cfg.rollout.max_new_tokens)
+            total, keep = overlong_shaping(r, total, ac, self.rollout.max_new_tokens)
             if ac.dynamic_sampling:
                 groups = informative_groups(total, G) if attempt < ac.max_refills else list(range(need))
                 self.dp.kept(groups)  # under torchrun with the rollout's K/V, refills then even the shares
@@ -69,7 +74,8 @@ class Collector:
                 rows = torch.tensor(r.group_rows(groups), dtype=torch.long)
                 r, total, keep = r.select(groups), total[rows], keep[rows]
             kept.append((r, total, keep))
-        self.source.idle()  # the step's samples are in: what samples may rest while the learner trains
+        for backend in self.resting:  # the step's samples are in: what samples may rest while the learner trains
+            backend.rest()
         rollouts, rewards, keeps = zip(*kept)
         return Batch(samples=Samples.concat(list(rollouts)), rewards=torch.cat(rewards), keep=torch.cat(keeps),
                      scored=torch.cat(scored), scored_by_fn={k: torch.cat(v) for k, v in by_fn.items()},
@@ -90,8 +96,8 @@ class Collector:
             phase("reward")
             total, per_fn = self.score(r, step, log=log) if len(r) else (torch.zeros(0), {})
         episode_log.write(step + 1, lambda: episode_rows(
-            self.sampler, r, total, per_fn, log.columns, [self.examples[i] for i in r.prompt_index]))
-        self.sampler.release(r)  # scored: an episode's environment goes back to its pool
+            self.sampler, self.tok, r, total, per_fn, log.columns, [self.examples[i] for i in r.prompt_index]))
+        r.release()  # scored: an episode's environment goes back to its pool
         return self.dp.join_round(r, total, per_fn)
 
     def score(self, r: Samples, step: int, sampler=None, examples: list[dict] | None = None,
@@ -105,7 +111,7 @@ class Collector:
         completions, prompts, extra = sampler.reward_inputs(r, rows)
         cols = {k: [row.get(k) for row in rows] for k in examples[0] if k != "prompt"}
         return self.rewards(completions, prompts, cols, **extra, log=log,
-                            trainer_state=TrainerState(global_step=step, max_steps=self.cfg.train.steps))
+                            trainer_state=TrainerState(global_step=step, max_steps=self.steps))
 
 
 @contextlib.contextmanager

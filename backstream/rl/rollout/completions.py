@@ -7,52 +7,39 @@ from __future__ import annotations
 from torch import Tensor
 
 from backstream.rl.backends.base import SamplingParams
-from backstream.rl.records import Samples
+from backstream.rl.records import Round, Samples
+from backstream.rl.rollout.sampler import RESPONSE_KEYS, response_metrics
 
 
 class CompletionSampler:
-    """The sampler of single-turn completions (rl/rollout/sampler.py's protocol): G per prompt, sampled by the
-    run's backend (rl/backends/), and the inputs of the reward functions in TRL's formats
+    """The sampler of single-turn completions (rl/rollout/sampler.py's protocol): G per prompt, sampled by
+    the run's backend (rl/backends/), and the inputs of the reward functions in TRL's formats
     (`reward_inputs`)."""
 
-    environment = None  # an EpisodeSampler's Environment (its get_reward is a reward)
+    metric_keys = RESPONSE_KEYS
 
     def __init__(self, config: SamplingParams, group_size: int, tokenizer, eos: list[int], return_kv: bool,
                  prompts: list[Tensor], prompt_text: list[str], backend):
         self.config, self.group_size, self.tok, self.eos, self.return_kv = config, group_size, tokenizer, eos, return_kv
         self.prompts, self.prompt_text = prompts, prompt_text  # per example: its token ids and text
-        self.backend, self.metric_keys = backend, tuple(backend.metric_keys)
+        self.backend = backend
         longest, new = max((len(p) for p in prompts), default=0), config.max_new_tokens
-        # the longest sequence it samples, and what sets it (a server's context must hold it: `Sync.need_context`)
+        # the longest sequence it samples, and what sets it (a server's context must hold it: `Preflight`)
         self.needs = (longest + new, f"the longest prompt, {longest} tokens, + rollout.max_new_tokens = {new}")
 
-    def sample(self, rows: list[dict], indices: list[int], generators: list, progress=None) -> Samples:
+    def sample(self, rows: list[dict], indices: list[int], generators: list, progress=None) -> Round:
         """G samples for each example `indices[j]` (the data's rows `rows[j]`), group j drawn with
         `generators[j]`; `prompt_index` holds the examples' indices."""
         G = self.group_size
         prompts = [self.prompts[i] for i in indices]
         out = self.backend.complete(prompts, G, self.config.max_new_tokens, generators, self.return_kv, progress)
-        return Samples.of_groups(indices, prompts, out, G, self.return_kv)
+        return Round(Samples.of_groups(indices, prompts, out, G, self.return_kv))
 
     def reward_inputs(self, r: Samples, rows: list[dict]) -> tuple[list, list, dict]:
         return completion_reward_inputs(r, rows, self.tok, self.prompt_text, self.config.stop)
 
     def metrics(self, r: Samples) -> dict[str, float]:
-        return self.backend.metrics(r.weight_version)
-
-    def timings(self, r: Samples) -> dict[str, float]:
-        """Seconds of sampling `r` spent in phases of their own (none here; an episode's tools: "tool")."""
-        return {}
-
-    def release(self, r: Samples | None = None) -> None:
-        """Let go of what `r` (None: every sample so far) held for its reward functions (nothing here)."""
-
-    def close(self) -> None:
-        """Stop what the sampler started (nothing here; the backend is the run's)."""
-
-    def check_prompts(self, examples: list[dict]) -> int:
-        """The longest prompt (its tokens were checked against the context when the data was loaded)."""
-        return max((len(p) for p in self.prompts), default=0)
+        return response_metrics(r)
 
 
 def before_stop(text: str, stop: list[str]) -> str:

@@ -31,7 +31,8 @@ from backstream.checks import UserError
 from backstream.rl.agent.env import EnvConfig, EnvError, Environment, ToolResult
 from backstream.rl.agent.turns import make_format
 from backstream.rl.backends.base import SamplingParams
-from backstream.rl.records import CONTEXT, Completion, EpisodeInfo, Samples
+from backstream.rl.records import CONTEXT, Completion, EpisodeInfo, Round, Samples
+from backstream.rl.rollout.sampler import RESPONSE_KEYS, episode_reward_inputs, response_metrics
 
 METRIC_KEYS = ("episode/turns/mean", "episode/tool_calls/mean", "episode/tool_errors/mean", "episode/truncated",
                "episode/timeouts", "episode/results_cut/mean")
@@ -78,32 +79,28 @@ class EpisodeSampler:
     """The sampler of `[env]` runs (rl/rollout/sampler.py's protocol): G episodes per task (see the module
     docstring)."""
 
-    def __init__(self, config: SamplingParams, group_size: int, env_cfg: EnvConfig, tokenizer, eos: list[int],
-                 return_kv: bool, context: int | None, backend):
+    metric_keys = (*RESPONSE_KEYS, *METRIC_KEYS, "episode/tool_seconds")
+
+    def __init__(self, config: SamplingParams, group_size: int, env_cfg: EnvConfig, environment: Environment,
+                 tokenizer, eos: list[int], return_kv: bool, context: int | None, backend, examples: list[dict] = ()):
+        """`environment`: `[env]` `env_cfg` loaded (its workers are the caller's to close); `examples`: the
+        data, every prompt rendered once now, so that one the format cannot render fails before the run
+        starts (reset's text comes at sampling time)."""
         self.config, self.group_size, self.tok, self.eos, self.return_kv = config, group_size, tokenizer, eos, return_kv
-        self.backend, self.metric_keys = backend, (*METRIC_KEYS, "episode/tool_seconds", *backend.metric_keys)
-        self.env_cfg, self.env = env_cfg, Environment.load(env_cfg)
-        self.environment = self.env
+        self.backend, self.env_cfg, self.env = backend, env_cfg, environment
+        self.environment = environment  # its get_reward is the reward 'env'
         self.format = make_format(env_cfg.format, tokenizer, self.env.schemas, set(eos), env_cfg.chat_template)
         self.max_tokens = env_cfg.token_limit(context) or 10**9
         self.needs = (self.max_tokens, f"env.max_episode_tokens = {env_cfg.max_episode_tokens}" + (
             "" if self.max_tokens == env_cfg.max_episode_tokens else ": the model's context")) \
-            if env_cfg.token_limit(context) else None  # an episode's budget (`Sync.need_context`)
-        self.live: list = []  # the environments of the episodes not released yet (`release`)
+            if env_cfg.token_limit(context) else None  # an episode's budget (`Preflight.need_context`)
+        self.live: list = []  # the environments of the episodes started, until they are released (`close`)
         self.starting = threading.Lock()  # episodes of concurrent `sample` calls start one at a time
+        for ex in examples:
+            if "prompt" in ex:
+                self.format.prompt(ex["prompt"], None)
 
-    def timings(self, r: Samples) -> dict[str, float]:
-        """An in-process backend plays the episodes' tools between its rounds: a slice of the step's time
-        ("tool"); a server's episodes run theirs while the others' turns are sampled (no slice of it:
-        episode/tool_seconds has their sum)."""
-        return {"tool": sum(e.tool_seconds for e in r.episodes or [])} if self.backend.in_process else {}
-
-    def check_prompts(self, examples: list[dict]) -> int:
-        """Render every example's prompt once (no environment: reset's text comes at sampling time), so
-        that a prompt the format cannot render fails before the run starts; returns the longest."""
-        return max(len(self.format.prompt(ex["prompt"], None)[0]) if "prompt" in ex else 0 for ex in examples)
-
-    def sample(self, rows: list[dict], indices: list[int], generators: list, progress=None) -> Samples:
+    def sample(self, rows: list[dict], indices: list[int], generators: list, progress=None) -> Round:
         G = self.group_size
         episodes = self._start_groups(rows, indices)
         left, lock = [G] * len(rows), threading.Lock()  # live episodes per group (a server's turn from threads)
@@ -126,29 +123,23 @@ class EpisodeSampler:
         gens = [gen for gen in generators for _ in range(G)]  # an episode draws from its group's generator
         played = self.backend.play([ep.prompt for ep in episodes], gens, turn, self._budget, self.env_cfg.max_turns,
                                    self.return_kv)
-        return self._rollout(episodes, indices, played)
-
-    def release(self, r: Samples | None = None) -> None:
-        """Hand the environments of `r`'s episodes back to their pool, once they are scored (None: of every
-        episode not released yet)."""
-        with self.starting:
-            if r is None:
-                envs, self.live = self.live, []
-            else:
-                mine = {id(e.env) for e in r.episodes or []}
-                envs = [env for env in self.live if id(env) in mine]
-                self.live = [env for env in self.live if id(env) not in mine]
-        for env in envs:
-            env.release()
+        r = self._rollout(episodes, indices, played)
+        # an in-process backend plays the episodes' tools between its rounds: a slice of the step's time;
+        # a server's episodes run theirs while the others' turns are sampled (episode/tool_seconds sums them)
+        return Round(r, {"tool": sum(e.tool_seconds for e in r.episodes)} if self.backend.in_process else {})
 
     def close(self) -> None:
-        self.release()
-        self.env.close()
+        """The environments of episodes never scored (`Samples.release` hands back the scored ones)."""
+        with self.starting:
+            envs, self.live = self.live, []
+        for env in envs:
+            env.release()
 
     def _start_groups(self, rows: list[dict], indices: list[int]) -> list[_Episode]:
         """G episodes of each row, their environments reset (one call at a time across threads: the
         environments' pool is shared); a prompt with no room for a turn is an error."""
         with self.starting:
+            self.live = [env for env in self.live if not env.released]
             episodes = [self._start(row, index) for row, index in zip(rows, indices)
                         for _ in range(self.group_size)]
         for ep in episodes:
@@ -255,7 +246,7 @@ class EpisodeSampler:
         kv = [p.kv for p in played] if self.return_kv else None
         infos = [EpisodeInfo(turns=ep.turns, tool_calls=ep.tool_calls, tool_errors=ep.tool_errors,
                              results_cut=ep.results_cut, timed_out=ep.reason == "timeout", tool_seconds=ep.tool_s,
-                             prompt=ep.prompt_for_rewards, messages=ep.messages, env=ep.env, fed=p.fed)
+                             prompt=ep.prompt_for_rewards, messages=ep.messages, env=ep.env, fed=p.fed, hold=ep.env)
                  for ep, p in zip(episodes, played)]
         return Samples(
             prompt_index=[i for i in indices for _ in range(G)],
@@ -267,22 +258,15 @@ class EpisodeSampler:
             weight_version=[torch.tensor(ep.versions, dtype=torch.long) for ep in episodes])
 
     def reward_inputs(self, r: Samples, rows: list[dict]) -> tuple[list, list, dict]:
-        """As TRL passes them with an environment: each episode's messages after the prompt (the last
-        assistant message says how the episode ended: `finish_reason`), its prompt (messages for chat
-        data, text otherwise; reset's text in it), its environment, its completion's ids."""
-        prompts = [e.prompt for e in r.episodes]
-        completions = [e.messages for e in r.episodes]
-        ids = [c.tolist() for c in r.completion_ids]
-        return completions, prompts, {"completion_ids": ids, "environments": [e.env for e in r.episodes]}
+        return episode_reward_inputs(r)
 
     def metrics(self, r: Samples) -> dict[str, float]:
         n, e = max(1, len(r)), r.episodes or []
-        return {"episode/turns/mean": sum(x.turns for x in e) / n,
+        return {**response_metrics(r), "episode/turns/mean": sum(x.turns for x in e) / n,
                 "episode/tool_calls/mean": sum(x.tool_calls for x in e) / n,
                 "episode/tool_errors/mean": sum(x.tool_errors for x in e) / n,
                 "episode/truncated": sum(x in ("length", "turns") for x in r.finish_reason) / n,
                 "episode/timeouts": sum(x.timed_out for x in e) / n,
                 "episode/results_cut/mean": sum(x.results_cut for x in e) / n,
-                "episode/tool_seconds": sum(x.tool_seconds for x in e),
-                **self.backend.metrics(r.weight_version)}
+                "episode/tool_seconds": sum(x.tool_seconds for x in e)}
 

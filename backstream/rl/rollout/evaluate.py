@@ -62,9 +62,6 @@ class NoEvaluation:
     def keys(self) -> list[str]:
         return []
 
-    def close(self) -> None:
-        pass
-
 
 class Evaluator(NoEvaluation):
     """The run's evaluation: its prompts, a sampler of `eval.samples` per prompt and the scoring."""
@@ -95,7 +92,7 @@ class Evaluator(NoEvaluation):
         r = sample([self.examples[i] for i in mine], mine, gens)
         if mine:
             totals = score(r).view(len(mine), self.cfg.samples).tolist()
-        self.sampler.release(r)
+        r.release()
         per_prompt = [row for part in dp.gather(totals) for row in part]
         k = self.cfg.samples
         passed = [[x >= self.cfg.pass_reward for x in row] for row in per_prompt]
@@ -103,9 +100,6 @@ class Evaluator(NoEvaluation):
         return {"eval/reward/mean": sum(sum(row) for row in per_prompt) / (n * k),
                 f"eval/pass@{k}": sum(any(p) for p in passed) / n,
                 f"eval/avg@{k}": sum(sum(p) / k for p in passed) / n}
-
-    def close(self) -> None:
-        self.sampler.close()
 
     def keys(self) -> list[str]:
         k = self.cfg.samples

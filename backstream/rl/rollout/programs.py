@@ -35,7 +35,8 @@ from backstream.rl.agent.runner import AgentResult, run_command, run_function
 from backstream.rl.agent.transcript import Branch
 from backstream.rl.agent.turns import make_format, prompt_head
 from backstream.rl.backends.base import SamplingParams
-from backstream.rl.records import Completion, EpisodeInfo, Fork, Samples
+from backstream.rl.records import Completion, EpisodeInfo, Fork, Round, Samples
+from backstream.rl.rollout.sampler import RESPONSE_KEYS, episode_reward_inputs, response_metrics
 from backstream.usercode import load_object
 
 METRIC_KEYS = ("episode/requests/mean", "episode/branches/mean", "episode/tool_calls/mean", "episode/truncated",
@@ -84,11 +85,12 @@ def format_for(env_cfg, tokenizer, eos: list[int]):
 class AgentSampler:
     """The sampler of an agent program's episodes (see the module docstring); `backend`: the run's."""
 
+    metric_keys = (*RESPONSE_KEYS, *METRIC_KEYS)
+
     def __init__(self, config: SamplingParams, group_size: int, env_cfg, tokenizer, eos: list[int], context: int | None,
                  backend):
         self.config, self.env_cfg, self.tok, self.eos, self.backend = config, env_cfg, tokenizer, eos, backend
         self.group_size = group_size
-        self.metric_keys = (*METRIC_KEYS, *backend.metric_keys)
         if env_cfg.agent:
             self.fn = load_object(env_cfg.agent, "env.agent")
             if not callable(self.fn):
@@ -110,17 +112,13 @@ class AgentSampler:
         self.served_name = "policy"
         self.said_tools = False  # the episodes whose tools the template dropped were said (once a run)
 
-    def check_prompts(self, examples: list[dict]) -> int:
-        """Nothing to render: the program writes its own prompts (their length is checked per request)."""
-        return 0
-
     def _serve(self) -> Endpoint:
         """The endpoint, started at the first round; each episode's requests go to the backend through
         its round (`_Round`)."""
         with self.serving:
             if self.endpoint is None:
                 c = self.config
-                self.endpoint = Endpoint(self.format_for, self.backend.generate, self.eos[0] if self.eos else None,
+                self.endpoint = Endpoint(self.format_for, _outside_a_round, self.eos[0] if self.eos else None,
                                          self.served_name, c.temperature, c.top_p, c.max_new_tokens, self.context,
                                          self.env_cfg.max_turns)
                 url = self.endpoint.start()
@@ -128,14 +126,14 @@ class AgentSampler:
                          "each")
             return self.endpoint
 
-    def sample(self, rows: list[dict], indices: list[int], generators: list, progress=None) -> Samples:
+    def sample(self, rows: list[dict], indices: list[int], generators: list, progress=None) -> Round:
         G, endpoint = self.group_size, self._serve()
         seeds = [int(torch.randint(0, 2**31 - 1, (1,), generator=gen)) for gen in generators for _ in range(G)]
-        round_ = _Round(self.backend)
-        sessions = [endpoint.open(seed, round_.generate) for seed in seeds]
-        results: list[AgentResult | None] = [None] * len(sessions)
+        results: list[AgentResult | None] = [None] * len(seeds)
         done = [0] * len(rows)
-        with self.backend.round(len(sessions)) as playing:
+        with self.backend.round(len(seeds)) as requests:
+            round_ = _Round(requests)
+            sessions = [endpoint.open(seed, round_.generate) for seed in seeds]
             try:
                 with concurrent.futures.ThreadPoolExecutor(max_workers=min(256, max(1, len(sessions)))) as pool:
                     futures = {pool.submit(self._play, s, rows[k // G]): k for k, s in enumerate(sessions)}
@@ -143,7 +141,7 @@ class AgentSampler:
                         k = futures[f]
                         results[k] = f.result()
                         endpoint.finish(sessions[k])
-                        playing.done()
+                        requests.finish(sessions[k].id)
                         done[k // G] += 1
                         if progress is not None and done[k // G] == G:
                             progress(sum(d == G for d in done), len(rows))
@@ -153,7 +151,7 @@ class AgentSampler:
         if round_.failure is not None:  # the backend failed, not the agent: the step stops
             raise round_.failure
         self._tools_dropped(sessions, results)
-        return self._rollout(sessions, results, rows, indices, round_.dtype)
+        return Round(self._rollout(sessions, results, rows, indices, round_.dtype))
 
     def _tools_dropped(self, sessions: list[EpisodeSession], results: list[AgentResult]) -> None:
         """Episodes whose requests' tools the chat template dropped (the endpoint refused them, code
@@ -215,25 +213,17 @@ class AgentSampler:
     def reward_inputs(self, r: Samples, rows: list[dict]) -> tuple[list, list, dict]:
         """As TRL passes them with an environment: each episode's final conversation after its prompt,
         the task's prompt, each episode's `AgentOutcome`, its completion's ids."""
-        return ([e.messages for e in r.episodes], [e.prompt for e in r.episodes],
-                {"completion_ids": [c.tolist() for c in r.completion_ids], "environments": [e.env for e in r.episodes]})
+        return episode_reward_inputs(r)
 
     def metrics(self, r: Samples) -> dict[str, float]:
         n, e = max(1, len(r)), r.episodes or []
-        return {"episode/requests/mean": sum(x.turns for x in e) / n,
+        return {**response_metrics(r), "episode/requests/mean": sum(x.turns for x in e) / n,
                 "episode/branches/mean": sum(x.branches for x in e) / n,
                 "episode/tool_calls/mean": sum(x.tool_calls for x in e) / n,
                 "episode/truncated": sum(x == "length" for x in r.finish_reason) / n,
                 "episode/agent_errors": sum(x.agent_error for x in e) / n,
                 "episode/agent_timeouts": sum(x.timed_out for x in e) / n,
-                "episode/agent_seconds/mean": sum(x.agent_seconds for x in e) / n,
-                **self.backend.metrics(r.weight_version)}
-
-    def timings(self, r: Samples) -> dict[str, float]:
-        return {}
-
-    def release(self, r: Samples | None = None) -> None:
-        """Nothing is held for the rewards (an episode's outcome is in its sample)."""
+                "episode/agent_seconds/mean": sum(x.agent_seconds for x in e) / n}
 
     def close(self) -> None:
         with self.serving:
@@ -242,17 +232,22 @@ class AgentSampler:
                 self.endpoint = None
 
 
+def _outside_a_round(ids: list[int], max_tokens: int, seed: int, key: str) -> Completion:
+    """What samples a request of a session opened outside `AgentSampler.sample` (none is): refused."""
+    raise RuntimeError("no round is being sampled: this episode is over")
+
+
 class _Round:
-    """One `sample` call's requests: each goes to the backend; the first the backend failed is kept
-    for that call to raise (rounds of an asynchronous run run side by side: each keeps its own), and
-    the log-probs' dtype (float64 for a float64 model) noted."""
+    """One `sample` call's requests (the backend's round, rl/backends/base.py `Requests`): the first the
+    backend failed is kept for that call to raise (rounds of an asynchronous run run side by side: each
+    keeps its own), and the log-probs' dtype (float64 for a float64 model) noted."""
 
-    def __init__(self, backend):
-        self.backend, self.failure, self.dtype = backend, None, torch.float32
+    def __init__(self, requests):
+        self.requests, self.failure, self.dtype = requests, None, torch.float32
 
-    def generate(self, ids: list[int], max_tokens: int, seed: int, key: str | None = None) -> Completion:
+    def generate(self, ids: list[int], max_tokens: int, seed: int, key: str) -> Completion:
         try:
-            out = self.backend.generate(ids, max_tokens, seed, key)
+            out = self.requests.generate(ids, max_tokens, seed, key)
         except Exception as e:
             self.failure = self.failure or e
             raise

@@ -1,17 +1,18 @@
-"""Where a step's rollout rounds come from (docs/design.md §1, §6e): the rollout source. The trainer
-asks it for the next `n` prompt groups of the data stream (`take`) and gets a `Round`, the samples
-with the seconds they spent in phases of their own; it says which step made its weights (`at_step`).
-The source owns what every round needs, in one place:
+"""Where a step's rollout rounds come from (docs/design.md §1, §6e): `[rollout]` (`RolloutConfig`) and
+the rollout source. The collect phase asks it for the next `n` prompt groups of the data stream
+(`take`) and gets a `Round`, the samples with the seconds they spent in phases of their own; the
+trainer says which step made its weights (`at_step`). The source owns what every round needs, in one
+place:
 
 - the prompt stream and the position consumed (what a checkpoint holds);
 - the rank split: which groups of a round this rank samples (`dp.round_groups`; an asynchronous
   source's by stream position, `dp.position_groups`), every rank's joined after scoring;
 - the per-position generators (`dp.generator`: what a group draws depends on its position alone);
-- the policy view (`policy`: eval mode, the rollout's quantized forward, the sync side's view: FSDP's
-  parameters gathered for a sampler in process) and the sync with it (`Sync.sync(model, step)`: a
-  server's weights published, labelled with the step that made them). At the first sync QaRL's
-  alignment is applied here, visibly: the sync side reports its int8 GEMM (`Sync.kernels`), the
-  learner's is set to it (`set_int8_gemm`), then the sync side checks the learner agrees with it;
+- the policy as it samples (`policy`: eval mode, the rollout's quantized forward) and the sync of the
+  backend's weights with it (`Weights.sync(model, step)`: a server's published, labelled with the
+  step that made them). At the first sync QaRL's alignment is applied here, visibly: a low-bit
+  sampler reports its int8 GEMM (`Aligned.kernels`), the learner's is set to it (`set_int8_gemm`),
+  then the sampler checks the learner agrees with it;
 - errors: a rank's failed round is raised on every rank (`dp.fail_together`).
 
 Two sources:
@@ -46,7 +47,7 @@ import contextlib
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -55,7 +56,7 @@ from backstream.checks import UserError, literals
 from backstream.log import log
 from backstream.quant.linear import quantized, set_int8_gemm
 from backstream.rl.backends.base import SamplingParams, is_int
-from backstream.rl.records import Samples
+from backstream.rl.records import Round, Samples
 
 # The interpreter's thread switch interval while an asynchronous source runs (Python's default: 5 ms).
 # Its threads wake for a moment per server answer (parse it, call a tool, send the next turn) and then
@@ -98,29 +99,19 @@ class RolloutConfig(SamplingParams):
         literals(self, "rollout")
 
 
-@dataclass
-class Round:
-    """A round's samples (this rank's groups) and the seconds they spent in phases of their own
-    ("sync": publishing the weights; "tool": an in-process episode's tools)."""
-
-    samples: Samples
-    seconds: dict[str, float] = field(default_factory=dict)
-
-
 class Source:
     """The synchronous loop's source (see the module docstring). `sampler`: the run's kind of sampler
-    over the run's backend; `sync`: that backend's sync side (rl/backends/base.py `Sync`); `examples`:
-    the data; `stream`: its prompt stream (data.PromptStream); `dp`: the run's rl/parallel.py object;
-    `model`: the policy; `quant`: the run's [quant]; `phase(what)`: shows what the step is doing (the
-    progress line)."""
+    over the run's backend; `sampling`: what samples (rl/backends/base.py `Sampling`: its `weights` are
+    synced here, its `aligned` kernels copied at the first sync); `examples`: the data; `stream`: its
+    prompt stream (rl/data/prompts.py `PromptStream`); `dp`: the run's rl/parallel/ object; `model`: the
+    policy; `quant`: the run's [quant]; `phase(what)`: shows what the step is doing (the progress line)."""
 
-    metric_keys: tuple[str, ...] = ()
-
-    def __init__(self, sampler, sync, examples: list[dict], stream, dp, model, quant, phase=None):
-        self.sampler, self.weights, self.examples, self.stream, self.dp = sampler, sync, examples, stream, dp
+    def __init__(self, sampler, sampling, examples: list[dict], stream, dp, model, quant, phase=None):
+        self.sampler, self.examples, self.stream, self.dp = sampler, examples, stream, dp
+        self.weights, self.aligned = sampling.weights, sampling.aligned
         self.model, self.quant, self.phase = model, quant, phase or (lambda what: None)
         self.step = 0  # the learner's step that made its current weights (`at_step`)
-        self.synced = False  # the sync side has had the policy's weights once (QaRL's alignment applied)
+        self.synced = False  # the weights have been synced once (QaRL's alignment applied)
 
     @property
     def consumed(self) -> int:
@@ -129,10 +120,9 @@ class Source:
 
     @contextlib.contextmanager
     def policy(self):
-        """The policy as the backend samples it: no dropout, the rollout's quantized forward, the sync
-        side's view (FSDP's parameters gathered once, for a sampler in process)."""
+        """The policy as the backend samples it: no dropout, the rollout's quantized forward."""
         self.model.eval()
-        with quantized(self.model, self.quant.enabled), self.weights.view(self.model):
+        with quantized(self.model, self.quant.enabled):
             yield self.model
 
     def sync(self) -> float:
@@ -143,25 +133,26 @@ class Source:
             f"starting the vLLM servers, {seconds:.0f} s"))
         if not self.synced:
             self.synced = True
-            gemm = self.weights.kernels().get("int8_gemm")
-            if gemm is not None:
-                n = set_int8_gemm(self.model, gemm)
-                log.info(f"quant: the learner's int8 GEMM is the backend's, {gemm} ({n} layers)")
-            self.weights.check_aligned(self.model)
+            for sampler in self.aligned:  # QaRL: the learner computes what the sampler's low-bit kernels do
+                gemm = sampler.kernels().get("int8_gemm")
+                if gemm is not None:
+                    n = set_int8_gemm(self.model, gemm)
+                    log.info(f"quant: the learner's int8 GEMM is the backend's, {gemm} ({n} layers)")
+                sampler.check_aligned(self.model)
         return seconds
 
     def sample(self, sampler, rows: list[dict], indices: list[int], generators: list, progress=None) -> Round:
         """`sampler`'s samples of `rows` at the policy's current weights (every rank calls it, an empty
         share too: the sync may be a collective); a rank's error is raised on every rank."""
-        error, r, seconds = None, None, 0.0
+        error, got, seconds = None, None, 0.0
         with self.policy():
             seconds = self.sync()
             try:
-                r = sampler.sample(rows, indices, generators, progress)
+                got = sampler.sample(rows, indices, generators, progress)
             except Exception as e:  # noqa: BLE001  (raised below, on every rank)
                 error = e
         self.dp.fail_together(error)
-        return Round(r, {"sync": seconds, **sampler.timings(r)})
+        return Round(got.samples, {"sync": seconds, **got.seconds})
 
     def take(self, n: int, refill: bool = False) -> Round:
         """G samples for each of this process's groups (`dp.round_groups`: all of them in one process)
@@ -178,16 +169,6 @@ class Source:
         round)."""
         self.step = step
 
-    def idle(self) -> None:
-        """The step's rounds are in: the sync side may rest (a server on the learner's GPU sleeps)."""
-        self.weights.idle()
-
-    def metrics(self) -> dict[str, float]:
-        return {}
-
-    def close(self) -> None:
-        pass
-
 
 class AsyncSource(Source):
     """rollout.max_staleness = k >= 1: groups sampled ahead, in flight while the learner trains (see
@@ -197,8 +178,8 @@ class AsyncSource(Source):
     """Seconds of the step with no group of this rank in flight: the backend idle for want of work the
     bound allows."""
 
-    def __init__(self, sampler, sync, examples, stream, dp, model, quant, per_step: int, k: int, phase=None):
-        super().__init__(sampler, sync, examples, stream, dp, model, quant, phase)
+    def __init__(self, sampler, sampling, examples, stream, dp, model, quant, per_step: int, k: int, phase=None):
+        super().__init__(sampler, sampling, examples, stream, dp, model, quant, phase)
         self.per_step, self.k = per_step, k
         self.handed: int | None = None  # groups handed to the trainer (once it runs; the stream runs ahead)
         self.limit = 0  # groups at positions below it may start
@@ -239,12 +220,9 @@ class AsyncSource(Source):
                 error = error or e
         self.handed = first + n
         self.dp.fail_together(error)
-        r = Samples.concat(parts) if parts else self.sampler.sample([], [], [])
+        r = Samples.concat(parts) if parts else self.sampler.sample([], [], []).samples
         self._check_bound(r)
         return Round(r, {})
-
-    def idle(self) -> None:
-        """Nothing: the backend samples ahead while the learner trains."""
 
     def _check_bound(self, r: Samples) -> None:
         oldest = min((int(v.min()) for v in r.sampled_versions() if len(v)), default=self.step)
@@ -296,7 +274,8 @@ class AsyncSource(Source):
 
     def _sample(self, pos: int, index: int, future: concurrent.futures.Future) -> None:
         try:
-            future.set_result(self.sampler.sample([self.examples[index]], [index], [self.dp.generator(pos)]))
+            got = self.sampler.sample([self.examples[index]], [index], [self.dp.generator(pos)])
+            future.set_result(got.samples)
         except BaseException as e:  # noqa: BLE001  (raised in the trainer, by `take`)
             future.set_exception(e)
         finally:
@@ -305,7 +284,7 @@ class AsyncSource(Source):
                 if self.running == 0:
                     self.idle_since = time.perf_counter()
 
-    def metrics(self) -> dict[str, float]:
+    def metrics(self, samples=None) -> dict[str, float]:
         with self.cv:
             now = time.perf_counter()
             idle = self.idle_s + (now - self.idle_since if self.running == 0 and self.idle_since is not None else 0)
@@ -330,24 +309,26 @@ SHARED_WARNING = ("rollout.max_staleness = {k}: the vLLM server this run starts 
                   "ahead of the learner\"), or set rollout.max_staleness = 0")
 
 
-def check_backend(cfg, backend) -> None:
-    """rollout.max_staleness = k >= 1 needs a backend that samples beside the learner, not in its process;
-    refused by name before anything else is built (and said at start-up when the server the run starts
-    shares the learner's machine)."""
-    k = cfg.rollout.max_staleness
+def check_backend(rollout: RolloutConfig, backend) -> None:
+    """rollout.max_staleness = k >= 1 (of [rollout] `rollout`) needs a backend that samples beside the
+    learner, not in its process; refused by name before anything else is built."""
+    k = rollout.max_staleness
     if k and backend.in_process:
         raise UserError(f"rollout.max_staleness = {k}: the local sampler runs in the learner's process, on its "
                         "weights, so nothing samples while the learner trains; set rollout.backend = \"vllm\" (a "
                         "server samples ahead), or rollout.max_staleness = 0")
 
 
-def build_source(cfg, sampler, sync, examples: list[dict], stream, dp, model, phase=None) -> Source:
-    """The run's source (`check_backend` passed): synchronous, or asynchronous with rollout.max_staleness
-    = k >= 1; `sync`: the backend's sync side."""
-    k = cfg.rollout.max_staleness
+def build_source(rollout: RolloutConfig, sampler, sampling, examples: list[dict], stream, dp, model, quant, *,
+                 per_step: int, servers_here: bool = False, phase=None) -> Source:
+    """The run's source (`check_backend` passed) for [rollout] `rollout`: synchronous, or asynchronous with
+    rollout.max_staleness = k >= 1 (said at start-up when `servers_here`: the vLLM servers the run
+    starts share the learner's machine); `sampling`: what samples; `quant`: [quant]; `per_step`:
+    train.prompts_per_step."""
+    k = rollout.max_staleness
     if not k:
-        return Source(sampler, sync, examples, stream, dp, model, cfg.quant, phase)
-    if cfg.rollout.backend == "vllm" and not cfg.vllm.addresses():
+        return Source(sampler, sampling, examples, stream, dp, model, quant, phase)
+    if servers_here:
         dp.on_main(lambda: log.warning(SHARED_WARNING.format(
             k=k, what="GPUs" if torch.cuda.is_available() else "CPU cores")))
-    return AsyncSource(sampler, sync, examples, stream, dp, model, cfg.quant, cfg.train.prompts_per_step, k, phase)
+    return AsyncSource(sampler, sampling, examples, stream, dp, model, quant, per_step, k, phase)

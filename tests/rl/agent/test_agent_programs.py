@@ -20,7 +20,7 @@ from backstream import config, trainer
 from backstream.checks import UserError
 from backstream.rl.agent.env import EnvConfig
 from backstream.rl.backends.base import SamplingParams
-from backstream.rl.backends.local.backend import LocalBackend, LocalSync
+from backstream.rl.backends.local.backend import LocalBackend
 from backstream.rl.rollout.programs import AgentSampler
 from backstream.stream.engine import logprobs
 
@@ -32,8 +32,8 @@ class Recorder(LocalBackend):
         super().__init__(*a)
         self.calls = []
 
-    def generate(self, ids, max_tokens, seed, key=None):
-        out = super().generate(ids, max_tokens, seed, key)
+    def _request(self, model, version, ids, max_tokens, seed):
+        out = super()._request(model, version, ids, max_tokens, seed)
         self.calls.append((list(ids), list(out.ids)))
         return out
 
@@ -54,12 +54,12 @@ def test_every_sampled_token_is_trained_once_in_the_context_it_was_sampled_in():
     cfg = SamplingParams(max_new_tokens=5)
     eos = [tok.eos_token_id]
     answers = Recorder(cfg, eos, tok)
-    LocalSync(answers).sync(model, 0)
+    answers.weights.sync(model, 0)
     sampler = AgentSampler(cfg, 2, EnvConfig(agent="agents_for_tests:rewriting_agent", format="chat"), tok, eos, 256,
                            answers)
     try:
         gens = [torch.Generator().manual_seed(s) for s in (1, 2)]
-        r = sampler.sample([{"prompt": "12+3="}, {"prompt": "7+70="}], [0, 1], gens)
+        r = sampler.sample([{"prompt": "12+3="}, {"prompt": "7+70="}], [0, 1], gens).samples
     finally:
         sampler.close()
     assert len(r) == 4 and len(answers.calls) == 12
@@ -176,10 +176,10 @@ def test_programs_that_fail_or_hang_end_their_episode_with_reward_zero(env_kw, c
     model, tok = _chat_tiny()
     cfg = SamplingParams(max_new_tokens=4)
     backend = LocalBackend(cfg, [tok.eos_token_id], tok)
-    LocalSync(backend).sync(model, 0)
+    backend.weights.sync(model, 0)
     sampler = AgentSampler(cfg, 2, EnvConfig(format="chat", **env_kw), tok, [tok.eos_token_id], 256, backend)
     try:
-        r = sampler.sample([{"prompt": "1+1="}], [0], [torch.Generator().manual_seed(0)])
+        r = sampler.sample([{"prompt": "1+1="}], [0], [torch.Generator().manual_seed(0)]).samples
     finally:
         sampler.close()
     m = sampler.metrics(r)
@@ -199,12 +199,12 @@ def test_a_request_that_extends_the_last_one_continues_its_kv_exactly():
     model, tok = tiny(torch.float64)
     cfg = SamplingParams(max_new_tokens=6)
     answers = LocalBackend(cfg, [tok.eos_token_id], tok)
-    LocalSync(answers).sync(model, 0)
+    answers.weights.sync(model, 0)
     answers.reuse_min = 1
     sampler = AgentSampler(cfg, 2, EnvConfig(agent="agents_for_tests:appending_agent", format="plain"), tok,
                            [tok.eos_token_id], 256, answers)
     try:
-        r = sampler.sample([{"prompt": "12+34="}], [0], [torch.Generator().manual_seed(3)])
+        r = sampler.sample([{"prompt": "12+34="}], [0], [torch.Generator().manual_seed(3)]).samples
     finally:
         sampler.close()
     assert answers.reused > 0 and all(e.turns == 4 and e.branches == 0 for e in r.episodes)

@@ -283,12 +283,24 @@ def test_the_trainer_builds_rewards_with_the_environment(tmp_path):
                                 'env.factory="envs_for_tests:Calc"'), model=model, tokenizer=tok)
     assert list(t.rewards.functions) == ["count_ones", "env"] and "reward/env" in t.metric_keys()
     t.run_folder.release()
-    t.sampler.close()
+    t.close()
 
 
 def test_the_episode_sampler_protocol():
+    """In process, an episode's tools are a phase of the round's own ("tool"); its metrics are the keys it
+    names; a scored sample hands its environment back (`Samples.release`), and `close` what was never
+    scored."""
     model, tok = tiny(torch.float32)
     s = episode_sampler(tok, SamplingParams(max_new_tokens=4), EnvConfig(factory="envs_for_tests:Calc"), group_size=1)
-    r = sample(s, model, [{"prompt": "1+2="}])
-    assert s.timings(r) == {"tool": sum(e.tool_seconds for e in r.episodes)} and s.environment is s.env
+    s.backend.weights.sync(model, 0)
+    got = s.sample([{"prompt": "1+2="}], [0], [torch.Generator().manual_seed(0)])
+    assert got.seconds == {"tool": sum(e.tool_seconds for e in got.samples.episodes)} and s.environment is s.env
+    assert list(s.metrics(got.samples)) == list(s.metric_keys)
+    (held,) = [e.hold for e in got.samples.episodes]
+    assert not held.released and s.live == [held]
+    got.samples.release()
+    assert held.released
+    again = s.sample([{"prompt": "2+2="}], [0], [torch.Generator().manual_seed(0)]).samples
+    assert s.live == [again.episodes[0].hold]  # the released one is no more held
     s.close()
+    assert again.episodes[0].hold.released

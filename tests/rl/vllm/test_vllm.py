@@ -264,7 +264,7 @@ def test_a_lora_policy_publishes_its_adapter(lora_server):
     model, tok, srv = lora_server
     assert srv.weights.kind == "adapter" and srv.backend.requests.model == "policy-lora"
     notes = []  # what a progress line shows while the run's server starts
-    srv.sync.sync(model, 0, lambda seconds: notes.append(seconds))
+    srv.weights.sync(model, 0, lambda seconds: notes.append(seconds))
     assert notes and notes == sorted(notes) and notes[-1] > 1
     assert srv.weights.published == 1  # the adapter, at the start
     prompts = [torch.tensor(tok("12+34=", add_special_tokens=True)["input_ids"]), *_long_prompts(1)]
@@ -290,7 +290,7 @@ def test_top_p_top_k_at_temperature_1_report_the_learners_logprobs(served, lora_
     with pytest.raises(ValueError, match=r"it reports log-probs as processed_logprobs, and this run needs raw_"):
         Served(tok, processed.run_dir + "-topp", model, *processed.overrides, "rollout.top_p=0.6", "rollout.top_k=3")
     policy, _, raw = lora_server
-    assert raw.sync.mode == "raw_logprobs"
+    assert raw.mode == "raw_logprobs"
     r = raw.sample(raw.sampler(prompts, G=8, cfg=cfg), policy, [{}], [0], [torch.Generator().manual_seed(3)])
     assert _max_logprob_gap(policy, r) <= 1e-4
     with torch.no_grad():  # the truncation shaped the sampling: every token among the learner's top 3
@@ -499,7 +499,8 @@ def test_a_model_built_from_a_config_with_qwen3s_context_trains_on_the_default_v
     model, tok = _qwen3_context_model()
     t = trainer.Trainer(_vllm_run(tmp_path, "run", "train.steps=3", "train.seed=1", "train.save_every=1"),
                         model=model, tokenizer=tok)
-    longest = t.sync.context.longest
+    (context,) = t.sampling.preflight
+    longest = context.longest
     assert longest == max(len(p) for p in t.sampler.prompts) + 6
     run = t.run_dir
     rows = [t.train_step()]

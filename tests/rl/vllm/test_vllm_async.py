@@ -14,6 +14,7 @@
 """
 
 import copy
+import dataclasses
 import json
 import os
 import threading
@@ -63,7 +64,7 @@ def test_a_publish_mid_request_labels_every_token_with_its_version(tmp_path, vll
         prompt = tok("12+34=", add_special_tokens=True)["input_ids"]
         params = {"max_tokens": 3000, "temperature": 1.0, "ignore_eos": True}
         out = {}
-        member = srv.sync.pool.alive()[0]
+        member = srv.pool.alive()[0]
         request = threading.Thread(target=lambda: out.update(
             x=srv.backend.requests.generate(member, prompt, params, 1, 5, [])[0]))
         request.start()
@@ -109,11 +110,14 @@ def _trained_prompts(run) -> list[list[int]]:
 
 
 class Slowed:
-    """The run's server backend (its two sides), each group's request 0.3 s late: a server slower than the
-    learner, so that groups are in flight across publishes."""
+    """The run's server backend, each group's request 0.3 s late: a server slower than the learner, so that
+    groups are in flight across publishes."""
 
     def __init__(self, cfg, run_dir: str):
-        self.inner, self.sync = build_backend(cfg, load_default()[1], [load_default()[1].eos_token_id], run_dir)
+        tok = load_default()[1]
+        self.sampling = build_backend(cfg.rollout, cfg.vllm, policy=cfg.model, quant=cfg.quant, seed=cfg.train.seed,
+                                      tokenizer=tok, eos=[tok.eos_token_id], run_dir=run_dir, model=None)
+        self.inner = self.sampling.backend
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
@@ -122,8 +126,8 @@ class Slowed:
         time.sleep(0.3)
         return self.inner.complete(*args, **kw)
 
-    def sides(self) -> tuple:
-        return self, self.sync
+    def sides(self):
+        return dataclasses.replace(self.sampling, backend=self)
 
 
 def test_a_run_one_step_ahead_keeps_the_bound_and_resumes_without_taking_a_prompt_twice(tmp_path, vllm_python,

@@ -24,9 +24,9 @@ from helpers import tiny
 from torch.multiprocessing.reductions import rebuild_tensor
 
 from backstream import config
-from backstream.rl.backends.vllm.backend import build
+from backstream.rl.backends import build_backend
 from backstream.rl.backends.vllm.pool import Member, ServerPool
-from backstream.rl.backends.vllm.server import ServerError
+from backstream.rl.backends.vllm.server import ServerError, VLLMConfig
 from backstream.rl.backends.vllm.weights.ledger import fingerprint
 from backstream.rl.backends.vllm.weights.sync import ColocatedSync, DiskSync, PublishError, file_fingerprints
 from backstream.rl.parallel import DataParallel
@@ -140,7 +140,7 @@ def test_a_disk_publish_is_checked_and_its_files_leave_with_the_run(tmp_path):
     model, tok = _model()
     a, b = StandIn("a"), StandIn("b")
     pool = _pool(a, b)
-    sync = DiskSync(pool, DataParallel(), str(tmp_path / "vllm"))
+    sync = DiskSync(pool, None, DataParallel(), str(tmp_path / "vllm"))
     sync.sync(model, 0)
     folder = tmp_path / "vllm" / "published"
     assert os.listdir(folder) == ["weights-1"] and a.ledger["version"] == "0" == b.ledger["version"]
@@ -163,7 +163,7 @@ def test_a_disk_publish_is_checked_and_its_files_leave_with_the_run(tmp_path):
 def test_a_publish_that_left_the_weights_unchanged_names_the_tensors(tmp_path):
     model, tok = _model()
     a = StandIn("a")
-    sync = DiskSync(_pool(a), DataParallel(), str(tmp_path / "vllm"))
+    sync = DiskSync(_pool(a), None, DataParallel(), str(tmp_path / "vllm"))
     sync.sync(model, 0)
     stale = dict(a.ledger)
     _step(model)
@@ -187,8 +187,9 @@ def test_colocated_control_plane(tmp_path):
     cache; every publish checked against what the server rebuilt from the handles."""
     model, tok = _model()
     a = StandIn("a")
-    sync = ColocatedSync(_pool(a), DataParallel(), str(tmp_path / "vllm"), memory=0.3)
-    assert sync.server_args()[-2:] == ["--weight-transfer-config", '{"backend": "ipc"}']
+    sync = ColocatedSync(_pool(a), None, DataParallel(), str(tmp_path / "vllm"))
+    assert ColocatedSync.server_args(VLLMConfig(gpu_memory_utilization=0.3))[-5:] == [
+        "--gpu-memory-utilization", "0.3", "--weight-transfer-config", '{"backend": "ipc"}']
     assert sync.server_env() == {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
     sync.sync(model, 0)
     routes = [p for p in a.posts if p != "/collective_rpc"]
@@ -196,7 +197,7 @@ def test_colocated_control_plane(tmp_path):
                       "/update_weights", "/finish_weight_update", "/update_weight_version", "/reset_prefix_cache",
                       "/resume"]
     a.posts.clear()
-    sync.idle()
+    sync.rest()
     _step(model)
     sync.sync(model, 1)
     routes = [p for p in a.posts if p != "/collective_rpc"]
@@ -216,7 +217,8 @@ def test_colocate_without_a_gpu_is_refused(tmp_path):
         pytest.skip("a GPU machine colocates (bench/gpu_check.sh)")
     with pytest.raises(ValueError, match=r"vllm.colocate = true: a server on the learner's own GPU, which this "
                        r"machine does not have"):
-        build(cfg, tok, [tok.eos_token_id], str(tmp_path), DataParallel(), model)
+        build_backend(cfg.rollout, cfg.vllm, policy=cfg.model, quant=cfg.quant, seed=0, tokenizer=tok,
+                      eos=[tok.eos_token_id], run_dir=str(tmp_path), model=model)
 
 
 class Joining:
@@ -282,7 +284,8 @@ def test_the_way_weights_travel_is_chosen_and_refused_by_name():
     able, unable = {"transfer": TRANSFER_ENGINE}, {}
 
     def way(*sets, infos=(able, able)):
-        return weight_path(config.load(None, ['rollout.backend="vllm"', *urls, *sets]), model, list(infos))
+        cfg = config.load(None, ['rollout.backend="vllm"', *urls, *sets])
+        return weight_path(cfg.vllm, cfg.quant, model, list(infos))
 
     assert way()[0] == "transfer" and way('vllm.weights="disk"')[0] == "disk"
     kind, why = way(infos=(able, unable))

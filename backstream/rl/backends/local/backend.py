@@ -8,7 +8,7 @@ current weights, in this process (rl/backends/local/decode.py: every row of a ca
   round prefills each distinct prompt once; each episode then keeps its own K/V (and, in a hybrid
   model, its layer states), and a later turn prefills only its new tokens (the previous turn's last
   token, the inserted ones) after them before it joins the round's batch.
-- `generate` (an agent program's requests, from threads): a request that arrives while the model
+- `round` (an agent program's requests, from threads): a request that arrives while the model
   decodes waits; the requests that waited are then decoded together, so the episodes of a round
   batch. A request whose ids extend at least `reuse_min` tokens that an earlier request of the round
   was fed and sampled (an agent that appends to its conversation) prefills only its new tokens after
@@ -18,8 +18,9 @@ current weights, in this process (rl/backends/local/decode.py: every row of a ca
   tokens depend on its seed, not on its batch-mates. Outside a `round` (a program still running
   after its episode ended) a request is refused: the model is being trained.
 
-Every token records the learner's step that made the model's weights (`LocalSync.sync`) as its weight
-version.
+What it samples with is its `LocalWeights`' to say: `sync(model, step)` hands it the policy and the step
+that made its weights (every token's version), which the backend asks for (`current`) at each call;
+its forwards run with FSDP's parameters gathered once (`fsdp.gathered`), on the thread that calls it.
 """
 
 from __future__ import annotations
@@ -57,50 +58,66 @@ class _Request:
     error: BaseException | None = None
 
 
+class LocalWeights:
+    """The in-process backend's weights (rl/backends/base.py `Weights`): the learner's own model, at its
+    weights as they are; `sync` says which model and the step that made them (every token's version)."""
+
+    def __init__(self):
+        self.model, self.version = None, 0
+
+    def sync(self, model, step: int, progress=None) -> float:
+        self.model, self.version = model, step
+        return 0.0
+
+    def current(self) -> tuple:
+        """(the model, the step that made its weights); an error before the first `sync`."""
+        if self.model is None:
+            raise RuntimeError("the local backend samples nothing before its weights' first sync")
+        return self.model, self.version
+
+
 class LocalBackend:
     """The learner's model, sampling in this process (see the module docstring). `config`: the run's
-    sampling settings (temperature, top-p/top-k, stop strings, rollout.max_new_tokens). What it samples
-    with is its `LocalSync`'s to say (`sync`: the model and the step that made its weights)."""
+    sampling settings (temperature, top-p/top-k, stop strings, rollout.max_new_tokens); `weights`: what
+    it samples with (a new `LocalWeights` unless given)."""
 
     in_process = True
-    metric_keys: tuple[str, ...] = ()
 
-    def __init__(self, config: SamplingParams, eos: list[int], tokenizer):
+    def __init__(self, config: SamplingParams, eos: list[int], tokenizer, weights: LocalWeights | None = None):
         self.config, self.eos, self.tok = config, set(eos), tokenizer
-        self.model = None  # `LocalSync.sync`'s
-        self.version = 0  # the learner's step that made the model's weights (`LocalSync.sync`)
+        self.weights = weights if weights is not None else LocalWeights()
         self.cond = threading.Condition()
         self.queue: list[_Request] = []
         self.decoding = False
         self.open = False  # inside a `round`
         self.batches: list[int] = []  # requests per decode batch, this round
         self.live = 0  # episodes playing: each may send a request
+        self.finished: set[str] = set()  # this round's sessions that are over
         self.prefixes: list[tuple[list[int], object]] = []  # this round's (ids fed, their K/V), each taken once
         self.reused = 0  # tokens of this round's requests not prefilled again
         self.reuse_min = REUSE_MIN
 
-    def metrics(self, versions: list[Tensor]) -> dict[str, float]:
-        return {}
-
-    def close(self) -> None:
-        self.model = None
-
-    def _completion(self, ids: list[int], logprobs: Tensor, reason: str, kv=None) -> Completion:
-        return at_version(ids, logprobs, self.version, reason, kv)
-
     # -- completions ----------------------------------------------------------------------------------
     def complete(self, prompts: list[Tensor], group_size: int, max_tokens: int, generators: list,
                  return_kv: bool = False, progress=None) -> list[Completion]:
+        model, version = self.weights.current()
         config = dataclasses.replace(self.config, max_new_tokens=max_tokens)
-        return generate(self.model, prompts, config, group_size=group_size, eos_token_id=sorted(self.eos),
-                        tokenizer=self.tok, return_kv=return_kv, generator=generators, progress=progress,
-                        version=self.version)
+        with fsdp.gathered(model):
+            return generate(model, prompts, config, group_size=group_size, eos_token_id=sorted(self.eos),
+                            tokenizer=self.tok, return_kv=return_kv, generator=generators, progress=progress,
+                            version=version)
 
     # -- episodes -------------------------------------------------------------------------------------
-    @torch.no_grad()
     def play(self, starts: list[list[int]], generators: list, turn, budget, max_turns: int,
              return_kv: bool = False) -> list[Played]:
-        model, config = self.model, self.config
+        model, version = self.weights.current()
+        with fsdp.gathered(model):
+            return self._play(model, version, starts, generators, turn, budget, return_kv)
+
+    @torch.no_grad()
+    def _play(self, model, version: int, starts: list[list[int]], generators: list, turn, budget,
+              return_kv: bool) -> list[Played]:
+        config = self.config
         keep_last = takes_logits_to_keep(model)
         check_return_kv(model, return_kv)
         played = [Played(fed=list(s)) for s in starts]
@@ -113,14 +130,14 @@ class LocalBackend:
         live = list(range(len(starts)))
         budgets = [budget(n) for n in lengths]
         while live:
-            out = self.decode_rows(batch, [generators[k] for k in live], keep_last, budgets)
+            out = self.decode_rows(model, batch, [generators[k] for k in live], keep_last, budgets)
             still = []
             for r, k in enumerate(live):
                 tokens = out.tokens[r]
                 caches[k] = out.caches[r]
                 played[k].fed += tokens[:-1]
                 lengths[k] += len(tokens)
-                inserted = turn(k, self._completion(tokens, out.logprobs[r], out.reasons[r]))
+                inserted = turn(k, at_version(tokens, out.logprobs[r], version, out.reasons[r]))
                 if inserted is not None:
                     feed[k] = tokens[-1:] + list(inserted)
                     lengths[k] += len(inserted)
@@ -148,11 +165,15 @@ class LocalBackend:
     @contextlib.contextmanager
     def round(self, episodes: int):
         """A round of `episodes` agent programs: requests are taken inside it (a program still running
-        after it ended is refused: the model is being trained), batched while episodes still play."""
+        after it ended is refused: the model is being trained), batched while episodes still play
+        (`_LocalRound.finish` says one is over), with the weights as they were when it opened."""
+        model, version = self.weights.current()
         with self.cond:
-            self.open, self.batches, self.prefixes, self.reused, self.live = True, [], [], 0, episodes
+            self.open, self.batches, self.prefixes, self.reused = True, [], [], 0
+            self.live, self.finished = episodes, set()
         try:
-            yield _Playing(self)
+            with fsdp.gathered(model):
+                yield _LocalRound(self, model, version)
         finally:
             with self.cond:
                 while self.decoding:
@@ -163,10 +184,10 @@ class LocalBackend:
                 self.queue = []
                 self.cond.notify_all()
 
-    def generate(self, ids: list[int], max_tokens: int, seed: int, key: str | None = None) -> Completion:
+    def _request(self, model, version: int, ids: list[int], max_tokens: int, seed: int) -> Completion:
         req = _Request(list(ids), max_tokens, seed)
         with self.cond:
-            if not self.open or self.model is None:
+            if not self.open:
                 raise RuntimeError("no round is being sampled: this episode is over")
             self.queue.append(req)
             while req.answer is None and req.error is None:
@@ -175,10 +196,10 @@ class LocalBackend:
                     continue
                 self.decoding = True
                 self._gather()
-                batch, self.queue, model = self.queue, [], self.model
+                batch, self.queue = self.queue, []
                 self.cond.release()
                 try:
-                    self._answer(model, batch)
+                    self._answer(model, version, batch)
                 except BaseException as e:  # noqa: BLE001  (each waiting request gets the error)
                     for r in batch:
                         r.error = r.error or e
@@ -202,13 +223,13 @@ class LocalBackend:
             if len(self.queue) == n:
                 return
 
-    def decode_rows(self, rows: Rows, generators: list, keep_last: bool, budgets: list[int]):
-        """Every row of `rows` decoded as one batch, keeping each row's cache (rl/backends/local/decode.py `decode`):
-        the one place the backend's episodes and requests draw their tokens."""
-        return decode(self.model, rows, self.config, self.eos, self.tok, generators, keep_last, budgets, keep_kv=True)
+    def decode_rows(self, model, rows: Rows, generators: list, keep_last: bool, budgets: list[int]):
+        """Every row of `rows` decoded as one batch, keeping each row's cache (rl/backends/local/decode.py
+        `decode`): the one place the backend's episodes and requests draw their tokens."""
+        return decode(model, rows, self.config, self.eos, self.tok, generators, keep_last, budgets, keep_kv=True)
 
     @torch.no_grad()
-    def _answer(self, model, batch: list[_Request]) -> None:
+    def _answer(self, model, version: int, batch: list[_Request]) -> None:
         self.batches.append(len(batch))
         keep_last = takes_logits_to_keep(model)
         device = next(model.parameters()).device
@@ -226,9 +247,9 @@ class LocalBackend:
         rows = Rows.stack(parts, len(batch), max(r.max_tokens for r in batch), SHARE_MIN if shares(model) else math.inf)
         del parts
         gens = [torch.Generator().manual_seed(r.seed) for r in batch]
-        out = self.decode_rows(rows, gens, keep_last, [r.max_tokens for r in batch])
+        out = self.decode_rows(model, rows, gens, keep_last, [r.max_tokens for r in batch])
         for r, ids, lp, reason, kv in zip(batch, out.tokens, out.logprobs, out.reasons, out.caches):
-            r.answer = self._completion(ids, lp, reason)
+            r.answer = at_version(ids, lp, version, reason)
             with self.cond:
                 self.prefixes.append((r.ids + ids[:-1], kv))
 
@@ -242,47 +263,20 @@ class LocalBackend:
             return self.prefixes.pop(best) if best is not None else ([], None)
 
 
-class _Playing:
-    """A local round's bookkeeping: `done()` when one of its episodes is over (fewer requests to wait for)."""
+class _LocalRound:
+    """A local round's requests (rl/backends/base.py `Requests`): each waits for its batch; `finish`
+    when one of its episodes is over (fewer requests to wait for)."""
 
-    def __init__(self, backend: LocalBackend):
-        self.backend = backend
+    def __init__(self, backend: LocalBackend, model, version: int):
+        self.backend, self.model, self.version = backend, model, version
 
-    def done(self) -> None:
-        with self.backend.cond:
-            self.backend.live -= 1
-            self.backend.cond.notify_all()
+    def generate(self, ids: list[int], max_tokens: int, seed: int, key: str) -> Completion:
+        return self.backend._request(self.model, self.version, ids, max_tokens, seed)
 
-
-class LocalSync:
-    """The sync side of the in-process backend: the learner's own model samples, at its weights as they
-    are; `sync` hands it to the backend with the step that made them (every token's version)."""
-
-    def __init__(self, backend: LocalBackend):
-        self.backend = backend
-
-    def need_context(self, tokens: int, why: str) -> None:
-        """Nothing: the prompts were checked against the model's context when the data was loaded."""
-
-    def check(self, model) -> None:
-        """Nothing to check: the model samples itself."""
-
-    def view(self, model):
-        """FSDP's parameters gathered once for the rollout's forwards (no collective inside them)."""
-        return fsdp.gathered(model)
-
-    def sync(self, model, step: int, progress=None) -> float:
-        self.backend.model, self.backend.version = model, step
-        return 0.0
-
-    def idle(self) -> None:
-        """Nothing: the model samples itself."""
-
-    def kernels(self) -> dict[str, str]:
-        return {}
-
-    def check_aligned(self, model) -> None:
-        """The learner's own quantized forward samples: aligned by construction."""
-
-    def close(self) -> None:
-        self.backend.model = None
+    def finish(self, key: str) -> None:
+        b = self.backend
+        with b.cond:
+            if key not in b.finished:
+                b.finished.add(key)
+                b.live -= 1
+                b.cond.notify_all()

@@ -1,7 +1,7 @@
-"""The server backend (rl/backends/base.py's protocols) over a pool of vLLM servers (rl/backends/vllm/pool.py),
-token ids in and out.
+"""The server backend over a pool of vLLM servers (rl/backends/vllm/pool.py), token ids in and out, and
+`build`, what a run holds of it (rl/backends/base.py `Sampling`).
 
-The sampling side, `ServerBackend`:
+The sampling side, `ServerBackend` (rl/backends/base.py `Backend`):
 - `complete`: one request per group (`n = G`, one server: its prefix cache holds the prompt), all of a
   call's groups in flight at once so the servers batch them, each group to the server with the least
   in flight. A group's request carries a seed drawn from its generator (the one the local backend
@@ -10,13 +10,15 @@ The sampling side, `ServerBackend`:
   episode's ids so far (sampled and inserted tokens, never re-rendered text: the server echoes them
   and they are checked), every turn of one episode on one server (its prefix cache keeps the episode's
   history). Episode k's turn t draws with the t-th of `max_turns` seeds drawn from its generator.
-- `generate`: one request after exactly the ids, an agent session's requests on one server.
+- `round`: an agent session's requests, each after exactly the ids it gives, on one server; a session
+  that is over is forgotten by the pool.
 The servers hand no K/V (engine.reuse_rollout_kv is refused): the engine runs its prefill.
 
-The sync side, `ServerSync`: the pool started (rank 0: `vllm.servers` servers from the learner's
-weights, or `vllm.urls` checked) at the first sync, the weights published by the run's weight sync
-(rl/backends/vllm/weights/: how they travel is its alone), QaRL's kernels and alignment asked of the servers
-(rl/backends/vllm/alignment.py), the servers' context checked before the run folder is written.
+Who starts the servers, `Launcher`: the pool's hooks, given to it when it is built: server i started
+(rank 0) from RUN_DIR/vllm/initial on its own cores or GPUs, or a server of yours connected to and
+checked. The weights (rl/backends/vllm/weights/: how they travel is theirs alone) start the pool at
+their first sync. The servers' context and K/V cache are checked before the run folder is written
+(rl/backends/vllm/context.py), QaRL's kernels asked of them (rl/backends/vllm/alignment.py).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from torch import Tensor
 
 from backstream.checks import UserError
 from backstream.log import log
-from backstream.rl.backends.base import SamplingParams, no_rounds
+from backstream.rl.backends.base import Sampling, SamplingParams
 from backstream.rl.backends.vllm.alignment import ALIGN_PROBE, Alignment
 from backstream.rl.backends.vllm.context import ServerContext, float_dtype
 from backstream.rl.backends.vllm.pool import ServerPool, core_lists
@@ -44,6 +46,7 @@ from backstream.rl.backends.vllm.server import (
     Server,
     VLLMConfig,
     free_port,
+    logprobs_mode,
     on_loopback,
     server_args,
 )
@@ -56,17 +59,18 @@ from backstream.rl.backends.vllm.weights.sync import (
     base_names,
     write_weights,
 )
-from backstream.rl.records import Completion, Played, oldest
+from backstream.rl.parallel import DataParallel
+from backstream.rl.records import Completion, Played, Samples, oldest
 from backstream.stream import fsdp
 from backstream.stream.hf import base_model
 
 
 class ServerBackend:
     """The sampling side over `pool` (see the module docstring); `config`: the run's sampling settings;
-    `requests`: the generate calls (rl/backends/vllm/requests.py)."""
+    `requests`: the generate calls (rl/backends/vllm/requests.py). A `Reporter` too: the oldest weight
+    version the step's tokens were sampled with, and the requests each server took."""
 
     in_process = False
-    round = staticmethod(no_rounds)
 
     def __init__(self, config: SamplingParams, eos: list[int], pool: ServerPool, requests: ServerRequests):
         self.config, self.eos, self.pool, self.requests = config, list(eos), pool, requests
@@ -79,10 +83,11 @@ class ServerBackend:
     def _generate(self, ids: list[int], params: dict, n: int, seed: int, key=None) -> list[Completion]:
         return self.pool.request(lambda m: self.requests.generate(m, ids, params, n, seed, self.eos), key)
 
-    def metrics(self, versions: list[Tensor]) -> dict[str, float]:
-        return {"vllm/weight_version": oldest(versions), **self.pool.metrics()}
+    def metrics(self, samples: Samples) -> dict[str, float]:
+        return {"vllm/weight_version": oldest(samples.weight_version), **self.pool.metrics()}
 
     def close(self) -> None:
+        """Abort what is in flight (a server of yours goes on serving)."""
         self.requests.abort()
 
     def complete(self, prompts: list[Tensor], group_size: int, max_tokens: int, generators: list,
@@ -108,24 +113,51 @@ class ServerBackend:
         played = [Played(fed=list(s)) for s in starts]
 
         def episode(k: int) -> None:
-            ids, t = list(starts[k]), 0
-            while True:
-                (c,) = self._generate(ids, self._params(budget(len(ids))), 1, seeds[k][min(t, max_turns - 1)],
-                                      key=("episode", id(played), k))
-                played[k].fed = ids + c.ids[:-1]
-                inserted = turn(k, c)
-                if inserted is None:
-                    return
-                ids, t = ids + c.ids + list(inserted), t + 1
+            ids, t, key = list(starts[k]), 0, ("episode", id(played), k)
+            try:
+                while True:
+                    (c,) = self._generate(ids, self._params(budget(len(ids))), 1, seeds[k][min(t, max_turns - 1)],
+                                          key=key)
+                    played[k].fed = ids + c.ids[:-1]
+                    inserted = turn(k, c)
+                    if inserted is None:
+                        return
+                    ids, t = ids + c.ids + list(inserted), t + 1
+            finally:
+                self.pool.forget(key)
 
         with concurrent.futures.ThreadPoolExecutor(max_workers=min(128, max(1, len(starts)))) as pool:
             for f in [pool.submit(episode, k) for k in range(len(starts))]:
                 f.result()
         return played
 
-    def generate(self, ids: list[int], max_tokens: int, seed: int, key: str | None = None) -> Completion:
-        (c,) = self._generate(list(ids), self._params(max_tokens), 1, seed, key=("session", key) if key else None)
+    @contextlib.contextmanager
+    def round(self, episodes: int):
+        """A round's agent sessions: each session's requests on one server, every session the pool still
+        remembers forgotten when the round ends."""
+        requests = _PoolRound(self)
+        try:
+            yield requests
+        finally:
+            for key in list(requests.keys):
+                requests.finish(key)
+
+
+class _PoolRound:
+    """A round's requests on the pool (rl/backends/base.py `Requests`)."""
+
+    def __init__(self, backend: ServerBackend):
+        self.backend, self.keys = backend, set()
+
+    def generate(self, ids: list[int], max_tokens: int, seed: int, key: str) -> Completion:
+        self.keys.add(key)
+        b = self.backend
+        (c,) = b._generate(list(ids), b._params(max_tokens), 1, seed, key=("session", key))
         return c
+
+    def finish(self, key: str) -> None:
+        self.keys.discard(key)
+        self.backend.pool.forget(("session", key))
 
 
 def lora_rank(model) -> int:
@@ -133,50 +165,66 @@ def lora_rank(model) -> int:
     return max(c.r for c in model.peft_config.values()) if hasattr(model, "peft_config") else 0
 
 
-class ServerSync:
-    """The sync side (see the module docstring). `cfg`: the run's [vllm]; `pool`, `weights` (the run's
-    weight sync, rl/backends/vllm/weights/sync.py), `context`; `dp`: the run's rl/parallel.py object; `mode`: the
-    servers' log-prob mode; `seed`; `policy`: the run's [model] (servers of your own are checked against
-    its name, dtype and LoRA before the run folder is written); `quant`: the run's [quant]."""
+class Launcher:
+    """How the run's servers come up: the pool's hooks (`start`, `connect`). `cfg`: the run's [vllm];
+    `context`: the servers' (rl/backends/vllm/context.py); `args`, `env`: what the way the weights
+    travel needs of a server started by the run; `files`: whether it reads the run folder (disk,
+    adapter); `needs`: what a server of yours is checked against (the policy's name, dtype, LoRA rank
+    and the log-prob mode); `quant`: the run's [quant] when the servers run low-bit weights."""
 
-    def __init__(self, cfg: VLLMConfig, pool: ServerPool, weights, context: ServerContext, dp, run_dir: str,
-                 tokenizer, seed: int, mode: str, policy=None, quant=None):
-        self.cfg, self.pool, self.weights, self.context, self.dp = cfg, pool, weights, context, dp
-        self.run_dir, self.tok, self.seed, self.mode, self.policy = run_dir, tokenizer, seed, mode, policy
-        self.quant = quant if quant is not None and quant.enabled else None
+    def __init__(self, cfg: VLLMConfig, run_dir: str, context: ServerContext, args: list[str], env: dict[str, str],
+                 files: bool, needs: Needs, tokenizer, seed: int, dp, quant=None):
+        self.cfg, self.run_dir, self.context, self.args, self.env = cfg, run_dir, context, args, env
+        self.files, self.needs, self.tok, self.seed, self.dp, self.quant = files, needs, tokenizer, seed, dp, quant
         self.dir = os.path.abspath(os.path.join(run_dir, "vllm"))
-        self.alignment = Alignment(self.quant, lambda: pool.alive()[0].server, len(tokenizer))
-        if self.alignment.probes:  # the servers must take QaRL's start-up probe too
-            context.need_context(ALIGN_PROBE + 1, f"QaRL's alignment check: a prompt of {ALIGN_PROBE} tokens + 1")
-        self.model = None  # the policy, once the servers started (a restart reads its start-up arguments)
+        self.model = None  # the policy, once `prepare` ran (a server of yours is checked against it)
         self.start_args: list[str] = []
-        pool.start_one, pool.connect = self._start, self._connect
-        pool.client_timeout, pool.client_key = cfg.request_timeout_s, cfg.key()
 
-    def _needs(self, model) -> Needs:
-        p = self.policy
-        needs = Needs(model=p.name if p is not None else "default", mode=self.mode,
-                      dtype=p.dtype if p is not None else "float32", lora_rank=p.lora_r if p is not None else 0)
-        if model is not None:  # a model passed in code: its own dtype and LoRA rank
-            needs = dataclasses.replace(needs, dtype=str(float_dtype(model.parameters())).removeprefix("torch."),
-                                        lora_rank=lora_rank(model))
-        return needs
+    @property
+    def starts(self) -> bool:
+        """Whether the run starts its servers (else they are yours)."""
+        return not self.cfg.addresses()
 
-    def _connect(self, url: str) -> Server:
+    def prepare(self, model) -> None:
+        """Before the pool opens (every rank): rank 0 writes the base model's weights, whole, to
+        RUN_DIR/vllm/initial, which the servers start and restart from."""
+        self.model = model
+        if not self.starts:
+            return
+        lora = lora_rank(model)
+        weights = fsdp.full_state_dict(model)  # every rank: the base model's, whole, on rank 0
+
+        def write():
+            initial = os.path.join(self.dir, "initial")
+            shutil.rmtree(initial, ignore_errors=True)
+            base = base_model(model)
+            dtype = float_dtype(weights.values()) if weights else float_dtype(base.parameters())
+            length = self.context.length(base.config, dtype)
+            write_weights(model, initial, self.quant, self.tok, base_names(model, weights))
+            self.start_args = server_args(initial, free_port(), length, str(dtype).removeprefix("torch."),
+                                          self.seed, lora, self.needs.mode) + self.args
+
+        self.dp.on_main(write)
+
+    def connect(self, url: str) -> Server:
         """A server of yours, checked again against the model itself (a model passed in code: its own dtype
         and LoRA rank), now that the run folder exists."""
         server = Server.connect(url, self.cfg.request_timeout_s, self.cfg.key())
-        check_server(server, self._needs(self.model), self.run_dir, files=self.weights.kind in ("disk", "adapter"))
+        needs = self.needs
+        if self.model is not None:
+            needs = dataclasses.replace(needs, dtype=str(float_dtype(self.model.parameters())).removeprefix("torch."),
+                                        lora_rank=lora_rank(self.model))
+        check_server(server, needs, self.run_dir, files=self.files)
         return server
 
-    def _start(self, i: int, progress) -> Server:
-        """Rank 0: server i, started from RUN_DIR/vllm/initial (written by `_open`), on its own cores or
+    def start(self, i: int, progress) -> Server:
+        """Rank 0: server i, started from RUN_DIR/vllm/initial (written by `prepare`), on its own cores or
         GPUs; its log RUN_DIR/vllm.log (server 0) or vllm-i.log."""
         log_path = os.path.join(self.run_dir, "vllm.log" if i == 0 else f"vllm-{i}.log")
         args = list(self.start_args)
         args[args.index("--port") + 1] = str(free_port())
         log.info(f"vllm: starting server {i} (its log: {log_path})")
-        return Server.start(self.cfg, args, log_path, progress, {**self._devices(i), **self.weights.server_env()})
+        return Server.start(self.cfg, args, log_path, progress, {**self._devices(i), **self.env})
 
     def _devices(self, i: int) -> dict[str, str]:
         """Server i's share of the machine: vllm.devices[i], else on a CPU its cores dealt out (with more
@@ -198,70 +246,17 @@ class ServerSync:
             return {"VLLM_CPU_OMP_THREADS_BIND": self.cfg.devices[i]}
         return {"VLLM_CPU_OMP_THREADS_BIND": core_lists(n)[i]} if n > 1 else {}
 
-    def _open(self, model, progress) -> None:
-        """The pool at the first sync: rank 0 writes the base model's weights once (kept for restarts)
-        and starts the servers from them side by side, or connects to yours."""
-        self.model = model
-        if not self.cfg.addresses():
-            lora = lora_rank(model)
-            weights = fsdp.full_state_dict(model)  # every rank: the base model's, whole, on rank 0
-
-            def write():
-                initial = os.path.join(self.dir, "initial")
-                shutil.rmtree(initial, ignore_errors=True)
-                base = base_model(model)
-                dtype = float_dtype(weights.values()) if weights else float_dtype(base.parameters())
-                length = self.context.length(base.config, dtype)
-                write_weights(model, initial, self.quant, self.tok, base_names(model, weights))
-                self.start_args = server_args(initial, free_port(), length, str(dtype).removeprefix("torch."),
-                                              self.seed, lora, self.mode) + self.weights.server_args()
-
-            self.dp.on_main(write)
-        self.pool.open(progress)
-        if not self.cfg.addresses() and self.weights.kind != "adapter":
-            # started from the learner's current weights (a resumed run's: its checkpoint's)
-            self.weights.counter, self.weights.seen = self.weights.counter + 1, fsdp.versions(model)
-            for m in self.pool.members:
-                m.weights = self.weights.counter
-
-    def need_context(self, tokens: int, why: str) -> None:
-        self.context.need_context(tokens, why)
-
-    def check(self, model) -> None:
-        self.context.check(model)
-
-    def view(self, model):
-        return contextlib.nullcontext()  # what is published is gathered by the weight sync, a bucket at a time
-
-    def sync(self, model, step: int, progress=None) -> float:
-        if not self.pool.started:
-            self._open(model, progress)
-        return self.weights.sync(model, step)
-
-    def idle(self) -> None:
-        self.weights.idle()
-
-    def kernels(self) -> dict[str, str]:
-        return self.alignment.kernels()
-
-    def check_aligned(self, model) -> None:
-        self.alignment.check_aligned(model)
-
-    def close(self) -> None:
-        """Stop the servers the run started, and delete what was written for them (they, or a server of
-        yours that loaded it, have no more use for it: train.keep_checkpoints alone bounds the disk a
-        run takes)."""
-        self.weights.close()
-        self.pool.close()
+    def remove(self) -> None:
+        """Delete what was written for the servers (they, or a server of yours that loaded it, have no
+        more use for it: train.keep_checkpoints alone bounds the disk a run takes)."""
         if self.dp.main:
             shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def weight_path(cfg, model, infos: list[dict] | None) -> tuple[str, str]:
-    """How the learner's weights reach the servers (`vllm.weights`, the policy, the servers' `infos`
-    when they are yours), and why, said at start-up: ("transfer" | "disk" | "adapter" | "colocated",
-    the reason)."""
-    v, quant = cfg.vllm, cfg.quant
+def weight_path(v: VLLMConfig, quant, model, infos: list[dict] | None) -> tuple[str, str]:
+    """How the learner's weights reach the servers (`vllm.weights` of [vllm] `v`, the run's [quant], the
+    policy, the servers' `infos` when they are yours), and why, said at start-up: ("transfer" | "disk"
+    | "adapter" | "colocated", the reason)."""
     if v.colocate:
         return "colocated", "vllm.colocate: CUDA IPC to the server on the learner's GPU"
     if lora_rank(model):
@@ -284,22 +279,27 @@ def weight_path(cfg, model, infos: list[dict] | None) -> tuple[str, str]:
     return "transfer", f"vllm.weights = \"{v.weights}\": vLLM's weight-transfer engine, no file"
 
 
-def build(cfg, tokenizer, eos: list[int], run_dir: str, dp, model) -> tuple[ServerBackend, ServerSync]:
-    """The two sides of the run's server backend (`rollout.backend = "vllm"`): its servers (started at the
-    first sync, or yours, checked now), the weight sync the policy and `vllm.weights` call for, said."""
-    from backstream.rl.backends.vllm.server import logprobs_mode  # noqa: PLC0415
-
-    v = cfg.vllm
-    mode = logprobs_mode(cfg.rollout.top_p, cfg.rollout.top_k)
-    in_flight = cfg.rollout.in_flight if cfg.rollout.max_staleness else "wait"
+def build(params: SamplingParams, v: VLLMConfig, *, in_flight: str, max_staleness: int, policy, quant, seed: int,
+          tokenizer, eos: list[int], run_dir: str, model, dp=None) -> Sampling:
+    """What the run samples with on a pool of vLLM servers (`rollout.backend = "vllm"`): its servers
+    (started at the first sync, or yours, checked now), the weights the policy and `vllm.weights` call
+    for (said), and what they need: `params` the sampling parameters, `v` the run's [vllm],
+    `in_flight` / `max_staleness` rollout's, `policy` the run's [model] (a server of yours is checked
+    against its name, dtype and LoRA rank), `quant` the run's [quant], `seed` train.seed."""
+    dp = dp if dp is not None else DataParallel()
+    mode = logprobs_mode(params.top_p, params.top_k)
+    in_flight = in_flight if max_staleness else "wait"
     if v.colocate and not torch.cuda.is_available():
         raise UserError("vllm.colocate = true: a server on the learner's own GPU, which this machine does not have "
                         "(no CUDA device); leave it false (the run starts its servers on the CPU's cores)")
-    if v.colocate and cfg.rollout.max_staleness:
+    if v.colocate and max_staleness:
         raise UserError("vllm.colocate = true with rollout.max_staleness > 0: the server sleeps while the learner "
                         "trains on the GPU they share, so nothing samples ahead; set rollout.max_staleness = 0")
+    if v.colocate and dp.world > 1:
+        raise UserError("vllm.colocate = true under torchrun: one server shares one learner's GPU; run one "
+                        "process, or start servers of their own (vllm.servers, vllm.devices)")
     context = ServerContext(v)
-    needs = Needs(model=cfg.model.name, mode=mode, dtype=cfg.model.dtype, lora_rank=cfg.model.lora_r)
+    needs = Needs(model=policy.name, mode=mode, dtype=policy.dtype, lora_rank=policy.lora_r)
     infos = None
 
     def check(files: bool) -> list[dict]:  # yours: checked now, before the run folder (a wrong one refused by name)
@@ -310,28 +310,36 @@ def build(cfg, tokenizer, eos: list[int], run_dir: str, dp, model) -> tuple[Serv
         infos = check(files=False)
     else:
         dp.on_main(v.interpreter)  # no vLLM environment: said now
-    kind, why = weight_path(cfg, model, infos)
+    kind, why = weight_path(v, quant, model, infos)
     if v.addresses() and kind in ("disk", "adapter"):  # the weights as files: each server must see the run folder
         check(files=True)
     dp.on_main(lambda: log.info(f"vllm: the weights reach the servers by {kind} ({why})"))
-    pool = ServerPool(v.servers, dp, urls=v.addresses())
-    folder = os.path.abspath(os.path.join(run_dir, "vllm"))
-    quant = cfg.quant if cfg.quant.enabled else None
-    common = dict(pool=pool, dp=dp, folder=folder, in_flight=in_flight, timeout_s=v.transfer_timeout_s, quant=quant,
-                  tokenizer=tokenizer)
+    low_bit = quant if quant.enabled else None
+    way = {"transfer": TransferSync, "colocated": ColocatedSync, "disk": DiskSync, "adapter": AdapterSync}[kind]
+    launcher = Launcher(v, run_dir, context, way.server_args(v), way.server_env(), kind in ("disk", "adapter"), needs,
+                        tokenizer, seed, dp, low_bit)
+    pool = ServerPool(v.servers, dp, start=launcher.start, connect=launcher.connect, urls=v.addresses(),
+                      client_timeout=v.request_timeout_s, client_key=v.key())
+    common = dict(pool=pool, launcher=launcher, dp=dp, folder=launcher.dir, in_flight=in_flight,
+                  timeout_s=v.transfer_timeout_s, quant=low_bit)
     if kind == "transfer":
         host = v.transfer_host or ("127.0.0.1" if all(on_loopback(u) for u in v.addresses()) else _this_host())
         weights = TransferSync(**common, host=host, device="nccl" if torch.cuda.is_available() else "gloo")
     elif kind == "colocated":
-        if dp.world > 1:
-            raise UserError("vllm.colocate = true under torchrun: one server shares one learner's GPU; run one "
-                            "process, or start servers of their own (vllm.servers, vllm.devices)")
-        weights = ColocatedSync(**common, memory=v.gpu_memory_utilization)
+        weights = ColocatedSync(**common)
     else:
-        weights = {"disk": DiskSync, "adapter": AdapterSync}[kind](**common)
-    sync = ServerSync(v, pool, weights, context, dp, run_dir, tokenizer, cfg.train.seed, mode, cfg.model, cfg.quant)
-    requests = ServerRequests(weights.served_name(SERVED_NAME), in_flight)
-    return ServerBackend(cfg.rollout, eos, pool, requests), sync
+        weights = way(**common)
+    backend = ServerBackend(params, eos, pool, ServerRequests(weights.served_name(SERVED_NAME), in_flight))
+    aligned = ()
+    if low_bit is not None and low_bit.aligned:  # QaRL: the servers' kernels, copied by the learner and checked
+        aligned = (Alignment(low_bit, lambda: pool.alive()[0].server, len(tokenizer)),)
+        context.need_context(ALIGN_PROBE + 1, f"QaRL's alignment check: a prompt of {ALIGN_PROBE} tokens + 1")
+    sampling = Sampling(backend=backend, weights=weights, preflight=(context,), aligned=aligned, reporters=(backend,),
+                        resting=(weights,) if kind == "colocated" else ())
+    # stopped last built first: the requests in flight, the weights' group, the servers, their files
+    for stop in (launcher.remove, pool.close, weights.close, backend.close):
+        sampling.closing.callback(stop)
+    return sampling
 
 
 def _this_host() -> str:

@@ -57,10 +57,13 @@ class Member:
 class ServerPool:
     """The run's servers (see the module docstring). `start(i, progress)` (rank 0): a started server
     number i (the caller's: the weights it starts from, its arguments); `connect(url)`: a server of your
-    own, checked; `dp`: the run's rl/parallel.py object."""
+    own, checked; `dp`: the run's rl/parallel/ object; `client_timeout`, `client_key`: a request's time
+    limit and key on the other ranks' clients of rank 0's servers."""
 
-    def __init__(self, count: int, dp, start=None, connect=None, urls: list[str] = ()):
+    def __init__(self, count: int, dp, start=None, connect=None, urls: list[str] = (), client_timeout: float = 600.0,
+                 client_key: str = ""):
         self.count, self.dp, self.start_one, self.connect, self.urls = count, dp, start, connect, list(urls)
+        self.client_timeout, self.client_key = client_timeout, client_key
         self.members: list[Member] = []
         self.lock = threading.Lock()
         self.sticky: OrderedDict = OrderedDict()
@@ -97,8 +100,6 @@ class ServerPool:
                        for i, (url, managed, log) in enumerate(table)]
         self.members = members
 
-    client_timeout, client_key = 600.0, ""  # a non-main rank's clients (the run's timeout and key)
-
     # -- routing ------------------------------------------------------------------------------------
     def request(self, fn, key=None):
         """`fn(member)` on the member of `key` (the one with the least in flight for a new key); a server
@@ -114,6 +115,11 @@ class ServerPool:
             finally:
                 with self.lock:
                     m.in_flight -= 1
+
+    def forget(self, key) -> None:
+        """`key`'s requests are over (an episode, a session): which server took them is not kept."""
+        with self.lock:
+            self.sticky.pop(key, None)
 
     def _pick(self, key) -> Member:
         with self.lock:

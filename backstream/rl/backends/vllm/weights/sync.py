@@ -103,42 +103,56 @@ def named_weights(model) -> list[tuple[str, torch.Tensor]]:
 
 
 class WeightSync:
-    """What every way of publishing shares (see the module docstring): `pool` (rl/backends/vllm/pool.py), `dp`
-    (rl/parallel.py), `in_flight` (rollout.in_flight, or "wait"), `folder` (RUN_DIR/vllm: what is
+    """What every way of publishing shares (see the module docstring): `pool` (rl/backends/vllm/pool.py),
+    `launcher` (what the pool's servers start from: rl/backends/vllm/backend.py `Launcher`), `dp`
+    (rl/parallel/), `in_flight` (rollout.in_flight, or "wait"), `folder` (RUN_DIR/vllm: what is
     written), `timeout_s` (vllm.transfer_timeout_s, each phase's)."""
 
     kind = ""
 
-    def __init__(self, pool, dp, folder: str, in_flight: str = "wait", timeout_s: float = 300.0, quant=None,
-                 tokenizer=None):
+    def __init__(self, pool, launcher, dp, folder: str, in_flight: str = "wait", timeout_s: float = 300.0,
+                 quant=None):
         if in_flight not in PAUSE_MODES:
             raise UserError(f"rollout.in_flight: got {in_flight!r}, expected \"keep\" or \"resume\"")
-        self.pool, self.dp, self.folder, self.in_flight, self.timeout_s = pool, dp, folder, in_flight, timeout_s
-        self.quant, self.tok = quant, tokenizer
+        self.pool, self.launcher, self.dp, self.folder = pool, launcher, dp, folder
+        self.in_flight, self.timeout_s, self.quant = in_flight, timeout_s, quant
         self.counter = 0  # the learner's weights, counted: what each server holds is compared with it
         self.seen: tuple | None = None  # this rank's versions of the weights last counted
         self.published = 0
         self.sync_s = 0.0
 
-    def server_args(self) -> list[str]:
+    @classmethod
+    def server_args(cls, cfg) -> list[str]:
         """What a server must be started with to take this way's publishes, beyond what every server the
-        run starts has (rl/backends/vllm/server.py `server_args`, which takes transfers)."""
+        run starts has (rl/backends/vllm/server.py `server_args`, which takes transfers); `cfg`: [vllm]."""
         return []
 
-    def server_env(self) -> dict[str, str]:
+    @classmethod
+    def server_env(cls) -> dict[str, str]:
         """What a server's environment must have to take this way's publishes."""
         return {}
-
-    def idle(self) -> None:
-        """Sampling is over until the next sync (a server on the learner's GPU sleeps)."""
 
     def served_name(self, base: str) -> str:
         """The model name requests use (a LoRA policy's: its adapter's)."""
         return base
 
-    def sync(self, model, step: int) -> float:
+    def open(self, model, progress=None) -> None:
+        """The first sync (every rank): the pool started from the learner's current weights (a resumed
+        run's: its checkpoint's), which its servers then hold, or connected to (servers of yours, which
+        get them by the publish that follows)."""
+        self.launcher.prepare(model)
+        self.pool.open(progress)
+        if self.launcher.starts and self.kind != "adapter":
+            self.counter, self.seen = self.counter + 1, fsdp.versions(model)
+            for m in self.pool.members:
+                m.weights = self.counter
+
+    def sync(self, model, step: int, progress=None) -> float:
         """Every server holds `model`'s weights, labelled `step` (see the module docstring); the seconds
-        spent publishing. A collective under torchrun."""
+        spent publishing (the first time, the pool opened first: `progress(seconds)` while servers start).
+        A collective under torchrun."""
+        if not self.pool.started:
+            self.open(model, progress)
         if self.dp.any(fsdp.versions(model) != self.seen):
             self.counter, self.seen = self.counter + 1, fsdp.versions(model)
         self.pool.agree()
@@ -406,7 +420,7 @@ class TransferSync(WeightSync):
 
 class ColocatedSync(WeightSync):
     """vllm.colocate (GPUs): the run's one server on the learner's own GPU (vllm.gpu_memory_utilization of
-    its memory), asleep while the learner trains (`idle`: level 1, its K/V cache freed and its weights
+    its memory), asleep while the learner trains (`rest`: level 1, its K/V cache freed and its weights
     moved to the host) and woken for the rollout: its weights first, then the learner's new ones handed
     over through vLLM's CUDA IPC engine ("ipc": handles of the learner's own tensors, no copy, pickled
     over HTTP, which the server allows with VLLM_ALLOW_INSECURE_SERIALIZATION=1), then its K/V cache.
@@ -414,28 +428,29 @@ class ColocatedSync(WeightSync):
 
     kind = "colocated"
 
-    def __init__(self, *args, memory: float = 0.3, **kw):
+    def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
-        self.memory, self.asleep, self.joined = memory, False, False
+        self.asleep, self.joined = False, False
 
-    def server_args(self) -> list[str]:
-        return ["--enable-sleep-mode", "--gpu-memory-utilization", str(self.memory),
+    @classmethod
+    def server_args(cls, cfg) -> list[str]:
+        return ["--enable-sleep-mode", "--gpu-memory-utilization", str(cfg.gpu_memory_utilization),
                 "--weight-transfer-config", '{"backend": "ipc"}']  # (the last --weight-transfer-config is vLLM's)
 
-    def server_env(self) -> dict[str, str]:
+    @classmethod
+    def server_env(cls) -> dict[str, str]:
         return {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
 
-    def sync(self, model, step: int) -> float:
-        server = self.pool.alive()[0].server
+    def sync(self, model, step: int, progress=None) -> float:
         if self.asleep:
-            server.post("/wake_up?tags=weights")
-        seconds = super().sync(model, step)
+            self.pool.alive()[0].server.post("/wake_up?tags=weights")
+        seconds = super().sync(model, step, progress)
         if self.asleep:
-            server.post("/wake_up?tags=kv_cache")
+            self.pool.alive()[0].server.post("/wake_up?tags=kv_cache")
             self.asleep = False
         return seconds
 
-    def idle(self) -> None:
+    def rest(self) -> None:
         """The learner trains: the server sleeps (level 1: its K/V cache freed, its weights on the host)."""
         for m in self.pool.alive():
             m.server.post("/sleep?level=1&mode=wait")
