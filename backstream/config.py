@@ -23,7 +23,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from backstream.checks import UserError, at_least, choice, literals
+from backstream.checks import UserError, at_least, choice
+from backstream.log import log
 from backstream.quant.linear import QuantConfig
 from backstream.rl.agent.env import EnvConfig
 from backstream.rl.backends.vllm.server import VLLMConfig
@@ -32,40 +33,13 @@ from backstream.rl.parallel import DistributedConfig
 from backstream.rl.policy import ModelConfig
 from backstream.rl.rollout.evaluate import EvalConfig
 from backstream.rl.rollout.source import RolloutConfig
-from backstream.rl.scoring.advantages import ADVANTAGES
+from backstream.rl.scoring.advantages import AlgorithmConfig
 from backstream.rl.scoring.rewards import RewardConfig
-from backstream.rl.scoring.shaping import OVERLONG
 from backstream.rl.update.backward import EngineConfig
+from backstream.rl.update.learner import UpdateConfig
 from backstream.rl.update.losses import LOSS_TYPES, LossConfig, PPOClipConfig
 from backstream.rl.update.optim import OptimConfig
 from backstream.usercode import absolute_spec, is_path_spec, spec_files
-
-
-@dataclass(kw_only=True)
-class AlgorithmConfig:
-    advantage: Literal[tuple(ADVANTAGES)] = "grpo"
-    """Advantage estimator: grpo (group mean/std), drgrpo (group mean, no std), rloo (leave-one-out)."""
-    epochs: int = 1
-    """PPO epochs over each rollout batch."""
-    minibatches: int = 1
-    """Optimizer steps per epoch (the rollout batch is split in this many groups-aligned parts)."""
-    dynamic_sampling: bool = False
-    """DAPO: drop groups whose rewards are all equal and refill the batch with new prompts."""
-    max_refills: int = 4
-    """Most extra rollout rounds per step that dynamic sampling may run."""
-    overlong: Literal[tuple(OVERLONG)] = "none"
-    """Completions cut at max_new_tokens: none, filter (no loss), or penalty (DAPO soft penalty)."""
-    overlong_buffer: int = 16
-    """Length of the soft-penalty ramp before max_new_tokens (penalty mode)."""
-    kl_reference: bool = False
-    """Keep a frozen copy of the initial policy for the KL term (loss.kl_coef > 0 needs it)."""
-
-    def __post_init__(self):
-        literals(self, "algorithm")
-        at_least("algorithm.epochs", self.epochs, 1)
-        at_least("algorithm.minibatches", self.minibatches, 1)
-        at_least("algorithm.max_refills", self.max_refills, 0)
-        at_least("algorithm.overlong_buffer", self.overlong_buffer, 1)
 
 
 @dataclass(kw_only=True)
@@ -75,7 +49,7 @@ class TrainConfig:
     prompts_per_step: int = 8
     """Prompts sampled per step (each gets rollout.group_size completions). Under torchrun, the global
     number: each rank samples and trains an equal share of whole groups, so it must divide by the world
-    size × algorithm.minibatches."""
+    size × update.minibatches."""
     seed: int = 0
     """Seeds data order, sampling and initialisation."""
     output_dir: str = "runs/demo"
@@ -142,7 +116,8 @@ def section_class(section: str, values: dict) -> type:
 
 SECTIONS: dict[str, type] = {
     "model": ModelConfig, "data": DataConfig, "rollout": RolloutConfig, "env": EnvConfig, "reward": RewardConfig,
-    "algorithm": AlgorithmConfig, "loss": PPOClipConfig, "optim": OptimConfig, "engine": EngineConfig,
+    "algorithm": AlgorithmConfig, "update": UpdateConfig, "loss": PPOClipConfig, "optim": OptimConfig,
+    "engine": EngineConfig,
     "train": TrainConfig, "eval": EvalConfig, "quant": QuantConfig, "distributed": DistributedConfig,
     "vllm": VLLMConfig,
 }
@@ -161,6 +136,7 @@ class RunConfig:
     env: EnvConfig = field(default_factory=EnvConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    update: UpdateConfig = field(default_factory=UpdateConfig)
     loss: LossConfig = field(default_factory=lambda: section_class("loss", {})())
     optim: OptimConfig = field(default_factory=OptimConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -256,10 +232,10 @@ class RunConfig:
     def validate(self, world_size: int | None = None) -> None:
         """Raise a ValueError naming the keys when two sections ask for things that cannot go together.
         `world_size`: the number of ranks under torchrun (1 included), None in a plain process."""
-        ac, ec, loss = self.algorithm, self.engine, self.loss
-        if ec.reuse_rollout_kv and ac.epochs * ac.minibatches != 1:
+        ac, up, ec, loss = self.algorithm, self.update, self.engine, self.loss
+        if ec.reuse_rollout_kv and up.epochs * up.minibatches != 1:
             raise UserError("engine.reuse_rollout_kv: the rollout's K/V are stale after the first optimizer step; "
-                             "it needs algorithm.epochs = algorithm.minibatches = 1")
+                             "it needs update.epochs = update.minibatches = 1")
         if ec.reuse_rollout_kv and self.quant.enabled and not self.quant.aligned:
             raise UserError(f"engine.reuse_rollout_kv: the rollout's K/V come from the {self.quant.rollout} sampler "
                              "but the learner runs in full precision (quant.aligned = false), so they are not the "
@@ -271,8 +247,8 @@ class RunConfig:
             self._validate_agent(world_size)
         if self.rollout.backend == "vllm":
             self._validate_vllm(world_size)
-        if loss.kl_coef > 0 and not ac.kl_reference:
-            raise UserError("loss.kl_coef > 0 needs algorithm.kl_reference = true (a frozen reference policy)")
+        if loss.kl_coef > 0 and not up.kl_reference:
+            raise UserError("loss.kl_coef > 0 needs update.kl_reference = true (a frozen reference policy)")
         t_sample = self.rollout.temperature
         if t_sample == 0:
             raise UserError(f"rollout.temperature: 0 samples greedily, so the {self.rollout.group_size} samples of "
@@ -286,8 +262,8 @@ class RunConfig:
         if G < 2:  # every advantage estimator is a group baseline
             raise UserError(f"rollout.group_size: got {G}; group advantages ({ac.advantage}) need at least "
                              "2 samples per prompt")
-        if self.train.prompts_per_step % ac.minibatches:
-            raise UserError(f"algorithm.minibatches: {ac.minibatches} does not divide "
+        if self.train.prompts_per_step % up.minibatches:
+            raise UserError(f"update.minibatches: {up.minibatches} does not divide "
                              f"train.prompts_per_step={self.train.prompts_per_step}")
         if world_size is not None:
             self._validate_distributed(world_size)
@@ -309,13 +285,13 @@ class RunConfig:
 
     def _validate_distributed(self, world: int) -> None:
         """What torchrun with `world` ranks cannot do with this config."""
-        ac, P = self.algorithm, self.train.prompts_per_step
-        unit = world * ac.minibatches
+        up, P = self.update, self.train.prompts_per_step
+        unit = world * up.minibatches
         if P % unit:
             raise UserError(f"train.prompts_per_step: {P} prompts per step (the global batch) do not split into "
-                             f"whole prompt groups over {world} ranks x {ac.minibatches} minibatch(es); set it to a "
+                             f"whole prompt groups over {world} ranks x {up.minibatches} minibatch(es); set it to a "
                              f"multiple of {unit} (e.g. {max(unit, P // unit * unit)}), or start another number of "
-                             "processes (torchrun --nproc_per_node x --nnodes), or change algorithm.minibatches")
+                             "processes (torchrun --nproc_per_node x --nnodes), or change update.minibatches")
 
 
 def _coerce(key: str, value, hint):
@@ -398,11 +374,47 @@ def load(path: str | None = None, overrides: list[str] = (), base: dict | None =
     for text in overrides:
         section, key, value = parse_override(text)
         raw.setdefault(section, {})[key] = value
+    _renamed(raw)
     for section in raw:
         if section not in SECTIONS:
             raise UserError(f"[{section}]: unknown section; the sections are {list(SECTIONS)}")
     _task_defaults(raw)
     return RunConfig(**{s: _build(s, raw.get(s, {})) for s in SECTIONS})
+
+
+RENAMED = {
+    "algorithm.epochs": "update.epochs", "algorithm.minibatches": "update.minibatches",
+    "algorithm.kl_reference": "update.kl_reference",
+    "algorithm.dynamic_sampling": "rollout.dynamic_sampling", "algorithm.max_refills": "rollout.max_refills",
+    "algorithm.overlong": "reward.overlong", "algorithm.overlong_buffer": "reward.overlong_buffer",
+}
+"""Keys that moved (old spelling → new): [algorithm] held the update's, the rollout's and the reward's
+keys, and is now the advantage's alone. The old spelling still works, in a run file, with --set and
+in the config.toml of a run folder written before (a resume), with a line that names the new key."""
+MOVED_SPECS = {"backstream.rl.tasks:Calculator": "backstream.rl.data.tasks:Calculator"}
+"""Spec values of the package's own that moved (a toolcalc run folder written before names the old one)."""
+_SAID: set[str] = set()
+
+
+def _renamed(raw: dict) -> None:
+    """The old spellings of `RENAMED` and `MOVED_SPECS` in `raw`, moved to the new ones (said once a
+    process); both spellings of one key is an error naming them."""
+    for old, new in RENAMED.items():
+        (osec, okey), (nsec, nkey) = old.split("."), new.split(".")
+        values = raw.get(osec)
+        if not isinstance(values, dict) or okey not in values:
+            continue
+        if isinstance(raw.get(nsec), dict) and nkey in raw[nsec]:
+            raise UserError(f"{old} and {new}: both are set; {old} is {new}'s old spelling, keep {new}")
+        raw.setdefault(nsec, {})[nkey] = values.pop(okey)
+        if not values:
+            del raw[osec]
+        if old not in _SAID:
+            _SAID.add(old)
+            log.warning(f"config: {old} is now {new} (the old spelling still works; write {new})")
+    env = raw.get("env")
+    if isinstance(env, dict) and env.get("factory") in MOVED_SPECS:
+        env["factory"] = MOVED_SPECS[env["factory"]]
 
 
 # the run-file keys that name files or folders (a spec "file.py:function" names its file)

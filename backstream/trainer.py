@@ -53,9 +53,10 @@ from backstream.rl.rollout import build_sampler
 from backstream.rl.rollout.collect import Batch, Collector, timed
 from backstream.rl.rollout.evaluate import Evaluator
 from backstream.rl.rollout.source import build_source, check_backend
-from backstream.rl.scoring.advantages import ADVANTAGES, ZeroAdvantageWatch, format_hint
+from backstream.rl.scoring.advantages import ZeroAdvantageWatch, format_hint
 from backstream.rl.scoring.rewards import RewardLog, Rewards
-from backstream.rl.update.backward import BeforeUpdate, verify_engine
+from backstream.rl.update.backward import verify_engine
+from backstream.rl.update.learner import BeforeUpdate
 from backstream.rl.update.losses import Normalisers, build_objective
 from backstream.rl.update.offpolicy import (
     MISMATCH_KEYS,
@@ -103,7 +104,7 @@ class Trainer:
         cfg.validate(world_size=parallel.requested_world())  # None in a plain process
         check_backends(tc.log_tensorboard, tc.log_wandb)
         self.dp = parallel.start(cfg.distributed, device=self.device, seed=tc.seed,
-                                 minibatches=cfg.algorithm.minibatches, reuse_kv=cfg.engine.reuse_rollout_kv)
+                                 minibatches=cfg.update.minibatches, reuse_kv=cfg.engine.reuse_rollout_kv)
         self._build_policy(model, tokenizer)
         self.cfg = cfg = cfg.for_tokenizer(self.tok)  # a built-in task through a chat model's template
         self.examples = cfg.data.build(tc.seed, prompt_optional=bool(cfg.env.factory or cfg.env.program))
@@ -126,12 +127,13 @@ class Trainer:
                 if sampler.needs is not None:
                     check.need_context(*sampler.needs)
             check.check(self.model)
-        self.ref = reference_policy(cfg, self.model, copy_of_given=model is not None)  # a whole copy, before sharding
+        self.ref = reference_policy(cfg.update.kl_reference, cfg.model, cfg.quant, self.model,
+                                    copy_of_given=model is not None)  # a whole copy, before sharding
         self.dp.prepare(self.model, self.ref)  # after LoRA and quantization; the optimizer then holds the shards
         self.opt, self.sched = cfg.optim.build(self.model.parameters())
         self.engine = cfg.engine.build(self.device)
-        self.before_update = BeforeUpdate(cfg)  # where π_old and π_ref come from
-        self.advantage_fn = ADVANTAGES[cfg.algorithm.advantage]
+        self.before_update = BeforeUpdate(cfg.update, cfg.engine.reuse_rollout_kv)  # where π_old and π_ref come from
+        self.advantage_fn = cfg.algorithm.advantages
         self.stream = datamod.PromptStream(len(self.examples), tc.seed)
         self.step = 0
         self.last_end: float | None = None  # when the last step ended (time/step runs from there)
@@ -147,7 +149,7 @@ class Trainer:
         for source in asynchronous:
             self.closing.callback(source.close)
         self.reporters = (self.sampler, *self.sampling.reporters, *asynchronous)
-        self.collector = Collector(cfg.rollout, cfg.algorithm, tc.prompts_per_step, tc.steps, self.source, self.sampler,
+        self.collector = Collector(cfg.rollout, cfg.reward, tc.prompts_per_step, tc.steps, self.source, self.sampler,
                                    self.rewards, self.examples, self.dp, self.tok, self.sampling.resting)
         self._open_run(resume, overwrite, changes, allow_changed_files)
         self.source.at_step(self.step)  # a resumed run's weights are its checkpoint's step's
@@ -264,7 +266,7 @@ class Trainer:
             return self._update(batch, adv)
 
     def _update(self, batch: Samples, adv: Tensor) -> tuple[dict[str, list[float]], dict[str, float]]:
-        ac = self.cfg.algorithm
+        ac = self.cfg.update
         view = batch.training(self.step)  # a sample's sequences: its own, and its forks (an agent's branches)
         seqs, mask, sampler_lp = view.seqs, view.mask, view.logprobs
         adv = adv[view.owner]
@@ -320,7 +322,7 @@ class Trainer:
         a step leaves it undefined)."""
         loss = [k if "/" in k else f"loss/{k}" for k in self.cfg.loss.metric_keys()]
         loss += ["loss/router_aux"] * (self.cfg.loss.router_aux_coef > 0)
-        dapo = ["dapo/refill_rounds", "dapo/groups_dropped"] if self.cfg.algorithm.dynamic_sampling else []
+        dapo = ["dapo/refill_rounds", "dapo/groups_dropped"] if self.cfg.rollout.dynamic_sampling else []
         return ["step", *self.evaluator.keys(), "reward/mean", "reward/std",
                 *[k for r in self.reporters for k in r.metric_keys], "batch/groups", "batch/zero_adv_frac", *dapo,
                 *[f"reward/{name}" for name in self.rewards.functions],
@@ -338,7 +340,7 @@ class Trainer:
         for part in self.reporters:  # the samples' lengths and episodes, a server pool's, the asynchronous source's
             m.update(part.metrics(ro))
         m.update({"batch/groups": n // ro.group_size, "batch/zero_adv_frac": float((adv == 0).float().mean())})
-        if self.cfg.algorithm.dynamic_sampling:
+        if self.cfg.rollout.dynamic_sampling:
             m.update({"dapo/refill_rounds": batch.refill_rounds, "dapo/groups_dropped": batch.groups_dropped})
         # a function's mean over the samples it scored (None: TRL's "does not apply")
         m.update({f"reward/{k}": float(v.nanmean()) for k, v in batch.scored_by_fn.items()})

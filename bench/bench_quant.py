@@ -89,7 +89,7 @@ def compare(a) -> dict:
     tmp = tempfile.mkdtemp()
     curves = {}
     for i, (name, extra) in enumerate(RUNS.items()):
-        cfg = config.load(None, [f"train.steps={a.steps}", "train.progress=false", "algorithm.minibatches=2",
+        cfg = config.load(None, [f"train.steps={a.steps}", "train.progress=false", "update.minibatches=2",
                                  f'train.output_dir="{tmp}/run{i}"', *extra], base=DEMO)
         run_dir = trainer.train(cfg)
         curves[name] = metrics.read(run_dir)
@@ -107,7 +107,7 @@ def compare(a) -> dict:
                     "tbpo_masked_frac": mean(rows, "tbpo/masked_frac"),
                     "rollout_s_per_step": mean(rows, "time/rollout")}
              for name, rows in curves.items()}
-    out = {"steps": a.steps, "settings": "demo (arith, 16 prompts x 8, AdamW 3e-4) + algorithm.minibatches=2",
+    out = {"steps": a.steps, "settings": "demo (arith, 16 prompts x 8, AdamW 3e-4) + update.minibatches=2",
            "table": table}
     print(json.dumps(out, indent=1))
     with open(os.path.join(RESULTS, "quant_compare.json"), "w") as f:

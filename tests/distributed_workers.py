@@ -34,10 +34,10 @@ CASES = {
     "reference": ['engine.backward="reference"', 'loss.type="gspo"'],
     # KL to the base model under the adapters
     "lora": ['engine.backward="stream"', "model.lora_r=4", "model.lora_alpha=8", "engine.reuse_rollout_kv=true",
-             "algorithm.kl_reference=true", "loss.kl_coef=0.1"],
+             "update.kl_reference=true", "loss.kl_coef=0.1"],
     # full fine-tuning with a KL term: the frozen reference (a copy of the model passed in) is sharded too
-    "kl_full": ['engine.backward="stream"', "algorithm.kl_reference=true", "loss.kl_coef=0.5"],
-    "epochs_minibatches": ['engine.backward="stream"', "algorithm.epochs=2", "algorithm.minibatches=2",
+    "kl_full": ['engine.backward="stream"', "update.kl_reference=true", "loss.kl_coef=0.5"],
+    "epochs_minibatches": ['engine.backward="stream"', "update.epochs=2", "update.minibatches=2",
                            "train.prompts_per_step=4", 'loss.aggregation="seq-mean-token-sum-norm"'],
     # QaRL: the quantized layers hold the master weights FSDP shards; codes from the gathered weights
     "quant": ['engine.backward="stream"', 'quant.rollout="w8a8"', "quant.aligned=true"],
@@ -47,10 +47,10 @@ CASES = {
     "bf16": ['engine.backward="stream"', 'model.dtype="float32"', 'distributed.mixed_precision="bf16"'],
     # the MoE load-balancing loss: routing counts of the whole minibatch, summed over the ranks
     "moe_router": ['engine.backward="stream"', "loss.router_aux_coef=0.05"],
-    "dapo_tbpo": ['engine.backward="stream"', "algorithm.dynamic_sampling=true", "algorithm.max_refills=3",
+    "dapo_tbpo": ['engine.backward="stream"', "rollout.dynamic_sampling=true", "rollout.max_refills=3",
                   'loss.type="tbpo"', "reward.functions=['distributed_workers:flat_for_half']"],
     # DAPO refills with the rollout's K/V: each rank trains the kept groups it sampled (K/V do not travel)
-    "dapo_kv": ['engine.backward="stream"', "algorithm.dynamic_sampling=true", "algorithm.max_refills=3",
+    "dapo_kv": ['engine.backward="stream"', "rollout.dynamic_sampling=true", "rollout.max_refills=3",
                 "engine.reuse_rollout_kv=true", "train.prompts_per_step=4",
                 "reward.functions=['distributed_workers:flat_for_half']"],
     # multi-turn episodes against an environment (a text game: step(text) answers twice), their K/V reused:
@@ -153,7 +153,7 @@ def ranks_job(tmp: str) -> dict:
         res[name] = {"weights": full_weights(t.model), "counts": dict(c.n), "units": _trainable_units(t.model),
                      "sequences_per_call": t.sequences_per_call,
                      "ref_units": len(fsdp.units(t.ref)) if t.ref is not None else 0,
-                     "optimizer_steps": STEPS * t.cfg.algorithm.epochs * t.cfg.algorithm.minibatches,
+                     "optimizer_steps": STEPS * t.cfg.update.epochs * t.cfg.update.minibatches,
                      "prompts_drawn": t.stream.position}
     # 3. resume on 2 ranks from the checkpoint of step 1 of "stream" (step 2's removed): step 2 again
     src, split = os.path.join(tmp, "stream"), os.path.join(tmp, "resumed")

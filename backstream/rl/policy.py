@@ -119,20 +119,21 @@ def _loaded_from(model) -> str | None:
     return os.path.abspath(name) if name and os.path.isdir(name) else name
 
 
-def reference_policy(cfg, model, copy_of_given: bool):
-    """The frozen reference policy of the KL term (algorithm.kl_reference) of the run `cfg`: the initial
-    policy, copied from the `model` passed in or loaded again (quantized as the learner computes it).
-    None when not asked for, and with LoRA, where the base model under the adapters is the reference."""
-    if not cfg.algorithm.kl_reference or cfg.model.lora_r > 0:
+def reference_policy(kl_reference: bool, policy: ModelConfig, quant, model, copy_of_given: bool):
+    """The frozen reference policy of the KL term (update.kl_reference; `policy`: [model], `quant`:
+    [quant]): the initial policy, copied from the `model` passed in or loaded again (quantized as the
+    learner computes it). None when not asked for, and with LoRA, where the base model under the
+    adapters is the reference."""
+    if not kl_reference or policy.lora_r > 0:
         return None
     if copy_of_given:
         ref = copy.deepcopy(model)  # before any update: the initial policy
     else:
-        ref, _ = dataclasses.replace(cfg.model, lora_r=0).build()
-        if cfg.quant.enabled:
+        ref, _ = dataclasses.replace(policy, lora_r=0).build()
+        if quant.enabled:
             from backstream.quant.linear import quantize_model  # noqa: PLC0415
 
-            quantize_model(ref, cfg.quant)
+            quantize_model(ref, quant)
     return ref.requires_grad_(False)
 
 

@@ -104,7 +104,7 @@ def test_aligned_learner_takes_the_samplers_kv_exactly(tmp_path, monkeypatch, lo
 
 
 def test_tbpo_and_is_corrections_train_under_quantized_rollouts(tmp_path):
-    _, tbpo = _run(tmp_path, "tbpo", 'quant.rollout="w8a8"', 'loss.type="tbpo"', "algorithm.minibatches=2")
+    _, tbpo = _run(tmp_path, "tbpo", 'quant.rollout="w8a8"', 'loss.type="tbpo"', "update.minibatches=2")
     for key in ("tbpo/masked_frac", "tbpo/weight_mean"):
         assert key in tbpo[0], key
     # an unaligned learner: the mismatch weight moves off 1

@@ -36,13 +36,13 @@ def test_bad_values_name_the_key(overrides, match):
 
 
 @pytest.mark.parametrize("overrides, match", [
-    (["engine.reuse_rollout_kv=true", "algorithm.epochs=2"], r"engine.reuse_rollout_kv: .* algorithm.epochs"),
+    (["engine.reuse_rollout_kv=true", "update.epochs=2"], r"engine.reuse_rollout_kv: .* update.epochs"),
     (["engine.reuse_rollout_kv=true", "loss.router_aux_coef=0.1"],
      r"loss.router_aux_coef > 0 .* engine.reuse_rollout_kv = false"),
-    (["loss.kl_coef=0.1"], r"loss.kl_coef > 0 needs algorithm.kl_reference"),
+    (["loss.kl_coef=0.1"], r"loss.kl_coef > 0 needs update.kl_reference"),
     (["rollout.temperature=0.7"], r"loss.temperature: got 1.0, but rollout.temperature is 0.7"),
     (["rollout.group_size=1", "algorithm.advantage=rloo"], r"rollout.group_size: got 1; group advantages \(rloo\)"),
-    (["algorithm.minibatches=3"], r"algorithm.minibatches: 3 does not divide train.prompts_per_step=8"),
+    (["update.minibatches=3"], r"update.minibatches: 3 does not divide train.prompts_per_step=8"),
 ])
 def test_cross_section_checks_name_the_keys(overrides, match):
     cfg = config.load(None, overrides)  # each section is valid on its own
@@ -215,3 +215,30 @@ def test_relative_paths_in_a_run_file_name_files_beside_it(tmp_path, monkeypatch
     assert config.load("toolcalc_agent.toml").env.agent == "toolcalc_agent.py:agent"  # here: the current dir's
     monkeypatch.chdir(os.path.dirname(EXAMPLES))
     assert config.load("examples/toolcalc_agent.toml").env.agent == f"{EXAMPLES}/toolcalc_agent.py:agent"
+
+
+def test_a_renamed_key_keeps_its_old_spelling_with_a_line_that_names_the_new_one(tmp_path, caplog):
+    """[algorithm] is the advantage's alone: its other keys moved to [update], [rollout] and [reward]. The
+    old spellings still work, in a run file and with --set, each said once with its new name; both
+    spellings of one key are refused by name."""
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="backstream")
+    config._SAID.clear()
+    path = tmp_path / "old.toml"
+    path.write_text("[algorithm]\nadvantage = \"rloo\"\nepochs = 2\nminibatches = 2\nkl_reference = true\n"
+                    "dynamic_sampling = true\nmax_refills = 3\noverlong = \"penalty\"\noverlong_buffer = 4\n")
+    cfg = config.load(str(path), ["algorithm.max_refills=5"])
+    assert cfg.algorithm.advantage == "rloo"
+    assert (cfg.update.epochs, cfg.update.minibatches, cfg.update.kl_reference) == (2, 2, True)
+    assert (cfg.rollout.dynamic_sampling, cfg.rollout.max_refills) == (True, 5)
+    assert (cfg.reward.overlong, cfg.reward.overlong_buffer) == ("penalty", 4)
+    said = [r.message for r in caplog.records if "old spelling" in r.message]
+    assert len(said) == len(config.RENAMED) == 7
+    assert "config: algorithm.epochs is now update.epochs (the old spelling still works; write update.epochs)" in said
+    assert config.load(None, ["algorithm.epochs=3"]).update.epochs == 3  # said once a process: no new line
+    assert len([r for r in caplog.records if "old spelling" in r.message]) == 7
+    with pytest.raises(ValueError, match=r"algorithm.epochs and update.epochs: both are set; .* keep update.epochs"):
+        config.load(None, ["algorithm.epochs=2", "update.epochs=2"])
+    # the resolved config states the new spellings only
+    assert "epochs" not in config.to_toml(cfg.to_dict()).split("[algorithm]")[1].split("[")[0]

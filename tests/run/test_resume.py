@@ -146,7 +146,7 @@ def test_steps_with_every_advantage_zero_warn(tmp_path, capsys):
                           "reward.functions=['rewards_for_tests:constant']"), model=model, tokenizer=tok)
     err = capsys.readouterr().err
     assert f"steps 1-{ZeroAdvantageWatch.STEPS} had every advantage 0" in err
-    assert "algorithm.dynamic_sampling" in err and err.count("had every advantage 0") == 1
+    assert "rollout.dynamic_sampling" in err and err.count("had every advantage 0") == 1
     assert "never stopped" not in err  # the tiny model's samples end with its EOS at times
 
 

@@ -17,7 +17,7 @@ from backstream import checkpoint, config, trainer
 warnings.filterwarnings("ignore", category=FutureWarning)
 
 
-@pytest.mark.parametrize("extra", [[], ["loss.type=\"gspo\""], ["algorithm.epochs=2", "algorithm.minibatches=2"]])
+@pytest.mark.parametrize("extra", [[], ["loss.type=\"gspo\""], ["update.epochs=2", "update.minibatches=2"]])
 def test_streamed_and_reference_runs_agree_float64(tmp_path, extra):
     results = {}
     for backward in ("stream", "reference"):
@@ -132,7 +132,7 @@ def test_kill_during_checkpoint_leaves_the_previous_one(tmp_path, monkeypatch):
     ([{"prompt": "x" * 30, "answer": "1"}], ["data.max_prompt_tokens=10"], "max_prompt_tokens=10"),
     ([{"prompt": "1+1=", "answer": "2"}], ["loss.kl_coef=0.1"], "kl_reference"),
     ([{"prompt": "1+1=", "answer": "2"}], ["rollout.group_size=1"], "group_size"),
-    ([{"prompt": "1+1=", "answer": "2"}], ["engine.reuse_rollout_kv=true", "algorithm.epochs=2"], "reuse_rollout_kv"),
+    ([{"prompt": "1+1=", "answer": "2"}], ["engine.reuse_rollout_kv=true", "update.epochs=2"], "reuse_rollout_kv"),
 ])
 def test_bad_input_writes_nothing(tmp_path, rows, overrides, match):
     data = tmp_path / "data.jsonl"
@@ -216,15 +216,15 @@ def test_dapo_dynamic_sampling_and_overlong(tmp_path):
     model, tok = tiny(torch.float32)
     data = tmp_path / "data.jsonl"  # a data file: no stop (the built-in arith task stops at a newline)
     data.write_text("".join(json.dumps({"prompt": f"{i}+{i}=", "answer": str(2 * i)}) + "\n" for i in range(8)))
-    run = trainer.train(run_cfg(tmp_path, "dapo", 'model.dtype="float32"', "algorithm.dynamic_sampling=true",
+    run = trainer.train(run_cfg(tmp_path, "dapo", 'model.dtype="float32"', "rollout.dynamic_sampling=true",
                                 f'data.path="{data}"',
-                                'algorithm.overlong="filter"', "rollout.max_new_tokens=3", "loss.eps_high=0.28",
+                                'reward.overlong="filter"', "rollout.max_new_tokens=3", "loss.eps_high=0.28",
                                 "train.steps=2"), model=model, tokenizer=tok)
     rows = [json.loads(x) for x in open(os.path.join(run, "metrics.jsonl"))]
     assert all(r["batch/groups"] == 2 for r in rows)  # refilled to prompts_per_step
     # every completion of a random model runs to max_new_tokens: all filtered, no gradient
     assert all(r["batch/zero_adv_frac"] == 1.0 for r in rows)
-    # each refill round replaces groups that were dropped, within algorithm.max_refills (4)
+    # each refill round replaces groups that were dropped, within rollout.max_refills (4)
     assert all(0 <= r["dapo/refill_rounds"] <= min(4, r["dapo/groups_dropped"]) for r in rows)
 
 
@@ -240,7 +240,7 @@ def test_dynamic_sampling_drops_a_zero_variance_group(tmp_path, dynamic):
     data.write_text("".join(json.dumps({"prompt": p, "answer": "0"}) + "\n" for p in [FLAT_PROMPT, *others]))
     model, tok = tiny(torch.float32)
     cfg = run_cfg(tmp_path, "run", 'model.dtype="float32"', f'data.path="{data}"', "train.prompts_per_step=4",
-                  f"algorithm.dynamic_sampling={str(dynamic).lower()}", "algorithm.max_refills=1",
+                  f"rollout.dynamic_sampling={str(dynamic).lower()}", "rollout.max_refills=1",
                   "reward.functions=['rewards_for_tests:flat_for_one_prompt']")
     t = trainer.Trainer(cfg, model=model, tokenizer=tok)
     batch = t.collect()
@@ -272,9 +272,9 @@ def test_overlong_penalty_values():
     r = Samples(prompt_index=[0, 0, 0], prompt_ids=[torch.tensor([1])] * 3,
                 completion_ids=[torch.zeros(n, dtype=torch.long) for n in (4, 7, 8)],
                 logprobs=[torch.zeros(n) for n in (4, 7, 8)], finish_reason=["eos", "eos", "length"], group_size=3)
-    ac = config.AlgorithmConfig(overlong="penalty", overlong_buffer=4)
+    shaping_cfg = config.RewardConfig(overlong="penalty", overlong_buffer=4)
     # max_new 8, buffer 4: no penalty up to 4 tokens, then −(len − 4)/4
-    shaped, keep = shaping.overlong_shaping(r, torch.ones(3), ac, 8)
+    shaped, keep = shaping.overlong_shaping(r, torch.ones(3), shaping_cfg, 8)
     assert torch.allclose(shaped, torch.tensor([1.0, 0.25, 0.0])) and keep.all()
 
 
@@ -358,7 +358,7 @@ def test_other_optimizers(tmp_path, name):
 @pytest.mark.parametrize("lora", [0, 4])
 def test_kl_to_the_reference_policy(tmp_path, lora):
     model, tok = tiny(torch.float32)
-    run = trainer.train(run_cfg(tmp_path, f"kl{lora}", 'model.dtype="float32"', "algorithm.kl_reference=true",
+    run = trainer.train(run_cfg(tmp_path, f"kl{lora}", 'model.dtype="float32"', "update.kl_reference=true",
                                 "loss.kl_coef=0.1", f"model.lora_r={lora}", "train.steps=3",
                                 "reward.functions=['rewards_for_tests:count_digits']"), model=model, tokenizer=tok)
     rows = [json.loads(x) for x in open(os.path.join(run, "metrics.jsonl"))]

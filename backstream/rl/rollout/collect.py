@@ -36,15 +36,15 @@ class Batch:
 
 
 class Collector:
-    """The run's collect phase: `rollout` ([rollout]: G, the token limit), `algorithm` ([algorithm]: DAPO's
-    dynamic sampling, the overlong shaping), `per_step` / `steps` (train.prompts_per_step, train.steps),
+    """The run's collect phase: `rollout` ([rollout]: G, the token limit, DAPO's dynamic sampling), `reward`
+    ([reward]: the overlong shaping), `per_step` / `steps` (train.prompts_per_step, train.steps),
     `source` (the rounds), `sampler` (the reward functions' inputs), `rewards`, the data's `examples`,
     `dp` (rl/parallel/), `tokenizer` (the samples' log), `resting` (what rests once a step's samples are
     in: rl/backends/base.py `Resting`)."""
 
-    def __init__(self, rollout, algorithm, per_step: int, steps: int, source, sampler, rewards, examples: list[dict],
+    def __init__(self, rollout, reward, per_step: int, steps: int, source, sampler, rewards, examples: list[dict],
                  dp, tokenizer, resting=()):
-        self.rollout, self.algorithm, self.per_step, self.steps = rollout, algorithm, per_step, steps
+        self.rollout, self.reward, self.per_step, self.steps = rollout, reward, per_step, steps
         self.source, self.sampler, self.rewards, self.examples, self.dp = source, sampler, rewards, examples, dp
         self.tok, self.resting = tokenizer, tuple(resting)
 
@@ -54,11 +54,11 @@ class Collector:
         the next one refills the rest; the last (after `max_refills`) keeps what it gets. `step`: the
         steps done; `times`: the step's seconds per phase, added to; `log`: what the reward functions
         log; `episode_log`: the samples' log; `phase(what)`: the progress line."""
-        ac, G = self.algorithm, self.rollout.group_size
+        ro, G = self.rollout, self.rollout.group_size
         kept: list[tuple[Samples, Tensor, Tensor]] = []
         scored, by_fn, dropped = [], {}, 0
         self.dp.begin_step()
-        for attempt in range(1 + (ac.max_refills if ac.dynamic_sampling else 0)):
+        for attempt in range(1 + (ro.max_refills if ro.dynamic_sampling else 0)):
             need = self.per_step - sum(len(r) for r, _, _ in kept) // G
             if need <= 0:
                 break
@@ -66,9 +66,9 @@ class Collector:
             scored.append(total)
             for k, v in per_fn.items():
                 by_fn.setdefault(k, []).append(v)
-            total, keep = overlong_shaping(r, total, ac, self.rollout.max_new_tokens)
-            if ac.dynamic_sampling:
-                groups = informative_groups(total, G) if attempt < ac.max_refills else list(range(need))
+            total, keep = overlong_shaping(r, total, self.reward, ro.max_new_tokens)
+            if ro.dynamic_sampling:
+                groups = informative_groups(total, G) if attempt < ro.max_refills else list(range(need))
                 self.dp.kept(groups)  # under torchrun with the rollout's K/V, refills then even the shares
                 dropped += need - len(groups)
                 rows = torch.tensor(r.group_rows(groups), dtype=torch.long)

@@ -52,7 +52,7 @@ from typing import Literal
 
 import torch
 
-from backstream.checks import UserError, literals
+from backstream.checks import UserError, at_least, literals
 from backstream.log import log
 from backstream.quant.linear import quantized, set_int8_gemm
 from backstream.rl.backends.base import SamplingParams, is_int
@@ -88,9 +88,14 @@ class RolloutConfig(SamplingParams):
     resumes each from its tokens so far, re-prefilled with the new weights; "keep" pauses them and their
     next tokens are sampled with the new weights after K/V computed with the old ones. Either way each
     token records the version it was sampled with."""
+    dynamic_sampling: bool = False
+    """DAPO: drop groups whose rewards are all equal and refill the batch with new prompts (rl/rollout/collect.py)."""
+    max_refills: int = 4
+    """Most extra rollout rounds per step that dynamic sampling may run."""
 
     def __post_init__(self):
         super().__post_init__()
+        at_least("rollout.max_refills", self.max_refills, 0)
         if not is_int(self.group_size) or self.group_size < 1:
             raise UserError(f"rollout.group_size: got {self.group_size!r}, expected an integer >= 1")
         if not is_int(self.max_staleness) or self.max_staleness < 0:

@@ -1,5 +1,6 @@
-"""Advantage estimators: per sample, from the rewards of its group (the G samples of one prompt,
-contiguous). `ADVANTAGES` is the registry `algorithm.advantage` names.
+"""`[algorithm]`: how a group's rewards become advantages. The estimators are per sample, from the rewards
+of its group (the G samples of one prompt, contiguous); `ADVANTAGES` is the registry
+`algorithm.advantage` names.
 
   GRPO      A_i = (r_i − mean_g r) / (std_g r + ε)   (unbiased std, as TRL)
   Dr.GRPO   A_i =  r_i − mean_g r                      (Liu et al. 2025: no std)
@@ -9,10 +10,12 @@ contiguous). `ADVANTAGES` is the registry `algorithm.advantage` names.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
 
 from torch import Tensor
 
-from backstream.checks import UserError
+from backstream.checks import UserError, literals
 
 
 def _groups(rewards: Tensor, group_size: int) -> Tensor:
@@ -58,6 +61,19 @@ ADVANTAGES: dict[str, Callable[[Tensor, int], Tensor]] = {
     "grpo": grpo_advantages, "drgrpo": drgrpo_advantages, "rloo": rloo_advantages}
 
 
+@dataclass(kw_only=True)
+class AlgorithmConfig:
+    advantage: Literal[tuple(ADVANTAGES)] = "grpo"
+    """Advantage estimator: grpo (group mean/std), drgrpo (group mean, no std), rloo (leave-one-out)."""
+
+    def __post_init__(self):
+        literals(self, "algorithm")
+
+    def advantages(self, rewards: Tensor, group_size: int) -> Tensor:
+        """Per-sample advantages of `rewards` [N], groups of `group_size` contiguous samples."""
+        return ADVANTAGES[self.advantage](rewards, group_size)
+
+
 class ZeroAdvantageWatch:
     """`STEPS` steps in a row on which every advantage was 0 learn nothing: `saw` says when to warn
     (once), with `hint`, the likely cause the run's set-up suggests (`format_hint`), and, when every
@@ -80,6 +96,6 @@ class ZeroAdvantageWatch:
         self.warning = (f"steps {first}-{step} had every advantage 0: within each group every "
                         "sample got the same reward, so nothing is learned" + never + ". Check that the reward "
                         "functions tell samples apart (reward/<function> in metrics.jsonl), raise "
-                        "rollout.temperature or rollout.group_size, or set algorithm.dynamic_sampling = true to "
+                        "rollout.temperature or rollout.group_size, or set rollout.dynamic_sampling = true to "
                         "replace the groups without signal" + (f". {self.hint}" if self.hint else ""))
         return self.in_a_row == self.STEPS

@@ -41,13 +41,14 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from backstream import usercode
-from backstream.checks import UserError
+from backstream.checks import UserError, at_least, literals
 from backstream.log import log
+from backstream.rl.scoring.shaping import OVERLONG
 from backstream.usercode import is_module_spec, is_path_spec, load_object
 
 RewardFn = Callable[..., Sequence[float]]
@@ -393,8 +394,14 @@ class RewardConfig:
     """Weight of each function in the total reward, in the order of `functions`; None = all 1.0."""
     timeout_s: float | None = None
     """Seconds one call of one reward function may take before the step stops; None = no limit."""
+    overlong: Literal[tuple(OVERLONG)] = "none"
+    """Completions cut at rollout.max_new_tokens: none, filter (no loss), or penalty (DAPO's soft penalty)."""
+    overlong_buffer: int = 16
+    """Length of the soft-penalty ramp before rollout.max_new_tokens (penalty mode)."""
 
     def __post_init__(self) -> None:
+        literals(self, "reward")
+        at_least("reward.overlong_buffer", self.overlong_buffer, 1)
         if not isinstance(self.functions, (list, tuple)) or not self.functions:
             raise UserError(
                 f"reward functions={self.functions!r}: give a non-empty list of specs, "

@@ -1,4 +1,4 @@
-"""Between the rewards and the advantages: DAPO's overlong handling (`algorithm.overlong`, one function
+"""Between the rewards and the advantages: DAPO's overlong handling (`reward.overlong`, one function
 per mode in `OVERLONG`) and its dynamic sampling's test of which groups carry a signal.
 
   none     every sample keeps its reward and its loss
@@ -31,7 +31,7 @@ def _penalty(rollout: Samples, rewards: Tensor, max_new: int, buffer: int) -> tu
     return shaped, torch.ones(len(rewards), dtype=torch.bool)
 
 
-# algorithm.overlong → (rollout, rewards [N], max_new_tokens, overlong_buffer) → (rewards, keep [N] bool)
+# reward.overlong → (samples, rewards [N], max_new_tokens, overlong_buffer) → (rewards, keep [N] bool)
 OVERLONG: dict[str, Callable[[Samples, Tensor, int, int], tuple[Tensor, Tensor]]] = {
     "none": _none, "filter": _filter, "penalty": _penalty}
 
@@ -43,6 +43,7 @@ def informative_groups(rewards: Tensor, group_size: int) -> list[int]:
     return [g for g in range(len(rewards) // G) if rewards[g * G:(g + 1) * G].std() > 0]
 
 
-def overlong_shaping(rollout: Samples, rewards: Tensor, ac, max_new: int) -> tuple[Tensor, Tensor]:
-    """`ac.overlong`'s shaping (an AlgorithmConfig): (shaped rewards [N], keep [N]: which samples get a loss)."""
-    return OVERLONG[ac.overlong](rollout, rewards, max_new, ac.overlong_buffer)
+def overlong_shaping(rollout: Samples, rewards: Tensor, reward, max_new: int) -> tuple[Tensor, Tensor]:
+    """`reward.overlong`'s shaping ([reward] `reward`; `max_new`: rollout.max_new_tokens): (shaped rewards
+    [N], keep [N]: which samples get a loss)."""
+    return OVERLONG[reward.overlong](rollout, rewards, max_new, reward.overlong_buffer)

@@ -392,7 +392,7 @@ def test_the_trainer_on_vllm_checkpoints_and_resumes(tmp_path, vllm_served):
     mid-run: test_a_model_built_from_a_config_with_qwen3s_context...; a resumed run's own server starts
     with the checkpoint's weights: test_vllm_async.py's run one step ahead.)"""
     cfg = _vllm_run(tmp_path, "run", "train.steps=2", "train.save_every=1", f'vllm.url="{vllm_served.urls[0]}"',
-                    f'vllm.api_key="{KEY}"', "algorithm.dynamic_sampling=true", "eval.every=2", "eval.prompts=4",
+                    f'vllm.api_key="{KEY}"', "rollout.dynamic_sampling=true", "eval.every=2", "eval.prompts=4",
                     "eval.samples=2")
     run = trainer.train(cfg)
     rows = [json.loads(x) for x in open(os.path.join(run, "metrics.jsonl"))]
@@ -420,7 +420,7 @@ def test_two_ranks_share_one_server(vllm_served, tmp_path, vllm_python):
     import distributed_workers as workers
 
     cfg = [f'vllm.python="{vllm_python}"', 'rollout.backend="vllm"', "train.steps=3", "train.prompts_per_step=4",
-           "rollout.group_size=4", "algorithm.dynamic_sampling=true", "eval.every=2", "eval.prompts=1",
+           "rollout.group_size=4", "rollout.dynamic_sampling=true", "eval.every=2", "eval.prompts=1",
            "eval.samples=2", "train.progress=false", "train.plots=false", "distributed.timeout_s=300",
            "vllm.start_timeout_s=300"]
     two = dist.run(workers.vllm_job, 2, str(tmp_path / "two"), cfg, init=False)

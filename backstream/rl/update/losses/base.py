@@ -100,7 +100,7 @@ class LossConfigBase:
     and builds its objective (`build`)."""
 
     kl_coef: float = 0.0
-    """Weight of the KL penalty to the reference policy (needs algorithm.kl_reference)."""
+    """Weight of the KL penalty to the reference policy (needs update.kl_reference)."""
     kl_estimator: str = "k3"
     """k1 (log-ratio) or k3 (Schulman's unbiased, non-negative estimator)."""
     entropy_coef: float = 0.0
