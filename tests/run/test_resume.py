@@ -314,3 +314,37 @@ def test_an_empty_chat_prompt_names_its_row(tmp_path):
     with pytest.raises(ValueError, match=r"data: the prompt \(example 1\) is an empty list of chat messages"):
         trainer.train(run_cfg(tmp_path, "r", 'model.dtype="float32"', f'data.path="{path}"'), model=model,
                       tokenizer=tok)
+
+
+OLD_RUN = [  # tests/data/run-b845907's settings (written by b845907, before rl/'s new layout: issue 58)
+    'model.dtype="float32"', "train.prompts_per_step=2", "rollout.group_size=4", "rollout.max_new_tokens=6",
+    "data.num_examples=32", "optim.lr=1e-2", "train.progress=false", "reward.functions=['format:.*1.*']",
+    "train.plots=false", "train.save_every=1", "train.keep_checkpoints=1", "update.minibatches=2"]
+
+
+def test_a_run_folder_written_before_the_new_layout_resumes_bitwise(tmp_path, caplog):
+    """tests/data/run-b845907 was written by b845907 (2 steps, its [algorithm] holding minibatches = 2, the
+    tiny Qwen3 of helpers.tiny in float32): it resumes, its old keys read with their new names (said),
+    and its steps, the two it had and the two it adds, are an uninterrupted run of this version: the
+    same metrics and the same weights, bitwise."""
+    import logging
+    import shutil
+
+    caplog.set_level(logging.WARNING, logger="backstream")
+    config._SAID.clear()
+    old = shutil.copytree(os.path.join(os.path.dirname(__file__), "..", "data", "run-b845907"), tmp_path / "old")
+    model, tok = tiny(torch.float32)
+    trainer.train(resume=str(old), overrides=["train.steps=4"], model=model, tokenizer=tok)
+    assert "config: algorithm.minibatches is now update.minibatches" in caplog.text
+    straight, tok = tiny(torch.float32)
+    run = trainer.train(config.load(None, [*OLD_RUN, "train.steps=4", f'train.output_dir="{tmp_path / "new"}"']),
+                        model=straight, tokenizer=tok)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), straight.state_dict().values()))
+    drop = ("time/", "throughput/", "memory/")
+
+    def rows(folder):
+        return [{k: v for k, v in json.loads(x).items() if not k.startswith(drop)}
+                for x in open(os.path.join(folder, "metrics.jsonl"))]
+
+    assert [r["step"] for r in rows(old)] == [1, 2, 3, 4]
+    assert rows(old) == rows(run)
