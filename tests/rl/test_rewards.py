@@ -516,15 +516,15 @@ def test_eval_metrics_against_rewards_known_in_advance():
 
     rewards = [[1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0]]
 
-    class Fixed:
-        def release(self, r=None):
+    class Fixed(list):  # the samples' indices, as score() gets them; nothing held for the rewards
+        def release(self):
             pass
 
     examples = [{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(50)]
     ev = Evaluator(EvalConfig(every=1, prompts=3, samples=4, pass_reward=1.0), DataConfig(task="arith"), 0, examples,
-                   lambda ex, k: Fixed())
+                   lambda ex, k: None)
     ev.examples = ev.examples[:3]
-    sample = lambda rows, indices, gens: indices  # noqa: E731  (what score() gets)
+    sample = lambda rows, indices, gens: Fixed(indices)  # noqa: E731
     out = ev.run(sample, lambda idx: torch.tensor([rewards[i] for i in idx]).flatten(), DataParallel(None), 0)
     assert out == {"eval/reward/mean": 5 / 12, "eval/pass@4": 2 / 3, "eval/avg@4": (1 / 4 + 0 + 1) / 3}
 
