@@ -538,7 +538,7 @@ def _safe_io(path: str):
 
 
 def rng_state() -> dict:
-    """The process's random state (the samplers draw from generators of their own: rl/parallel.py
+    """The process's random state (the samplers draw from generators of their own: rl/parallel/
     `group_generator`, by the data position; a checkpoint of an older run also holds "sampler", unused)."""
     return {"torch": torch.get_rng_state(), "python": random.getstate(),
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}

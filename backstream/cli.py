@@ -39,15 +39,15 @@ from backstream.log import log
 
 def cmd_train(args) -> int:
     from backstream import trainer  # noqa: PLC0415
-    from backstream.rl import parallel  # noqa: PLC0415
+    from backstream.rl.parallel import collectives  # noqa: PLC0415
 
     try:
         run_dir = trainer.train(args.config, args.set or [], resume=args.resume, overwrite=args.overwrite,
                                 allow_changed_files=args.allow_changed_files)
-        if parallel.is_main():
+        if collectives.is_main():
             print(f"run folder: {run_dir}")
     finally:
-        parallel.shutdown()  # under torchrun: leave the process group this run started
+        collectives.shutdown()  # under torchrun: leave the process group this run started
     return 0
 
 
@@ -93,7 +93,7 @@ def cmd_verify(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from backstream.quant.export import export  # noqa: PLC0415
+    from backstream.export import export  # noqa: PLC0415
 
     out = export(args.run_dir, args.quant, out=args.out, group_size=args.group_size, overwrite=args.overwrite)
     print(f"exported: {out}")

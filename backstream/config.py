@@ -29,7 +29,7 @@ from backstream.quant.linear import QuantConfig
 from backstream.rl.agent.env import EnvConfig
 from backstream.rl.backends.vllm.server import VLLMConfig
 from backstream.rl.data.prompts import DataConfig
-from backstream.rl.parallel import DistributedConfig
+from backstream.rl.parallel.dataparallel import DistributedConfig
 from backstream.rl.policy import ModelConfig
 from backstream.rl.rollout.evaluate import EvalConfig
 from backstream.rl.rollout.source import RolloutConfig
@@ -391,8 +391,10 @@ RENAMED = {
 """Keys that moved (old spelling → new): [algorithm] held the update's, the rollout's and the reward's
 keys, and is now the advantage's alone. The old spelling still works, in a run file, with --set and
 in the config.toml of a run folder written before (a resume), with a line that names the new key."""
-MOVED_SPECS = {"backstream.rl.tasks:Calculator": "backstream.rl.data.tasks:Calculator"}
-"""Spec values of the package's own that moved (a toolcalc run folder written before names the old one)."""
+MOVED_SPECS = {"backstream.rl.tasks": "backstream.rl.data.tasks",
+               "backstream.rl.rewards": "backstream.rl.scoring.builtin"}
+"""Modules of the package's own that a spec may name (`module:name`) and that moved: a toolcalc run folder
+written before names `backstream.rl.tasks:Calculator`, a run file may name a built-in reward by its module."""
 _SAID: set[str] = set()
 
 
@@ -412,9 +414,16 @@ def _renamed(raw: dict) -> None:
         if old not in _SAID:
             _SAID.add(old)
             log.warning(f"config: {old} is now {new} (the old spelling still works; write {new})")
-    env = raw.get("env")
-    if isinstance(env, dict) and env.get("factory") in MOVED_SPECS:
-        env["factory"] = MOVED_SPECS[env["factory"]]
+    def moved(spec):
+        module, sep, name = spec.partition(":") if isinstance(spec, str) else ("", "", "")
+        return f"{MOVED_SPECS[module]}:{name}" if sep and module in MOVED_SPECS else spec
+
+    for key in SPEC_KEYS:
+        section, name = key.split(".")
+        values = raw.get(section)
+        if isinstance(values, dict) and name in values:
+            v = values[name]
+            values[name] = [moved(x) for x in v] if isinstance(v, list) else moved(v)
 
 
 # the run-file keys that name files or folders (a spec "file.py:function" names its file)

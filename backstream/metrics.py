@@ -59,14 +59,42 @@ def _keep_steps_up_to(path: str, step: int) -> None:
     os.replace(tmp, path)
 
 
+class Progress:
+    """The run's progress on stderr (train.progress): a redrawing bar on a terminal, its description what
+    the current step is doing (`phase`: "rollout 3/16", "backward 2/4"), or one line per step otherwise
+    (`Logger.log`). Built with the run's parts, which report their phases to it; its bar starts with the
+    run (`start`, at the step it starts from), and what a phase says before that is not shown."""
+
+    def __init__(self, enabled: bool = True, total_steps: int | None = None):
+        self.enabled, self.total, self.bar, self.step = enabled, total_steps, None, 0
+
+    def start(self, step: int) -> None:
+        """The run starts after `step` steps: a terminal's bar from there."""
+        self.step = step
+        if self.enabled and self.bar is None and getattr(sys.stderr, "isatty", lambda: False)():
+            from tqdm import tqdm  # noqa: PLC0415
+
+            self.bar = tqdm(total=self.total, initial=step, file=sys.stderr, unit="step", dynamic_ncols=True)
+
+    def at(self, step: int) -> None:
+        """Step `step` (counted from 1) is being computed."""
+        self.step = step
+
+    def phase(self, what: str) -> None:
+        """What the current step is doing: on a terminal's bar only."""
+        if self.bar is not None:
+            self.bar.set_description_str(f"step {self.step}: {what}"[: max(12, _columns() // 3)])
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
 class NoLogger:
     """The logger of the ranks other than 0 under torchrun: the Logger's and EpisodeLog's methods,
     doing nothing."""
 
     def log(self, metrics: dict) -> None:
-        pass
-
-    def phase(self, step: int, what: str) -> None:
         pass
 
     def write(self, step: int, rows) -> None:
@@ -77,23 +105,21 @@ class NoLogger:
 
 
 class Logger:
-    def __init__(self, run_dir: str, *, progress=True, tensorboard=False, wandb=False, config: dict | None = None,
-                 total_steps: int | None = None, append: bool = False, wandb_project: str = "backstream",
-                 start_step: int = 0, keys: list[str] | None = None):
-        """`keys`: every key a step's line holds (more keys that a step brings are added after them)."""
+    def __init__(self, run_dir: str, *, progress: bool | Progress = True, tensorboard=False, wandb=False,
+                 config: dict | None = None, total_steps: int | None = None, append: bool = False,
+                 wandb_project: str = "backstream", start_step: int = 0, keys: list[str] | None = None):
+        """`keys`: every key a step's line holds (more keys that a step brings are added after them);
+        `progress`: the run's `Progress` (a terminal's bar, started here at `start_step`), or whether to
+        show one."""
         check_backends(tensorboard, wandb)
         self.keys = ["step", "time/wall", *[k for k in keys or [] if k not in ("step", "time/wall")]]
         self.path = os.path.join(run_dir, "metrics.jsonl")
         if append:
             _keep_steps_up_to(self.path, start_step)
         self.file = open(self.path, "a" if append else "w")
-        self.progress, self.total = progress, total_steps
-        self.bar = None
-        if progress and getattr(sys.stderr, "isatty", lambda: False)():
-            # a terminal gets a redrawing bar; a log file gets one line per step
-            from tqdm import tqdm  # noqa: PLC0415
-
-            self.bar = tqdm(total=total_steps, initial=start_step, file=sys.stderr, unit="step", dynamic_ncols=True)
+        self.progress = progress if isinstance(progress, Progress) else Progress(progress, total_steps)
+        self.total = self.progress.total
+        self.progress.start(start_step)  # a terminal gets a redrawing bar; a log file gets one line per step
         self.tb = self.wb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415
@@ -131,13 +157,12 @@ class Logger:
             self.bar.set_description_str(f"step {step}")
             self.bar.update(step - self.bar.n)
             self.bar.set_postfix_str(self._fit(row))
-        elif self.progress:
+        elif self.progress.enabled:
             print(self.line(row), file=sys.stderr, flush=True)
 
-    def phase(self, step: int, what: str) -> None:
-        """What the current step is doing (`rollout 3/16`, `backward 2/4`): on a terminal's bar only."""
-        if self.bar is not None:
-            self.bar.set_description_str(f"step {step}: {what}"[: max(12, _columns() // 3)])
+    @property
+    def bar(self):
+        return self.progress.bar
 
     def line(self, m: dict, parts: int = 5) -> str:
         """The step's line; `parts` < 5 leaves out the least telling fields (mismatch, memory, timing).
@@ -177,8 +202,7 @@ class Logger:
 
     def close(self) -> None:
         self.file.close()
-        if self.bar is not None:
-            self.bar.close()
+        self.progress.close()
         if self.tb is not None:
             self.tb.close()
         if self.wb is not None:

@@ -259,7 +259,7 @@ class Run:
     """One run's folder and lifecycle (rank 0 owns the folder; every rank holds one of these): `open`
     claims and records it, `guard` turns an error into error.log and a released lock, `signals` makes a
     first SIGINT/SIGTERM finish the step and a second stop at once, `checkpoint_due` keeps the cadence.
-    `cfg` is the resolved RunConfig, `dp` the data parallelism (rl/parallel.py)."""
+    `cfg` is the resolved RunConfig, `dp` the data parallelism (rl/parallel/)."""
 
     def __init__(self, cfg, run_dir: str, dp, *, resume: bool, overwrite: bool):
         self.cfg, self.dir, self.dp, self.resume = cfg, run_dir, dp, resume

@@ -39,7 +39,7 @@ def worker(args) -> None:
     import torch
 
     from backstream import config, trainer
-    from backstream.rl import parallel
+    from backstream.rl.parallel import collectives
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // world))
@@ -57,15 +57,14 @@ def worker(args) -> None:
         split.append({"rollout": tt["rollout"], "train": tt["prefill"] + tt["backward"] + tt["optim"],
                       "tokens": m["throughput/tokens_per_s"] * m["time/step"]})  # the global batch's
         t.logger.log(m)
-    t.logger.close()
-    if t.lock is not None:
-        t.lock.release()
-    rank = parallel.rank()
+    t.close()
+    t.run_folder.release()
+    rank = collectives.rank()
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
-        json.dump({"rank": rank, "world": parallel.world(), "step_s": times, "rewards": rewards, "split": split,
+        json.dump({"rank": rank, "world": collectives.world(), "step_s": times, "rewards": rewards, "split": split,
                    "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                    "threads": torch.get_num_threads()}, f)
-    parallel.shutdown()
+    collectives.shutdown()
 
 
 def launch(mode: str, steps: int, model: str, threads: int) -> list[dict]:

@@ -49,7 +49,7 @@ def main():
     from backstream.default_model import load_default
     from backstream.rl.backends import build_backend
     from backstream.rl.backends.vllm.weights.sync import DiskSync
-    from backstream.rl.parallel import DataParallel
+    from backstream.rl.parallel.dataparallel import DataParallel
 
     model = qwen3_06b()
     tok = load_default()[1]  # (the server skips its tokenizer: token ids in and out)

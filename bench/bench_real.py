@@ -159,7 +159,7 @@ def side_trl(steps: int, out: str, checkpointing: bool, n: int = 0) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from backstream.rl.scoring.rewards import answer
+    from backstream.rl.scoring.builtin import answer
     from bench.real_model import real_model_dir
     from bench.rewards import text_hash
 

@@ -90,7 +90,7 @@ def server(model, tok, prompts: list[torch.Tensor], G: int, new: int) -> float:
     """tokens/s of a vLLM server, one request per group, all in flight."""
     from backstream import config
     from backstream.rl.backends.vllm.backend import build
-    from backstream.rl.parallel import DataParallel
+    from backstream.rl.parallel.dataparallel import DataParallel
 
     n_tokens = len(prompts) * G * new
     with tempfile.TemporaryDirectory() as run_dir:

@@ -20,7 +20,7 @@ from fake_backend import FakeBackend
 from helpers import tiny, tiny_moe
 
 from backstream import config, trainer
-from backstream.rl import parallel
+from backstream.rl.parallel import collectives
 from backstream.stream import fsdp
 
 warnings.filterwarnings("ignore", category=FutureWarning)
@@ -125,13 +125,13 @@ def _train(out: str, overrides: list[str], resume: str | None = None):
     else:
         t = trainer.Trainer(run_cfg(out, *overrides), model=model, tokenizer=tok, backend=backend)
     t.sequences_per_call = []  # how many sequences this rank trained in each engine call
-    backward = t.engine.backward
+    backward = t.parts.learner.engine.backward
 
     def counted(model, sequences, *a, **kw):
         t.sequences_per_call.append(len(sequences))
         return backward(model, sequences, *a, **kw)
 
-    t.engine.backward = counted
+    t.parts.learner.engine.backward = counted
     t.run()
     return t
 
@@ -145,19 +145,19 @@ def ranks_job(tmp: str) -> dict:
     except ValueError as e:
         res["bad_input"] = str(e)
     res["bad_written"] = os.path.exists(os.path.join(tmp, "bad"))
-    res["group_started"] = parallel.active()
+    res["group_started"] = collectives.active()
     # 2. the runs compared with one process; the reductions counted
     for name, extra in CASES.items():
         with Counter() as c:
             t = _train(os.path.join(tmp, name), extra)
         res[name] = {"weights": full_weights(t.model), "counts": dict(c.n), "units": _trainable_units(t.model),
                      "sequences_per_call": t.sequences_per_call,
-                     "ref_units": len(fsdp.units(t.ref)) if t.ref is not None else 0,
+                     "ref_units": len(fsdp.units(t.parts.ref)) if t.parts.ref is not None else 0,
                      "optimizer_steps": STEPS * t.cfg.update.epochs * t.cfg.update.minibatches,
-                     "prompts_drawn": t.stream.position}
+                     "prompts_drawn": t.parts.source.stream.position}
     # 3. resume on 2 ranks from the checkpoint of step 1 of "stream" (step 2's removed): step 2 again
     src, split = os.path.join(tmp, "stream"), os.path.join(tmp, "resumed")
-    if parallel.is_main():
+    if collectives.is_main():
         shutil.copytree(src, split)
         shutil.rmtree(os.path.join(split, "checkpoints", f"step-{STEPS}"))
     dist.barrier()
@@ -167,14 +167,14 @@ def ranks_job(tmp: str) -> dict:
     # folder (as two nodes' local disks would be); rank 1 does not see it, every rank stops
     local = os.path.join(tmp, f"local-{res['rank']}")
     os.makedirs(local, exist_ok=True)
-    if parallel.is_main():
+    if collectives.is_main():
         with open(os.path.join(local, "marker"), "w") as f:
             f.write("rank 0's lock")
     try:
-        parallel.check_shared(local, os.path.join(local, "marker"))
+        collectives.check_shared(local, os.path.join(local, "marker"))
     except ValueError as e:
         res["not_shared"] = str(e)
-    parallel.check_shared(tmp, os.path.join(tmp, "stream", "config.toml"))  # a folder both see: passes
+    collectives.check_shared(tmp, os.path.join(tmp, "stream", "config.toml"))  # a folder both see: passes
     # 5. a rank that fails mid-step (rank 1's reward function raises at step 2): every rank stops with
     # a message, in seconds, and no checkpoint of that step is written. Last: it ends the group.
     t0 = time.perf_counter()
@@ -226,7 +226,7 @@ def single_process_reference(tmp: str, names: list[str], store: str) -> dict:
         for name in names:
             t = _train(os.path.join(tmp, "one-" + name), CASES[name])
             out[name] = full_weights(t.model)
-            out[name + "/prompts_drawn"] = t.stream.position
+            out[name + "/prompts_drawn"] = t.parts.source.stream.position
         src = os.path.join(tmp, "stream")
         dst = os.path.join(tmp, "one-from-two")
         shutil.copytree(src, dst)
@@ -247,15 +247,15 @@ def vllm_job(out: str, overrides: list[str]) -> dict:
     from backstream.rl.backends.vllm.server import Server, ServerError
 
     t = trainer.Trainer(config.load(None, [f'train.output_dir="{out}"', *overrides]))
-    weights, seen = t.sampling.weights, {}
+    weights, seen = t.parts.sampling.weights, {}
 
     def recorded():  # the servers as the run leaves them (stopped last built first: before the servers)
         seen.update(servers=[(m.server.url, m.server.proc, m.server.log_path) for m in weights.pool.members],
                     published=weights.published, kind=weights.kind)
 
-    t.sampling.closing.callback(recorded)
+    t.parts.sampling.closing.callback(recorded)
     shares = []  # the number of groups of each `sample` call of this rank (training, then [eval])
-    for s in [t.sampler, *([t.evaluator.sampler] if hasattr(t.evaluator, "sampler") else [])]:
+    for s in [t.sampler, *([t.parts.evaluator.sampler] if hasattr(t.parts.evaluator, "sampler") else [])]:
         s.sample = _counted(s.sample, shares)
     t.run()
     url, proc, log = seen["servers"][0]
@@ -265,12 +265,12 @@ def vllm_job(out: str, overrides: list[str]) -> dict:
     dist.barrier()  # rank 0 has stopped its servers
     error = None
     try:
-        if parallel.rank() == 1:
+        if collectives.rank() == 1:
             Server(url, None, log, 10).post("/v1/completions", {})
     except ServerError as e:
         error = e
     try:
-        t.dp.fail_together(error)  # what the rollout source does after a round each rank sampled on its own
+        t.parts.dp.fail_together(error)  # what the rollout source does after a round each rank sampled on its own
     except ServerError as e:
         res["error"] = str(e)
     return res

@@ -340,7 +340,7 @@ def kill_the_server_then_step(t) -> None:
 
     from backstream.rl.backends.vllm.server import ServerError
 
-    server = t.sampling.weights.pool.members[0].server
+    server = t.parts.sampling.weights.pool.members[0].server
     os.killpg(server.proc.pid, signal.SIGKILL)
     server.proc.wait()
     with pytest.raises(ServerError, match=r"vLLM .*(died|no answer).*vllm.log.*--resume"):

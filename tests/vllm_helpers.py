@@ -9,7 +9,7 @@ from backstream.quant.linear import QuantConfig
 from backstream.rl.backends import build_backend
 from backstream.rl.backends.base import SamplingParams
 from backstream.rl.backends.vllm.server import logprobs_mode
-from backstream.rl.parallel import DataParallel
+from backstream.rl.parallel.dataparallel import DataParallel
 from backstream.rl.rollout.completions import CompletionSampler
 from backstream.rl.rollout.source import Source
 

@@ -153,21 +153,21 @@ def test_bad_input_and_a_failing_rank(job):
 def test_a_process_group_that_cannot_start(monkeypatch):
     """Rank 1 of 2 whose MASTER_ADDR:PORT answers nothing: an error that says what to check, after
     distributed.timeout_s."""
-    from backstream.rl import parallel
+    from backstream.rl.parallel import collectives
 
     for k, v in dist.env(1, 2, dist.free_port()).items():
         monkeypatch.setenv(k, v)
     with pytest.raises(RuntimeError, match=r"torchrun: rank 1 of 2 could not start the gloo process group at "
                                            r"127.0.0.1:\d+ within distributed.timeout_s=2 .* MASTER_ADDR"):
-        parallel.init(parallel.DistributedConfig(timeout_s=2), torch.device("cpu"))
-    assert not parallel.active()
+        collectives.init(2, torch.device("cpu"))
+    assert not collectives.active()
 
 
 def test_group_splits_over_ranks():
     """rank_groups: every group trained by one rank, rank r's part of minibatch m inside minibatch m.
     round_share: a round's groups sampled once each; a whole batch by its trainers, a refill evenly;
     with `held` (the rollout's K/V: a rank trains what it sampled) the refill evens the shares out."""
-    from backstream.rl.parallel import rank_groups, round_share
+    from backstream.rl.parallel.placement import rank_groups, round_share
 
     for n, parts, world in ((8, 2, 2), (12, 3, 2), (12, 1, 4)):
         per = n // parts
@@ -210,7 +210,7 @@ def test_the_data_parallel_object_without_processes():
     one-process object hands everything through unchanged."""
     import dataclasses
 
-    from backstream.rl.parallel import DataParallel, DistributedConfig, Torchrun
+    from backstream.rl.parallel.dataparallel import DataParallel, DistributedConfig, Torchrun
 
     G = 2
     ranks = [Torchrun(DistributedConfig(), device=torch.device("cpu"), seed=0, minibatches=1, reuse_kv=True,

@@ -18,7 +18,8 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from backstream import checkpoint
 from backstream.cli import main
 from backstream.default_model import build_tokenizer
-from backstream.quant.export import export, pack_int4, unpack_int4
+from backstream.export import export
+from backstream.quant.formats import pack_int4, unpack_int4
 from backstream.quant.linear import (
     QuantConfig,
     dequantize_weight,

@@ -6,16 +6,12 @@ import threading
 import pytest
 import torch
 
+from backstream.rl.scoring import builtin
 from backstream.rl.scoring import rewards as R
-from backstream.rl.scoring.rewards import (
-    RewardConfig,
-    RewardError,
-    RewardModel,
-    Rewards,
-    exact_match,
-    format_reward,
-    load_reward,
-)
+from backstream.rl.scoring.answers import final_answer
+from backstream.rl.scoring.builtin import exact_match, format_reward, load_reward
+from backstream.rl.scoring.reward_model import RewardModel
+from backstream.rl.scoring.rewards import RewardConfig, RewardError, Rewards
 
 # ------------------------------------------------------------------ built-ins
 
@@ -47,7 +43,7 @@ def test_exact_match(completion, answer, expected):
 
 
 def test_final_answer_unclosed_box_falls_back_to_the_whole_text():
-    assert R.final_answer("  \\boxed{12  ") == "\\boxed{12"
+    assert final_answer("  \\boxed{12  ") == "\\boxed{12"
 
 
 def test_format_reward_full_match():
@@ -75,7 +71,7 @@ def test_math_verify():
         ("", "", 1.0),  # an unparseable gold falls back to exact_match
     ]
     completions, answers, expected = zip(*cases)
-    assert R.math(list(completions), answer=list(answers)) == list(expected)
+    assert builtin.math(list(completions), answer=list(answers)) == list(expected)
 
 
 def test_math_verify_in_a_worker_thread():
@@ -91,7 +87,7 @@ def test_math_without_math_verify(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "math_verify", None)  # makes the import fail
     with pytest.raises(ImportError, match=r"pip install 'backstream\[math\]'"):
-        R.math(["1"], answer=["1"])
+        builtin.math(["1"], answer=["1"])
     with pytest.raises(ImportError, match="backstream"):
         load_reward("math")
 
@@ -109,7 +105,7 @@ def test_load_builtin_specs():
     assert load_reward("exact_match") is exact_match
     f = load_reward("format:x+")
     assert f(["xxx", "xy"]) == [1.0, 0.0]
-    assert load_reward("backstream.rl.scoring.rewards:exact_match") is exact_match
+    assert load_reward("backstream.rl.scoring.builtin:exact_match") is exact_match
 
 
 def test_load_from_module_path(tmp_path, monkeypatch):
@@ -511,7 +507,7 @@ def test_eval_metrics_against_rewards_known_in_advance():
     reward: computed here by hand for three prompts of four samples each (a pass@k taken with `all`
     would give 1/3, not 2/3)."""
     from backstream.rl.data.prompts import DataConfig
-    from backstream.rl.parallel import DataParallel
+    from backstream.rl.parallel.dataparallel import DataParallel
     from backstream.rl.rollout.evaluate import EvalConfig, Evaluator
 
     rewards = [[1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0]]
@@ -539,7 +535,7 @@ def test_eval_metrics_against_rewards_known_in_advance():
     ("82 is close, but it is 81", "82", 0.0), ("no number at all", "82", 0.0), ("eighty-two", "82", 0.0),
 ])
 def test_answer_reads_the_answer_of_a_chat_response(text, gold, want):
-    from backstream.rl.scoring.rewards import answer
+    from backstream.rl.scoring.builtin import answer
 
     assert answer([text], [gold]) == [want]
     assert answer([[{"role": "assistant", "content": text}]], [gold]) == [want]
@@ -547,7 +543,8 @@ def test_answer_reads_the_answer_of_a_chat_response(text, gold, want):
 
 def test_reward_metrics_are_named_by_the_function(tmp_path):
     """reward/<function>, not reward/<path>:<function>; two functions of one name kept apart."""
-    from backstream.rl.scoring.rewards import Rewards, spec_name
+    from backstream.rl.scoring.builtin import spec_name
+    from backstream.rl.scoring.rewards import Rewards
 
     for d in ("a", "b"):
         (tmp_path / d).mkdir()

@@ -23,7 +23,8 @@ from backstream import trainer
 from backstream.quant.linear import QuantConfig, quant_linears, quantize_model
 from backstream.rl.backends.base import SamplingParams
 from backstream.rl.data.prompts import PromptStream
-from backstream.rl.parallel import DataParallel, group_generator
+from backstream.rl.parallel.dataparallel import DataParallel
+from backstream.rl.parallel.placement import group_generator
 from backstream.rl.records import Samples
 from backstream.rl.rollout.completions import CompletionSampler
 from backstream.rl.rollout.source import AsyncSource, Source

@@ -132,7 +132,7 @@ def test_score(completion, answer, expected):
 
 
 def test_score_agrees_with_the_exact_match_reward():
-    from backstream.rl.scoring.rewards import exact_match, load_reward
+    from backstream.rl.scoring.builtin import exact_match, load_reward
 
     cases = [("82", "82"), (" 082 ", "82"), ("81", "82"), ("x #### 7", "7"), ("", "1"), ("ab", "ab")]
     for name in TASKS:

@@ -186,14 +186,14 @@ def test_example_configs_are_valid(name):
 
 
 def test_example_reward_function(monkeypatch):
-    from backstream.rl.scoring.rewards import load_reward
+    from backstream.rl.scoring.builtin import load_reward
 
     monkeypatch.chdir(os.path.dirname(EXAMPLES))
     fn = load_reward("examples/my_reward.py:length_penalised_match")
     out = fn(["the answer is 42", "no idea"], prompts=["q", "q"], answer=["42", "42"])
     assert out == pytest.approx([1.0 - 0.016, -0.007])
     spec = config.load(os.path.join(EXAMPLES, "dapo_math_lora.toml")).reward.functions[1]
-    from backstream.rl.scoring.rewards import format_reward
+    from backstream.rl.scoring.builtin import format_reward
 
     assert format_reward(spec[len("format:"):])([r"so \boxed{7}", "7"]) == [1.0, 0.0]
 
@@ -240,5 +240,10 @@ def test_a_renamed_key_keeps_its_old_spelling_with_a_line_that_names_the_new_one
     assert len([r for r in caplog.records if "old spelling" in r.message]) == 7
     with pytest.raises(ValueError, match=r"algorithm.epochs and update.epochs: both are set; .* keep update.epochs"):
         config.load(None, ["algorithm.epochs=2", "update.epochs=2"])
+    # a built-in reward or task class named by a module that moved
+    moved = config.load(None, ["reward.functions=['backstream.rl.rewards:exact_match']",
+                               'env.factory="backstream.rl.tasks:Calculator"'])
+    assert moved.reward.functions == ["backstream.rl.scoring.builtin:exact_match"]
+    assert moved.env.factory == "backstream.rl.data.tasks:Calculator"
     # the resolved config states the new spellings only
     assert "epochs" not in config.to_toml(cfg.to_dict()).split("[algorithm]")[1].split("[")[0]

@@ -16,7 +16,7 @@ from backstream.default_model import (
     load_default,
 )
 from backstream.rl.data.tasks import TASKS, make_dataset
-from backstream.rl.scoring.rewards import exact_match
+from backstream.rl.scoring.builtin import exact_match
 
 
 @functools.cache
@@ -112,7 +112,7 @@ def test_greedy_arith_answers_are_digits_then_eos():
 def play_toolcalc(rows, temperature: float, group_size: int):
     """toolcalc episodes of the shipped model through the trainer's episode sampler, with the task's
     defaults (environment, turns, turn budget): per episode (tool calls, tool errors, turns, reward)."""
-    from backstream.rl.agent.env import EnvConfig
+    from backstream.rl.agent.env import EnvConfig, Environment
     from backstream.rl.backends.base import SamplingParams
     from backstream.rl.backends.local.backend import LocalBackend
     from backstream.rl.rollout.episodes import EpisodeSampler
@@ -122,8 +122,9 @@ def play_toolcalc(rows, temperature: float, group_size: int):
     config = SamplingParams(temperature=temperature, max_new_tokens=d["rollout.max_new_tokens"])
     backend = LocalBackend(config, [tok.eos_token_id], tok)
     backend.weights.sync(model, 0)
-    sampler = EpisodeSampler(config, group_size, EnvConfig(factory=d["env.factory"], max_turns=d["env.max_turns"]), tok,
-                             [tok.eos_token_id], False, None, backend)
+    env = EnvConfig(factory=d["env.factory"], max_turns=d["env.max_turns"])
+    environment = Environment.load(env)
+    sampler = EpisodeSampler(config, group_size, env, environment, tok, [tok.eos_token_id], False, None, backend)
     gens = [torch.Generator().manual_seed(i) for i in range(len(rows))]
     r = sampler.sample(rows, list(range(len(rows))), gens).samples
     out = []
@@ -132,6 +133,7 @@ def play_toolcalc(rows, temperature: float, group_size: int):
         answer = rows[r.prompt_index[i]]["answer"]
         out.append((e.tool_calls, e.tool_errors, e.turns, exact_match([messages], [answer])[0]))
     sampler.close()
+    environment.close()
     return out
 
 

@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 from transformers import Qwen3ForCausalLM
 
 from backstream import checkpoint, config, trainer
+from backstream.rl.update.learner import Updated
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 
@@ -248,19 +249,18 @@ def test_dynamic_sampling_drops_a_zero_variance_group(tmp_path, dynamic):
     G = cfg.rollout.group_size
     # the step's line says what dynamic sampling did: one refill round, for the one group it dropped
     assert (batch.refill_rounds, batch.groups_dropped) == ((1, 1) if dynamic else (0, 0))
-    t.unique_tokens = 0
-    m = t.metrics(batch, t.advantages(batch.rewards), {}, {}, step_time=1.0)
+    m = t.metrics(batch, t.advantages(batch.rewards), Updated({}, {}, 0), step_time=1.0)
     assert (m.get("dapo/refill_rounds"), m.get("dapo/groups_dropped")) == ((1, 1) if dynamic else (None, None))
     assert ({"dapo/refill_rounds", "dapo/groups_dropped"} <= set(t.metric_keys())) == dynamic
-    groups = [t.examples[i]["prompt"] for i in batch.samples.prompt_index[::G]]
+    groups = [t.parts.examples[i]["prompt"] for i in batch.samples.prompt_index[::G]]
     assert len(batch.samples) == len(batch.rewards) == 4 * G
     if dynamic:
         assert sorted(groups[:3]) == others  # the first round's groups with a signal, the flat one dropped
-        assert t.stream.position == 5 and len(batch.scored) == 5 * G  # one prompt drawn to refill
+        assert t.parts.source.stream.position == 5 and len(batch.scored) == 5 * G  # one prompt drawn to refill
         assert all(batch.rewards[g * G:(g + 1) * G].std() > 0 for g in range(3))
     else:
         assert sorted(groups) == sorted([FLAT_PROMPT, *others])
-        assert t.stream.position == 4 and len(batch.scored) == 4 * G
+        assert t.parts.source.stream.position == 4 and len(batch.scored) == 4 * G
         flat = groups.index(FLAT_PROMPT)
         assert (t.advantages(batch.rewards)[flat * G:(flat + 1) * G] == 0).all()  # what it would have cost
 
@@ -485,3 +485,61 @@ def test_a_saved_adapter_names_its_base_and_loads_alone(tmp_path, recwarn):
         assert json.load(f)["base_model_name_or_path"] == str(DEFAULT_MODEL_DIR)
     loaded = AutoPeftModelForCausalLM.from_pretrained(ckpt)
     assert any("lora_A" in n for n, _ in loaded.named_parameters())
+
+
+def test_one_sample_from_the_step_to_the_streamed_backward_visits_no_module_twice(tmp_path):
+    """Data goes down, never down and back up (issue 58): on the call stack of a whole step, the
+    package's modules (consecutive frames of one module counted once) never repeat, from the trainer
+    through the rollout source, the sampler, the backend, the decoder, the rewards, the learner and
+    the streamed backward. What a module hands down and is called back through (a lambda or nested
+    function: a progress line, an episode's `turn`, the engine's FSDP wrapper; a method of an object it
+    hands down: the engine's block batch the attention adapter reads) runs as its own code again; the
+    objective the engine is handed (stream/objective.py's contract) is a plug-in whose calls are not
+    followed. A function of a module above on the path, called by name, is what fails: rollout.py's
+    Sampler → backends/local.py → rollout.py's generate did."""
+    import sys
+
+    from backstream.stream.objective import Objective
+
+    model, tok = tiny(torch.float64)
+    t = trainer.Trainer(run_cfg(tmp_path, "trace", "train.steps=1"), model=model, tokenizer=tok)
+    paths: set[tuple[str, ...]] = set()
+
+    def path_of(frame) -> tuple[str, ...]:
+        frames = []
+        while frame is not None:
+            frames.append(frame)
+            frame = frame.f_back
+        path: list[str] = []
+        for f in reversed(frames):
+            name, code = f.f_globals.get("__name__", ""), f.f_code
+            if not name.startswith("backstream"):
+                continue
+            if code.co_varnames[:1] == ("self",) and isinstance(f.f_locals.get("self"), Objective):
+                break
+            called_back = code.co_name == "<lambda>" or "<locals>" in code.co_qualname or \
+                code.co_varnames[:1] in (("self",), ("cls",))
+            if called_back and name in path[:-1]:  # a callable it handed down: its own module's code again
+                del path[len(path) - path[::-1].index(name):]
+                continue
+            if not path or path[-1] != name:
+                path.append(name)
+        return tuple(path)
+
+    def watch(frame, event, arg):
+        if event == "call" and frame.f_globals.get("__name__", "").startswith("backstream"):
+            paths.add(path_of(frame))
+
+    sys.setprofile(watch)
+    try:
+        t.train_step()
+    finally:
+        sys.setprofile(None)
+        t.close()
+        t.run_folder.release()
+    seen = {m for p in paths for m in p}
+    assert {"backstream.trainer", "backstream.rl.rollout.source", "backstream.rl.backends.local.decode",
+            "backstream.rl.scoring.rewards", "backstream.rl.update.learner", "backstream.stream.engine"} <= seen
+    assert max(map(len, paths)) >= 6  # the walk saw the sampler's path down to the decoder
+    twice = sorted(p for p in paths if len(p) != len(set(p)))
+    assert not twice, "\n".join(" > ".join(p) for p in twice[:6])

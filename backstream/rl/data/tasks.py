@@ -54,7 +54,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from backstream.checks import UserError
-from backstream.rl.scoring.rewards import exact_match
+from backstream.rl.scoring.builtin import exact_match
 
 Row = dict[str, str]
 

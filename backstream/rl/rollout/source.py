@@ -123,6 +123,14 @@ class Source:
         """The data position of the next group to train (what a checkpoint holds)."""
         return self.stream.position
 
+    def state_dict(self) -> dict:
+        """What a checkpoint holds of the source: the data position of the next group to train."""
+        return {"data_position": self.consumed}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Go on from a checkpoint's data position (before the first round: nothing is in flight)."""
+        self.stream.position = state["data_position"]
+
     @contextlib.contextmanager
     def policy(self):
         """The policy as the backend samples it: no dropout, the rollout's quantized forward."""

@@ -1,4 +1,4 @@
-"""Reward functions: the step between the rollout and the advantages (docs/design.md §1).
+"""`[reward]` and `Rewards`, the step between the rollout and the advantages (docs/design.md §1).
 
 A reward function has TRL's signature, so functions written for TRL's GRPOTrainer work unchanged:
 
@@ -26,8 +26,9 @@ function scores stops the step. `async def` functions are awaited.
 that raises, returns the wrong number of values, a non-number or a NaN stops the step: a silent 0 or
 NaN would turn into advantages, and then into an update, before anyone noticed.
 
-Built-ins: `exact_match`, `math` (Math-Verify), `format_reward(pattern)`, `RewardModel`; each reads
-either format. `load_reward(spec)` turns the strings of a run file into functions (`SPEC_FORMS`).
+Built-ins (rl/scoring/builtin.py): `exact_match`, `answer`, `math` (Math-Verify), `format_reward(pattern)`,
+`env`, and a reward model (rl/scoring/reward_model.py); each reads either format (rl/scoring/answers.py).
+`builtin.load_reward(spec)` turns the strings of a run file into functions (`SPEC_FORMS`).
 """
 
 from __future__ import annotations
@@ -36,11 +37,8 @@ import copy
 import functools
 import math as _math
 import numbers
-import re
-import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -48,12 +46,9 @@ import torch
 from backstream import usercode
 from backstream.checks import UserError, at_least, literals
 from backstream.log import log
+from backstream.rl.scoring.answers import text_of
+from backstream.rl.scoring.builtin import RewardFn, load_reward, spec_form, spec_name
 from backstream.rl.scoring.shaping import OVERLONG
-from backstream.usercode import is_module_spec, is_path_spec, load_object
-
-RewardFn = Callable[..., Sequence[float]]
-
-
 
 # the arguments a reward function gets beside the dataset's columns (a column may not take their names)
 RESERVED = ("completions", "prompts", "completion_ids", "completions_ids", "trainer_state", "environments",
@@ -88,35 +83,6 @@ class RewardError(UserError):
     """A reward function failed or returned something unusable; the step cannot go on."""
 
 
-def text_of(x) -> str:
-    """The text of a prompt or completion in either of TRL's formats: a string as it is; a list of
-    chat messages, the content of its last message (a completion's answer)."""
-    if isinstance(x, str):
-        return x
-    if isinstance(x, list) and x and isinstance(x[-1], dict):
-        return str(x[-1].get("content", ""))
-    raise TypeError(f"expected text or a list of chat messages, got {type(x).__name__}")
-
-
-def final_text(completion) -> str | None:
-    """The policy's final answer in a completion: a string as it is; of chat messages, the content of
-    the last message when it is the assistant's and calls no tool. None when there is no answer: an
-    episode that ended on a tool call (at `env.max_turns`, or a timeout), on a tool result or a user
-    message, or has no message. A turn cut by a token limit is an answer (its `finish_reason` says
-    "length"), as a cut single-turn completion is."""
-    if isinstance(completion, str):
-        return completion
-    if isinstance(completion, list):
-        if not completion:
-            return None
-        last = completion[-1]
-        if isinstance(last, dict) and last.get("role", "assistant") == "assistant" and not last.get("tool_calls"):
-            return str(last.get("content") or "")
-        if isinstance(last, dict):
-            return None
-    raise TypeError(f"expected text or a list of chat messages, got {type(completion).__name__}")
-
-
 @dataclass(frozen=True)
 class TrainerState:
     """What TRL's `trainer_state` offers a reward function that this trainer has: the steps done and
@@ -124,205 +90,6 @@ class TrainerState:
 
     global_step: int = 0
     max_steps: int = 0
-
-
-# ---------------------------------------------------------------------------------------------
-# Built-in rewards
-
-
-def _last_boxed(text: str) -> str | None:
-    """Content of the last `\\boxed{...}`, braces matched (answers like `\\frac{1}{2}` nest)."""
-    start = text.rfind("\\boxed{")
-    if start < 0:
-        return None
-    depth, begin = 0, start + len("\\boxed{")
-    for i in range(begin - 1, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[i], 0)
-        if depth == 0:
-            return text[begin:i]
-    return None  # unclosed: the completion was cut off before the answer ended
-
-
-def final_answer(text: str) -> str:
-    """The text after the last '####' (GSM8K), else the last \\boxed{} content, else all of it."""
-    if "####" in text:
-        return text.rsplit("####", 1)[1].strip()
-    boxed = _last_boxed(text)
-    return (boxed if boxed is not None else text).strip()
-
-
-# no inf/nan/1_000, which float() would accept; commas are thousands separators ("1,000")
-_NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
-
-
-def _as_number(text: str) -> float | None:
-    text = text.replace(",", "").strip()
-    return float(text) if _NUMBER.fullmatch(text) else None
-
-
-def _answers_equal(pred: str, gold: str) -> bool:
-    pred, gold = final_answer(pred), final_answer(gold)
-    a, b = _as_number(pred), _as_number(gold)
-    if a is not None and b is not None:
-        return _math.isclose(a, b, rel_tol=1e-9)
-    return pred == gold
-
-
-def exact_match(completions: list[str], answer: list[str], **kwargs: Any) -> list[float]:
-    """1.0 where the completion's final answer equals the `answer` column, else 0.0.
-
-    Both sides go through `final_answer`, so a GSM8K answer column ("... #### 72") works as is;
-    numbers compare numerically ("72.0" == "72", "1,000" == "1000").
-    """
-    return [0.0 if (t := final_text(c)) is None else float(_answers_equal(t, str(a)))
-            for c, a in zip(completions, answer, strict=True)]
-
-
-_ANSWER_LINE = re.compile(r"^\s*\**answer\**\s*[:：]\s*\**\s*(.+?)\s*$", re.IGNORECASE | re.MULTILINE)
-
-
-def chat_answer(text: str) -> str:
-    """The answer a chat response gives: after its last "####", else its last \\boxed{}, else its last
-    "Answer: …" line, else its last number ("The sum is 82." → "82"), else the whole text."""
-    if "####" in text or _last_boxed(text) is not None:
-        return final_answer(text)
-    lines = _ANSWER_LINE.findall(text)
-    if lines:
-        return lines[-1].strip().strip("*").rstrip(".").strip()
-    numbers = list(_NUMBER_IN_TEXT.finditer(text))
-    return numbers[-1].group(0) if numbers else text.strip()
-
-
-_NUMBER_IN_TEXT = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
-
-
-def answer(completions: list, answer: list[str], **kwargs: Any) -> list[float]:
-    """1.0 where the answer a chat response gives (`chat_answer`: "####", \\boxed{}, an "Answer:" line,
-    else its last number) equals the `answer` column, else 0.0: a right answer inside a sentence
-    counts. What the built-in tasks score a chat model with (data.format = "chat")."""
-    return [0.0 if (t := final_text(c)) is None else float(_answers_equal(chat_answer(t), str(a)))
-            for c, a in zip(completions, answer, strict=True)]
-
-
-def _import_math_verify():
-    try:
-        import math_verify  # noqa: PLC0415  (an optional extra: only for the math reward)
-    except ImportError as e:
-        raise ImportError(
-            "the 'math' reward needs Math-Verify: pip install 'backstream[math]'"
-        ) from e
-    return math_verify
-
-
-def math(completions: list[str], answer: list[str], **kwargs: Any) -> list[float]:
-    """1.0 where Math-Verify finds the completion's answer (boxed, LaTeX, plain) equivalent to
-    the `answer` column, else 0.0. A bare gold answer ("x^2+1") is retried inside $...$; one
-    that still does not parse falls back to `exact_match` instead of scoring 0 forever."""
-    mv = _import_math_verify()
-    # Math-Verify's timeout uses signal.alarm, which only works in the main thread; in a worker
-    # thread (Rewards' timeout_s) the caller's timeout takes over.
-    timeout = 5 if threading.current_thread() is threading.main_thread() else None
-    rewards = []
-    for completion, gold_text in zip(completions, answer, strict=True):
-        completion = final_text(completion)
-        if completion is None:  # no answer
-            rewards.append(0.0)
-            continue
-        gold_text = str(gold_text).rsplit("####", 1)[-1].strip()
-        gold = mv.parse(gold_text, parsing_timeout=timeout) or mv.parse(
-            f"${gold_text}$", parsing_timeout=timeout
-        )
-        if not gold:
-            rewards.append(float(_answers_equal(completion, gold_text)))
-            continue
-        pred = mv.parse(completion, parsing_timeout=timeout)
-        rewards.append(float(bool(pred) and mv.verify(gold, pred, timeout_seconds=timeout)))
-    return rewards
-
-
-def format_reward(pattern: str, flags: int = re.DOTALL) -> RewardFn:
-    """A reward giving 1.0 to completions that match `pattern` in full (re.fullmatch), else 0.0."""
-    regex = re.compile(pattern, flags)
-
-    def reward(completions: list[str], **kwargs: Any) -> list[float]:
-        return [float((t := final_text(c)) is not None and regex.fullmatch(t) is not None) for c in completions]
-
-    reward.__name__ = f"format:{pattern}"
-    return reward
-
-
-class RewardModel:
-    """Scores `prompt + completion` with a sequence-classification model: the logit of label 0.
-
-    The text is the plain concatenation (of the message contents for chat data); apply the reward
-    model's chat template to the prompts beforehand if it was trained on one. Sequences are
-    right-padded, whatever the tokenizer's setting: positions then stay those of the unpadded text
-    (left padding shifts them, which RoPE forgives but absolute position embeddings do not), so a
-    batch scores like one sample at a time.
-    """
-
-    def __init__(self, model: torch.nn.Module, tokenizer: Any, *, batch_size: int = 8):
-        if batch_size < 1:
-            raise UserError(f"RewardModel batch_size={batch_size}: must be at least 1")
-        if tokenizer.pad_token is None:
-            if tokenizer.eos_token is None:
-                raise UserError("RewardModel: the tokenizer has neither a pad nor an eos token")
-            tokenizer.pad_token = tokenizer.eos_token
-        config = model.config.get_text_config()
-        # HF pools the rightmost token that is not the model's pad id: padding must use that id
-        if config.pad_token_id is None:
-            config.pad_token_id = tokenizer.pad_token_id
-        self.pad_id = config.pad_token_id
-        self.model, self.tokenizer, self.batch_size = model.eval(), tokenizer, batch_size
-        source = getattr(model.config, "_name_or_path", "") or type(model).__name__
-        self.__name__ = f"reward_model:{source}"
-
-    @classmethod
-    def from_pretrained(cls, folder: str | Path, *, batch_size: int = 8) -> RewardModel:
-        from transformers import AutoModelForSequenceClassification, AutoTokenizer  # noqa: PLC0415
-
-        model = AutoModelForSequenceClassification.from_pretrained(folder)
-        return cls(model, AutoTokenizer.from_pretrained(folder), batch_size=batch_size)
-
-    @torch.no_grad()
-    def __call__(
-        self, completions: list[str], prompts: list[str] | None = None, **kwargs: Any
-    ) -> list[float]:
-        prompts = prompts if prompts is not None else [""] * len(completions)
-        joined = lambda x: x if isinstance(x, str) else "".join(str(m.get("content", "")) for m in x)  # noqa: E731
-        texts = [joined(p) + joined(c) for p, c in zip(prompts, completions, strict=True)]
-        device = next(self.model.parameters()).device
-        # similar lengths in one batch waste less compute on padding
-        order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
-        scores = [0.0] * len(texts)
-        for start in range(0, len(order), self.batch_size):
-            idx = order[start : start + self.batch_size]
-            batch = self.tokenizer(
-                [texts[i] for i in idx], padding=True, padding_side="right", return_tensors="pt"
-            )
-            batch["input_ids"][batch["attention_mask"] == 0] = self.pad_id
-            logits = self.model(**batch.to(device)).logits  # [B, num_labels]
-            for i, score in zip(idx, logits[:, 0].float().tolist()):
-                scores[i] = score
-        return scores
-
-
-# ---------------------------------------------------------------------------------------------
-# Specs: the strings of a run file
-
-
-def env_reward(environments: list, **kwargs: Any) -> list[float | None]:
-    """The built-in reward `env`: each episode's environment scores it (`get_reward()`, TRL's
-    contract, awaited when `async def`); 0 for an environment discarded after a timeout (its episode
-    failed); None for one without `get_reward` (another function must score that sample)."""
-    out = []
-    for e in environments:
-        if getattr(e, "discarded", False):
-            out.append(0.0)
-            continue
-        fn = getattr(e, "get_reward", None)
-        out.append(usercode.call(fn) if callable(fn) else None)
-    return out
 
 
 def with_env_reward(functions: list[tuple[RewardFn | str, float]], environment) -> list[tuple[RewardFn | str, float]]:
@@ -345,41 +112,6 @@ def with_env_reward(functions: list[tuple[RewardFn | str, float]], environment) 
                  "in reward.functions to weight it; weight 0 leaves it out)")
         return [*functions, ("env", 1.0)]
     return functions
-
-
-def _load_math(spec: str) -> RewardFn:
-    _import_math_verify()  # fail when the run starts, not at the first reward
-    return math
-
-
-# The spec strings of a run file: (form shown to users, does a spec have this form, its function).
-# The first form that matches decides.
-SPECS: tuple[tuple[str, Callable[[str], bool], Callable[[str], RewardFn]], ...] = (
-    ("exact_match", lambda s: s == "exact_match", lambda s: exact_match),
-    ("answer", lambda s: s == "answer", lambda s: answer),
-    ("math", lambda s: s == "math", _load_math),
-    ("format:<regex>", lambda s: s.startswith("format:") and len(s) > len("format:"),
-     lambda s: format_reward(s[len("format:"):])),
-    ("reward_model:<local folder>", lambda s: s.startswith("reward_model:") and len(s) > len("reward_model:"),
-     lambda s: RewardModel.from_pretrained(s[len("reward_model:"):])),
-    ("env", lambda s: s == "env", lambda s: env_reward),
-    ("path/to/file.py:function", is_path_spec, lambda s: load_object(s, "reward spec")),
-    ("package.module:function", is_module_spec, lambda s: load_object(s, "reward spec")),
-)
-SPEC_FORMS = ", ".join(f"'{form}'" for form, _, _ in SPECS)
-
-
-def _spec_form(spec: str):
-    """The entry of `SPECS` that `spec` has, without importing or loading anything."""
-    for entry in SPECS:
-        if entry[1](spec):
-            return entry
-    raise UserError(f"unknown reward spec {spec!r}; accepted forms: {SPEC_FORMS}")
-
-
-def load_reward(spec: str) -> RewardFn:
-    """Resolve a spec string (one of `SPEC_FORMS`) to a reward function."""
-    return _spec_form(spec)[2](spec)
 
 
 @dataclass(kw_only=True)
@@ -411,7 +143,7 @@ class RewardConfig:
             if not isinstance(spec, str):
                 raise UserError(f"reward functions entry {spec!r}: must be a string spec")
             try:
-                _spec_form(spec)
+                spec_form(spec)
             except ValueError as e:
                 raise UserError(f"reward functions entry {spec!r}: {e}") from None
         self.functions = list(self.functions)
@@ -449,16 +181,6 @@ class RewardConfig:
 
 def _name_of(fn: Any) -> str:
     return getattr(fn, "__name__", None) or type(fn).__name__
-
-
-def spec_name(spec: str) -> str:
-    """The name a reward spec's metrics go under (`reward/<name>`): a file's or a module's function by
-    its own name ("rewards.py:correct" → "correct"), "format:<regex>" → "format",
-    "reward_model:<folder>" → "reward_model", the others as they are."""
-    form = _spec_form(spec)[0]
-    if form.endswith(":function"):
-        return spec.rsplit(":", 1)[1]
-    return form.split(":", 1)[0] if ":<" in form else spec
 
 
 _NO_ENV = object()  # Rewards built without saying whether there is an environment: 'env' taken as it is

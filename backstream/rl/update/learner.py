@@ -1,13 +1,26 @@
-"""`[update]`: how the update phase uses a collected batch: `epochs` × `minibatches` optimizer steps, and
-the frozen reference policy of the KL term; where π_old and π_ref come from (`BeforeUpdate`)."""
+"""The update phase (docs/design.md §1): `[update]` and the `Learner`, which trains a collected batch with
+`epochs` × `minibatches` optimizer steps, each over one group-aligned minibatch: its objective (the
+normalisers over the whole minibatch, before any block), the backward `[engine]` chose, a clipped step.
+Where π_old and π_ref come from is chosen once (`BeforeUpdate`). Under torchrun the batch is the global
+one and this rank trains its own groups of each minibatch, normalised by the global minibatch's counts
+(rl/parallel/); the learner runs the rollout's quantized forward when `quant.aligned`."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+import time
+from dataclasses import dataclass, field
 
 from torch import Tensor
 
 from backstream.checks import at_least
+from backstream.metrics import sum_metrics
+from backstream.quant.linear import quantized
+from backstream.rl.parallel.placement import take
+from backstream.rl.records import Samples
+from backstream.rl.update.losses import Normalisers, build_objective
+from backstream.rl.update.offpolicy import mismatch_metrics, staleness_metrics, staleness_mismatch
+from backstream.rl.update.optim import Stepper
 from backstream.stream import fsdp
 
 
@@ -61,3 +74,99 @@ class BeforeUpdate:
         optimizer step (`first_step`); with the rollout's K/V π_old *is* the sampler's, and the
         mismatch would be measured against itself."""
         return old if self.old_pass else first_step
+
+
+@dataclass
+class Updated:
+    """What an update did: each optimizer step's loss metrics (summed over ranks), the sampler/learner
+    mismatch of its first epoch, the tokens its trees held (first epoch, this rank's), and its seconds
+    per phase ("prefill", "backward", "optim")."""
+
+    logged: dict[str, list[float]]
+    mismatch: dict[str, float]
+    tree_tokens: int
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+class Learner:
+    """The update phase (see the module docstring): `update` [update], `loss` [loss], `engine` the backward
+    [engine] chose (rl/update/backward.py), `before` where π_old and π_ref come from, `stepper` the
+    optimizer step (rl/update/optim.py); `model`, `ref` (the frozen KL reference, or None), `dp`
+    (rl/parallel/); `aligned`: quant.aligned; `max_staleness`: rollout.max_staleness (the mismatch per
+    version behind); `phase(what)`: shows what the step is doing."""
+
+    def __init__(self, update: UpdateConfig, loss, engine, before: BeforeUpdate, stepper: Stepper, model, ref, dp, *,
+                 aligned: bool = False, max_staleness: int = 0, phase=None):
+        self.cfg, self.loss, self.engine, self.before, self.stepper = update, loss, engine, before, stepper
+        self.model, self.ref, self.dp, self.aligned, self.max_staleness = model, ref, dp, aligned, max_staleness
+        self.phase = phase or (lambda what: None)
+
+    def state_dict(self) -> dict:
+        """What a checkpoint holds of it: the optimizer (checkpoint.save takes its state_dict in one
+        process, its shards under torchrun) and the schedule."""
+        return {"optimizer": self.stepper.opt, "scheduler": self.stepper.sched.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """The schedule (the optimizer's state is loaded by checkpoint.restore, in either layout)."""
+        self.stepper.sched.load_state_dict(state["scheduler"])
+
+    def update(self, batch: Samples, adv: Tensor, step: int) -> Updated:
+        """`epochs` × `minibatches` optimizer steps on `batch` (the global batch, every rank's groups) with
+        per-sample advantages `adv`; `step`: the steps done (the errors say where)."""
+        with quantized(self.model, self.aligned):
+            return self._update(batch, adv, step)
+
+    def _update(self, batch: Samples, adv: Tensor, step: int) -> Updated:
+        up, seconds = self.cfg, dict.fromkeys(("prefill", "backward", "optim"), 0.0)
+        view = batch.training(step)  # a sample's sequences: its own, and its forks (an agent's branches)
+        seqs, mask, sampler_lp = view.seqs, view.mask, view.logprobs
+        adv = adv[view.owner]
+        plan = self.dp.plan_update(len(batch) // batch.group_size, up.minibatches, batch.group_size, batch.kv)
+        plan = plan.over(view.rows_of(len(batch)))
+        mine = {"seqs": take(seqs, plan.mine), "mask": take(mask, plan.mine), "sampler": take(sampler_lp, plan.mine),
+                "kv": take(view.kv, plan.mine)}
+        t = time.perf_counter()
+        mine["old"], mine["ref"] = self.before.logprobs(self.engine, self.model, self.ref, mine["seqs"], mine["mask"],
+                                                        mine["sampler"])
+        seconds["prefill"] += time.perf_counter() - t
+        norms = [Normalisers.of(take(mask, rows), adv[rows]) for rows in plan.batch_rows]
+        logged: dict[str, list[float]] = {}
+        tree_tokens = 0
+        learner_lp: list[Tensor | None] = [None] * len(plan.mine)  # at the weights that sampled, first epoch
+        for epoch in range(up.epochs):
+            for rows, rows_b, norm in zip(plan.local, plan.own, norms):
+                where = f"minibatch {len(logged.get('grad_norm', [])) + 1}/{up.epochs * up.minibatches}"
+                metrics, res = self._minibatch({k: take(v, rows) for k, v in mine.items()}, adv[rows_b], norm, step,
+                                               where, seconds)
+                if epoch == 0:  # sampler/learner agreement on the tokens the learner computed
+                    tree_tokens += res.stats.tree_tokens or res.stats.input_tokens
+                    for r, lp in zip(rows, res.logprobs):
+                        learner_lp[r] = lp
+                for k, v in metrics.items():
+                    logged.setdefault(k, []).append(v)
+        before = self.before.learner_at_sampling(mine["old"], learner_lp)
+        before = self.dp.gather_rows(plan.mine, before, len(seqs))  # the global batch's, in its order
+        mismatch = {**mismatch_metrics(before, sampler_lp, mask), **staleness_metrics(view.behind, mask),
+                    **staleness_mismatch(before, sampler_lp, mask, view.behind, self.max_staleness)}
+        return Updated(logged, mismatch, tree_tokens, seconds)
+
+    def _minibatch(self, part: dict, adv: Tensor, norm, step: int, where: str, seconds: dict):
+        """One optimizer step on this process's rows of a minibatch (`part`: their sequences, masks,
+        sampler / old / reference log-probs and K/V): its objective, the backward, a clipped step.
+        Returns the step's metrics (summed over ranks) and the engine's result."""
+        obj = build_objective(self.loss, sequences=part["seqs"], completion_mask=part["mask"], advantages=adv,
+                              old_logprobs=part["old"], ref_logprobs=part["ref"], rollout_logprobs=part["sampler"],
+                              old_is_current=self.before.old_is_current, normalisers=norm)
+        self.model.train(False)  # no dropout: the backward must be that of the sampled policy
+        res = self.engine.backward(self.model, part["seqs"], obj, kv=part["kv"],
+                                   progress=lambda phase, done, n: self.phase(f"{phase} {done}/{n} ({where})"))
+        seconds["prefill"] += res.stats.prefill_s
+        seconds["backward"] += res.stats.backward_s
+        metrics = sum_metrics(self.dp.gather(obj.metrics()))  # additive: the normalisers are global
+        t = time.perf_counter()
+        grad_norm = self.stepper.step(all(math.isfinite(v) for v in metrics.values()), step)
+        seconds["optim"] += time.perf_counter() - t
+        if res.stats.router_aux_loss is not None:
+            metrics["router_aux"] = res.stats.router_aux_loss
+        metrics["grad_norm"] = grad_norm
+        return metrics, res

@@ -75,16 +75,16 @@ class Stepper:
     """One optimizer step: clip by the global gradient norm, step, schedule, zero. A NaN/inf loss term
     or gradient norm skips the step instead (`skipped` counts them), and `optim.max_nonfinite_steps` of
     them in a row raise NonFiniteError. `quantized`: layers whose low-bit codes follow the master
-    weights (re-derived after each step); `where()`: (steps done, the last checkpoint) for the message."""
+    weights (re-derived after each step); `last_checkpoint()`: the run's last checkpoint, for the message."""
 
-    def __init__(self, cfg: OptimConfig, model, opt, sched, quantized: list, where):
+    def __init__(self, cfg: OptimConfig, model, opt, sched, quantized: list, last_checkpoint=lambda: None):
         self.cfg, self.model, self.opt, self.sched = cfg, model, opt, sched
-        self.quantized, self.where = quantized, where
+        self.quantized, self.last_checkpoint = quantized, last_checkpoint
         self.skipped = 0  # optimizer steps skipped for a NaN/inf gradient norm, this process
         self.in_a_row = 0
 
-    def step(self, loss_finite: bool = True) -> float:
-        """Returns the gradient norm (before clipping)."""
+    def step(self, loss_finite: bool = True, done: int = 0) -> float:
+        """Returns the gradient norm (before clipping); `done`: the training steps done (the error's)."""
         params = [p for p in self.model.parameters() if p.requires_grad]
         fsdp.reshard(self.model)  # no gathered copy outlives the step (the next forward re-gathers)
         gn = fsdp.grad_norm(params, self.cfg.max_grad_norm)  # global: every rank decides alike
@@ -93,12 +93,12 @@ class Stepper:
             self.skipped += 1
             self.in_a_row += 1
             if self.in_a_row >= self.cfg.max_nonfinite_steps:
-                step, last = self.where()
                 raise NonFiniteError(
                     f"optim.max_nonfinite_steps: {self.in_a_row} optimizer steps in a row had a NaN/inf loss or "
-                    f"gradient norm (training step {step + 1}); the run stopped without writing a checkpoint. Last "
-                    f"good checkpoint: {last or 'none'}. Usual causes: a learning rate too high (optim.lr = "
-                    f"{self.cfg.lr}), bfloat16 overflow (model.dtype), or a reward function returning NaN/inf")
+                    f"gradient norm (training step {done + 1}); the run stopped without writing a checkpoint. Last "
+                    f"good checkpoint: {self.last_checkpoint() or 'none'}. Usual causes: a learning rate too high "
+                    f"(optim.lr = {self.cfg.lr}), bfloat16 overflow (model.dtype), or a reward function returning "
+                    "NaN/inf")
             return gn
         self.in_a_row = 0
         self.opt.step()

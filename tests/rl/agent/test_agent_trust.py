@@ -24,7 +24,8 @@ from backstream.metrics import Logger
 from backstream.rl.agent.env import EnvConfig, EnvError
 from backstream.rl.agent.process import EnvDiscarded, wait_dead
 from backstream.rl.backends.base import SamplingParams
-from backstream.rl.scoring.rewards import RewardLog, Rewards, env_reward, exact_match, format_reward
+from backstream.rl.scoring.builtin import env_reward, exact_match, format_reward
+from backstream.rl.scoring.rewards import RewardLog, Rewards
 
 
 def rewards_see(s, r, rows):
@@ -281,7 +282,7 @@ def test_the_trainer_builds_rewards_with_the_environment(tmp_path):
     model, tok = tiny(torch.float32)
     t = trainer.Trainer(run_cfg(tmp_path, "t", 'model.dtype="float32"', 'data.task="toolcalc"', "train.steps=1",
                                 'env.factory="envs_for_tests:Calc"'), model=model, tokenizer=tok)
-    assert list(t.rewards.functions) == ["count_ones", "env"] and "reward/env" in t.metric_keys()
+    assert list(t.parts.rewards.functions) == ["count_ones", "env"] and "reward/env" in t.metric_keys()
     t.run_folder.release()
     t.close()
 

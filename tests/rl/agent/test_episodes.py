@@ -338,7 +338,7 @@ def test_trl_environments_run_unchanged(script):
     assert [x["function"]["name"] for x in s.env.schemas] == ["step"] and not s.env.has_response
     script([['[step "hi"]<eos>', "done<eos>"]])
     r = sample(s, model, [{"prompt": "echo hi"}])
-    from backstream.rl.scoring.rewards import env_reward
+    from backstream.rl.scoring.builtin import env_reward
 
     assert info(r, "tool_calls") == [1] and env_reward(info(r, "env")) == [2.0]
     s = sampler(tok, str(REPO / "examples" / "calc_env.py") + ":CalcEnv")

@@ -319,18 +319,19 @@ def test_episodes_through_the_server(served):
     episode's ids so far, so the sequence the engine trains is bitwise what the server was fed plus
     its last token; the server's log-probs on every sampled token are the learner's; tool results are
     the environment's; the rewards score the policy's last answer."""
-    from backstream.rl.agent.env import EnvConfig
+    from backstream.rl.agent.env import EnvConfig, Environment
     from backstream.rl.data.tasks import TASKS, make_dataset
     from backstream.rl.rollout.episodes import EpisodeSampler
-    from backstream.rl.scoring.rewards import exact_match
+    from backstream.rl.scoring.builtin import exact_match
 
     model, tok, srv, _ = served
     fresh, _ = load_default()
     model.load_state_dict(fresh.state_dict())  # the shipped weights, which call the tool
     d = TASKS["toolcalc"].defaults
     cfg = SamplingParams(max_new_tokens=d["rollout.max_new_tokens"])
-    s = EpisodeSampler(cfg, 8, EnvConfig(factory=d["env.factory"], max_turns=d["env.max_turns"]), tok,
-                       [tok.eos_token_id], False, 512, srv.backend)
+    env = EnvConfig(factory=d["env.factory"], max_turns=d["env.max_turns"])
+    environment = Environment.load(env)
+    s = EpisodeSampler(cfg, 8, env, environment, tok, [tok.eos_token_id], False, 512, srv.backend)
     rows = make_dataset("toolcalc", 4, seed=3)
     r = srv.sample(s, model, rows, [0, 1, 2, 3], [torch.Generator().manual_seed(i) for i in range(4)])
     assert len(r) == 32 and _sampled_with(r, srv.version)
@@ -346,6 +347,7 @@ def test_episodes_through_the_server(served):
                 assert b["content"] == str(int(args["a"]) + int(args["b"]))
     assert 0 < sum(exact_match(completions, [rows[i]["answer"] for i in r.prompt_index])) < 32
     s.close()
+    environment.close()
 
 
 def test_an_agent_program_through_the_server(served):
@@ -499,7 +501,7 @@ def test_a_model_built_from_a_config_with_qwen3s_context_trains_on_the_default_v
     model, tok = _qwen3_context_model()
     t = trainer.Trainer(_vllm_run(tmp_path, "run", "train.steps=3", "train.seed=1", "train.save_every=1"),
                         model=model, tokenizer=tok)
-    (context,) = t.sampling.preflight
+    (context,) = t.parts.sampling.preflight
     longest = context.longest
     assert longest == max(len(p) for p in t.sampler.prompts) + 6
     run = t.run_dir

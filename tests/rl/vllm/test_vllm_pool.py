@@ -46,10 +46,10 @@ def test_two_servers_the_run_starts_share_its_groups_and_one_killed_comes_back(t
 
     t = trainer.Trainer(_run(tmp_path, "run", "vllm.servers=2", f'vllm.python="{vllm_python()}"', "train.steps=30",
                              "vllm.start_timeout_s=300"))
-    pool = t.sampling.weights.pool
+    pool = t.parts.sampling.weights.pool
     try:
         first = t.train_step()
-        assert t.sampling.weights.kind == "transfer" and "by transfer" in caplog.text
+        assert t.parts.sampling.weights.kind == "transfer" and "by transfer" in caplog.text
         assert first["vllm/servers_alive"] == 2 and first["vllm/requests/0"] > 0 and first["vllm/requests/1"] > 0
         assert first["vllm/requests/0"] + first["vllm/requests/1"] == 4  # a group is one request: one server
         assert _exact(first), first["mismatch/kl"]

@@ -29,7 +29,7 @@ from backstream.rl.backends.vllm.pool import Member, ServerPool
 from backstream.rl.backends.vllm.server import ServerError, VLLMConfig
 from backstream.rl.backends.vllm.weights.ledger import fingerprint
 from backstream.rl.backends.vllm.weights.sync import ColocatedSync, DiskSync, PublishError, file_fingerprints
-from backstream.rl.parallel import DataParallel
+from backstream.rl.parallel.dataparallel import DataParallel
 
 
 class StandIn:

@@ -59,7 +59,7 @@ from backstream.rl.backends.vllm.weights.sync import (
     base_names,
     write_weights,
 )
-from backstream.rl.parallel import DataParallel
+from backstream.rl.parallel.dataparallel import DataParallel
 from backstream.rl.records import Completion, Played, Samples, oldest
 from backstream.stream import fsdp
 from backstream.stream.hf import base_model

@@ -37,7 +37,7 @@ import torch
 
 from backstream.checkpoint import quiet
 from backstream.checks import UserError
-from backstream.quant.export import write_compressed
+from backstream.quant.compressed import write_compressed
 from backstream.rl.backends.vllm.server import ServerError, on_loopback
 from backstream.rl.backends.vllm.weights.ledger import compare, fingerprint
 from backstream.rl.backends.vllm.weights.transfer import Group, buckets_of
