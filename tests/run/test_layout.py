@@ -1,14 +1,24 @@
 """The package's rooms: its import graph (every `import` in every module, those inside functions
-included) has no circle, and the streamed-backward library (`backstream.stream`) imports nothing from
-the RL loop (`backstream.rl`) or quantization (`backstream.quant`). Read from the source, not by
-importing it, so that a lazy import counts too."""
+included) has no circle, no room imports one of a floor above it or beside it (`FLOORS`), and the
+streamed-backward library (`backstream.stream`) imports nothing from the RL loop (`backstream.rl`) or
+quantization (`backstream.quant`). Read from the source, not by importing it, so that a lazy import
+counts too. And what the layout promises a reader: rl/'s top level is at most 10 entries, each with a
+one-line docstring; every package's docstring names its modules; no protocol has a member an
+implementation leaves as a no-op; no builder of rl/ takes the whole run config; the trainer is a short
+sequence of phases (and one sample's path from its step to the streamed backward visits no module
+twice: tests/run/test_trainer.py)."""
 
 from __future__ import annotations
 
 import ast
+import dataclasses
+import importlib
+import inspect
 import pathlib
+import re
 import subprocess
 import sys
+import typing
 
 import backstream
 
@@ -115,7 +125,7 @@ def test_one_rollout_layer():
 
 
 SERVER_SIDE = ["backstream.rl.backends.vllm.worker_ext", "backstream.rl.backends.vllm.weights.receive",
-               "backstream.quant.export", "backstream.quant.linear"]
+               "backstream.quant.compressed", "backstream.quant.linear"]
 
 
 def _import_under(version: str, module: str) -> subprocess.CompletedProcess:
@@ -134,3 +144,171 @@ def test_the_transformers_floor_holds_on_the_learner_side_only():
             proc.stderr, (module, proc.stderr[-2000:])
     proc = _import_under("5.19.0", "; import ".join(SERVER_SIDE))
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+# The floors, lowest first: a module may import its own room's modules and those of the rooms of lower
+# floors, nothing of a room beside it or above it. A room is a folder of rl/ (backstream.rl.rollout), the
+# library (backstream.stream), quantization (backstream.quant), or one top-level module.
+FLOORS = [
+    ["backstream.checks", "backstream.log"],  # the errors, the logger: every room's
+    ["backstream.lifetime", "backstream.usercode", "backstream.default_model", "backstream.metrics",
+     "backstream.checkpoint"],  # leaves of the standard library, torch or the two above
+    ["backstream.stream"],  # the streamed-backward library
+    ["backstream.quant"],  # low-bit formats and layers, the compressed-tensors writer
+    ["backstream.rl", "backstream.rl.records"],  # the rl/ map (a docstring), the records its rooms share
+    ["backstream.rl.parallel", "backstream.rl.policy", "backstream.rl.scoring", "backstream.rl.agent"],
+    ["backstream.rl.data", "backstream.rl.backends"],
+    ["backstream.rl.rollout", "backstream.rl.update"],  # who asks for samples, who learns: peers
+    ["backstream.config"],  # the run's config: every section
+    ["backstream.parts", "backstream.runfolder", "backstream.export"],
+    ["backstream.trainer"],
+    ["backstream.cli", "backstream"],
+    ["backstream.__main__"],
+]
+
+
+def room(module: str) -> str:
+    parts = module.split(".")
+    if parts[:2] == ["backstream", "rl"] and len(parts) > 2:
+        return ".".join(parts[:3])
+    if parts[:2] in (["backstream", "stream"], ["backstream", "quant"]):
+        return ".".join(parts[:2])
+    return module
+
+
+def test_no_import_goes_up_or_sideways():
+    g = graph()
+    floor = {r: i for i, rooms in enumerate(FLOORS) for r in rooms}
+    rooms = {room(m) for m in g}
+    assert rooms == set(floor), f"rooms without a floor: {sorted(rooms - set(floor))}; floors of no room: " \
+                                f"{sorted(set(floor) - rooms)}"
+    bad = sorted(f"{m} -> {n}" for m, ns in g.items() for n in ns
+                 if room(n) != room(m) and floor[room(n)] >= floor[room(m)])
+    assert not bad, bad
+
+
+RL = ROOT / "rl"
+
+
+def _docstring(path: pathlib.Path) -> str | None:
+    return ast.get_docstring(ast.parse(path.read_text()))
+
+
+def test_rl_top_level_is_a_map():
+    """At most 10 entries (modules, folders), each opening with a one-line summary; every package's
+    docstring names each of its modules and subfolders."""
+    entries = sorted(p for p in RL.iterdir() if p.suffix == ".py" or (p.is_dir() and (p / "__init__.py").exists()))
+    assert len(entries) <= 10, [p.name for p in entries]
+    for p in entries:
+        doc = _docstring(p / "__init__.py" if p.is_dir() else p)
+        assert doc and doc.split("\n")[0].strip(), f"{p.name}: no docstring"
+    for init in [*ROOT.rglob("__init__.py")]:
+        folder = init.parent
+        if folder == ROOT:
+            continue
+        doc = _docstring(init) or ""
+        names = [p.stem for p in folder.glob("*.py") if p.name != "__init__.py"]
+        names += [p.name for p in folder.iterdir() if p.is_dir() and (p / "__init__.py").exists()]
+        missing = [n for n in names if not re.search(rf"(?<![\w/.]){re.escape(n)}(?![\w])", doc)]
+        assert not missing, f"{folder.relative_to(ROOT.parent)}/__init__.py does not name {missing}"
+
+
+TRIVIAL = (ast.Pass, ast.Constant)
+
+
+def _is_no_op(fn: ast.FunctionDef) -> bool:
+    """A body of a docstring, `pass`, `...`, or a `return` of a constant or an empty container."""
+    body = [s for s in fn.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+    if not body:
+        return True
+    if len(body) == 1 and isinstance(body[0], ast.Pass):
+        return True
+    if len(body) == 1 and isinstance(body[0], ast.Return):
+        v = body[0].value
+        return v is None or isinstance(v, ast.Constant) or (isinstance(v, (ast.Dict, ast.List, ast.Tuple, ast.Set))
+                                                             and not getattr(v, "keys", v.elts if hasattr(v, "elts")
+                                                                             else []))
+    return False
+
+
+def _classes() -> list[tuple[str, ast.ClassDef]]:
+    out = []
+    for path in ROOT.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                out.append((str(path.relative_to(ROOT.parent)), node))
+    return out
+
+
+def test_no_protocol_member_is_left_a_no_op():
+    """For every typing.Protocol of the package, every class that implements all of its methods (by
+    name) implements none of them as a no-op: what only some implementations do is a protocol of its
+    own (rl/backends/base.py's `Preflight`, `Aligned`, `Resting`, `Reporter`)."""
+    classes = _classes()
+    protocols = {c.name: [f.name for f in c.body if isinstance(f, ast.FunctionDef)] for _, c in classes
+                 if any(getattr(b, "id", getattr(b, "attr", None)) == "Protocol" for b in c.bases)}
+    assert {"Backend", "Requests", "Weights", "Preflight", "Aligned", "Resting", "Reporter", "Sampler",
+            "LayerState"} <= set(protocols)
+    seen, bad = 0, []
+    for where, c in classes:
+        if c.name in protocols:
+            continue
+        methods = {f.name: f for f in c.body if isinstance(f, ast.FunctionDef)}
+        for proto, members in protocols.items():
+            if members and set(members) <= set(methods):
+                seen += 1
+                bad += [f"{where} {c.name}.{m} ({proto})" for m in members if _is_no_op(methods[m])]
+    assert seen >= 12  # the local and server backends, their weights, the samplers, the layer states...
+    assert not bad, bad
+
+
+SECTION_NAMES = {"model", "data", "rollout", "env", "reward", "algorithm", "update", "loss", "optim", "engine",
+                 "train", "eval", "quant", "distributed", "vllm"}
+
+
+def test_no_builder_in_rl_takes_the_run_config():
+    """A function of rl/ takes the sections it needs, never the whole RunConfig: no parameter of one is
+    read for two sections (`cfg.rollout` and `cfg.vllm`) nor annotated RunConfig."""
+    from backstream.config import SECTIONS
+
+    assert set(SECTIONS) == SECTION_NAMES
+    bad = []
+    for path in RL.rglob("*.py"):
+        for fn in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            params = {a.arg: a for a in [*fn.args.args, *fn.args.kwonlyargs]}
+            read: dict[str, set] = {}
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) and \
+                        node.value.attr in SECTION_NAMES:
+                    base = node.value.value  # cfg.rollout.x (a parameter) or self.cfg.rollout.x (one kept)
+                    name = base.id if isinstance(base, ast.Name) and base.id != "self" else \
+                        f"self.{base.attr}" if isinstance(base, ast.Attribute) and base.attr in ("cfg", "config") \
+                        else None
+                    if name is not None:
+                        read.setdefault(name, set()).add(node.value.attr)
+            for name, sections in read.items():
+                if len(sections) > 1 and (name in params or name.startswith("self.")):
+                    bad.append(f"{path.relative_to(ROOT.parent)} {fn.name}: {name} read for {sorted(sections)}")
+            for a in params.values():
+                if a.annotation is not None and "RunConfig" in ast.unparse(a.annotation):
+                    bad.append(f"{path.relative_to(ROOT.parent)} {fn.name}: {a.arg}: RunConfig")
+    assert not bad, bad
+
+
+def test_the_trainer_is_a_short_sequence_of_phases():
+    """The trainer's parts are built by one function into a typed bundle (backstream/parts.py): the
+    trainer is at most 350 lines, its __init__ at most 30, and the step calls the phases in order."""
+    from backstream import parts, trainer
+
+    assert len(inspect.getsource(trainer).splitlines()) <= 350
+    assert len(inspect.getsource(trainer.Trainer.__init__).splitlines()) <= 30
+    assert dataclasses.is_dataclass(parts.Parts)
+    hints = typing.get_type_hints(parts.Parts)
+    assert {"sampling", "sampler", "source", "collector", "rewards", "learner", "evaluator"} <= set(hints)
+    step = inspect.getsource(trainer.Trainer.train_step)
+    order = [step.index(s) for s in ("self.collect()", "self.advantages(", "learner.update(", "source.at_step(",
+                                      "self.metrics(")]
+    assert order == sorted(order)
+    importlib.import_module("backstream.rl.update.learner")

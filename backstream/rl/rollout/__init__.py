@@ -1,6 +1,7 @@
-"""Who asks for samples: the rollout source that owns a step's rounds (`source`), the collect phase
-(`collect`), the sampler protocol (`sampler`) and its three kinds side by side (`completions`,
-`episodes`, `programs`), the evaluation (`evaluate`), and `build_sampler`, the run's kind."""
+"""Who asks for samples: `[rollout]` and the rollout source that owns a step's rounds (`source`), the
+collect phase (`collect`), the sampler protocol (`sampler`) and its three kinds side by side
+(`completions`, `episodes`, agent `programs`), the evaluation (`evaluate`), and `build_sampler`, the
+run's kind."""
 
 from __future__ import annotations
 
