@@ -188,7 +188,7 @@ def test_colocated_control_plane(tmp_path):
     model, tok = _model()
     a = StandIn("a")
     sync = ColocatedSync(_pool(a), None, DataParallel(), str(tmp_path / "vllm"))
-    assert ColocatedSync.server_args(VLLMConfig(gpu_memory_utilization=0.3))[-5:] == [
+    assert ColocatedSync.server_args(VLLMConfig(gpu_memory_utilization=0.3))[-4:] == [
         "--gpu-memory-utilization", "0.3", "--weight-transfer-config", '{"backend": "ipc"}']
     assert sync.server_env() == {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
     sync.sync(model, 0)
