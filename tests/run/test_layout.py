@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import importlib
 import inspect
 import pathlib
@@ -19,6 +20,8 @@ import re
 import subprocess
 import sys
 import typing
+
+import pytest
 
 import backstream
 
@@ -52,9 +55,15 @@ def imports(name: str, path: pathlib.Path, known: dict) -> set[str]:
     return out - {name}
 
 
-def graph() -> dict[str, set[str]]:
+@functools.cache
+def _graph() -> dict[str, frozenset[str]]:
     known = modules()
-    return {name: imports(name, path, known) for name, path in known.items()}
+    return {name: frozenset(imports(name, path, known)) for name, path in known.items()}
+
+
+def graph() -> dict[str, set[str]]:
+    """Each module's imports of the package (read once a process)."""
+    return {m: set(ns) for m, ns in _graph().items()}
 
 
 def test_no_import_circle():
@@ -133,6 +142,7 @@ def _import_under(version: str, module: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow
 def test_the_transformers_floor_holds_on_the_learner_side_only():
     """The engine and the sampler refuse a transformers older than 5.23 by name (a GPU image's 5.17
     failed inside an import: `DummyLayer`); what vLLM's own environment imports (the server's side,

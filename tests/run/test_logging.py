@@ -155,6 +155,7 @@ def test_every_metrics_line_has_the_same_keys_and_a_timestamp(tmp_path):
         assert datetime.datetime.fromisoformat(x["time/wall"]).tzinfo is not None
 
 
+@pytest.mark.slow
 def test_train_writes_the_plots_with_each_reward_function(tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
     import matplotlib.axes

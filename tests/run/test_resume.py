@@ -322,6 +322,7 @@ OLD_RUN = [  # tests/data/run-b845907's settings (written by b845907, before rl/
     "train.plots=false", "train.save_every=1", "train.keep_checkpoints=1", "update.minibatches=2"]
 
 
+@pytest.mark.slow
 def test_a_run_folder_written_before_the_new_layout_resumes_bitwise(tmp_path, caplog):
     """tests/data/run-b845907 was written by b845907 (2 steps, its [algorithm] holding minibatches = 2, the
     tiny Qwen3 of helpers.tiny in float32): it resumes, its old keys read with their new names (said),

@@ -487,6 +487,7 @@ def test_a_saved_adapter_names_its_base_and_loads_alone(tmp_path, recwarn):
     assert any("lora_A" in n for n, _ in loaded.named_parameters())
 
 
+@pytest.mark.slow
 def test_one_sample_from_the_step_to_the_streamed_backward_visits_no_module_twice(tmp_path):
     """Data goes down, never down and back up (issue 58): on the call stack of a whole step, the
     package's modules (consecutive frames of one module counted once) never repeat, from the trainer

@@ -80,7 +80,7 @@ def test_softcapping_ignored_would_fail(float64_softmax, monkeypatch):
         check_exact(model, block_sizes=(3,))
 
 
-@pytest.mark.parametrize("use_lora", [False, True])
+@pytest.mark.parametrize("use_lora", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_sinks_gpt_oss_exact(use_lora):
     """GPT-OSS: a learned sink logit per head (the sinks get their gradient), sliding/full layers, MoE."""
     model = build("gpt_oss", num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
@@ -198,7 +198,7 @@ def test_kv_the_engine_cannot_place_refused(monkeypatch):
     check_refused(build("llama"), "not the ones `cache.update` returned")
 
 
-@pytest.mark.parametrize("use_lora", [False, True])
+@pytest.mark.parametrize("use_lora", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_multi_head_latent_attention_exact(use_lora):
     """DeepSeek-V3's MLA caches a latent and expands it into K (rope 4 + nope 8) and V (6) after the
     update: those layers run with history ⊕ block from the cache, exact, and kv_b_proj (which only

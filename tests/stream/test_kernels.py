@@ -699,6 +699,7 @@ def smoke(out, *args, wheels=None):
     return proc.stdout, json.loads((out / "gpu_check.json").read_text())
 
 
+@pytest.mark.slow
 def test_gpu_check_runs_on_the_wheels_it_is_brought(tmp_path):
     """A GPU machine without network runs the check on the transformers and peft brought as wheels
     (bench/gpu_wheels.sh): installed into a folder of their own, first on the path of every part.

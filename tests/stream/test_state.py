@@ -91,7 +91,13 @@ def assert_exact(model, seqs, weights, blocks=BLOCKS, one_row=(), **kw):
             assert torch.allclose(a[m], b_[m], atol=1e-12, rtol=0), f"block {b}: log-probs of sequence {i}"
 
 
-@pytest.mark.parametrize("model_type", list(HYBRIDS))
+# the inner loop (`-m "not slow"`) streams two hybrids of a few seconds each (Gated DeltaNet beside attention;
+# a short convolution): every family is the full run's
+FAST_HYBRIDS = ("qwen3_5_text", "lfm2")
+
+
+@pytest.mark.parametrize("model_type", [m if m in FAST_HYBRIDS else pytest.param(m, marks=pytest.mark.slow)
+                                        for m in HYBRIDS])
 def test_hybrid_family_streamed_exactly(model_type):
     """stream_backward = reference_backward to 1e-10 on every family that keeps state, the layers that
     keep it found by the probe (a family whose miniature has no such layer would prove nothing)."""
@@ -124,6 +130,7 @@ def test_a_family_whose_code_drops_the_state_is_refused(model_type):
             stream_backward(model, seqs, weights, block_size=8)
 
 
+@pytest.mark.slow
 def test_lora_on_the_linear_attention_and_mamba_projections():
     """PEFT LoRA on Gated DeltaNet's projections (q/k/v, z, b, a, out) and on Mamba 2's input
     projection (PEFT itself refuses its out_proj and conv1d), beside the attention ones: exact, every

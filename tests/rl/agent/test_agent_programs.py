@@ -88,6 +88,7 @@ def _agent_cfg(tmp_path, name, *extra):
                    "env.max_turns=4", "reward.functions=['env']", "rollout.max_new_tokens=5", *extra)
 
 
+@pytest.mark.slow
 def test_the_loop_trains_an_agent_programs_branches_streamed_as_the_reference(tmp_path):
     """Two steps of the whole loop on the rewriting agent with a thinking template: the streamed and the
     reference backward make the same update (float64), the forks included; the metrics count requests
@@ -151,6 +152,7 @@ def test_toolcalc_with_an_agent_program_drops_the_tasks_own_environment():
     assert cfg.env.factory == "" and cfg.env.max_turns == 4
 
 
+@pytest.mark.slow
 def test_an_agents_sdk_program_trains_on_toolcalc_with_the_default_model(tmp_path):
     """One step of the built-in toolcalc task on the built-in model, played by an OpenAI Agents SDK
     agent through the endpoint: requests and tool calls counted, no agent error, the sampler's and the

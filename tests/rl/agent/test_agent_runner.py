@@ -48,6 +48,7 @@ def test_an_agent_that_raises_or_hangs_ends_its_episode_with_an_error(endpoint):
     assert out.timed_out and "did not return within 0.5 s" in out.error and time.monotonic() - t0 < 5
 
 
+@pytest.mark.slow
 def test_a_command_agent_gets_the_episode_in_its_environment_and_prints_its_reward(endpoint, tmp_path):
     script = tmp_path / "agent.py"
     script.write_text(
@@ -68,6 +69,7 @@ def test_a_command_agent_gets_the_episode_in_its_environment_and_prints_its_rewa
     assert out.error is None and out.reward is None
 
 
+@pytest.mark.slow
 def test_a_hung_command_is_killed_with_its_children(tmp_path):
     pids = tmp_path / "pids"
     out = run_command(f"sleep 60 & echo $! > {pids}; sleep 60", "http://127.0.0.1:9/v1", "k", "policy", ROW,
@@ -89,6 +91,7 @@ def _gone(pid: int, seconds: float) -> bool:
     return False
 
 
+@pytest.mark.slow
 def test_a_command_does_not_outlive_a_trainer_killed_outright(tmp_path):
     """kill -9 of the process that started an agent command (no clean-up runs): its guard ends the
     command's process group, its children too."""

@@ -26,6 +26,7 @@ def test_stop_ends_the_whole_group_when_its_leader_is_already_gone():
 
 
 
+@pytest.mark.slow
 def test_stop_returns_once_the_group_has_exited_not_after_the_grace():
     # a group that exits at SIGTERM (vLLM shuts down in ~3 s): stop() returned only after the whole 20 s
     # grace, as its exited leader, not yet reaped, kept the group alive to killpg(pgid, 0)
@@ -111,6 +112,7 @@ time.sleep(300)
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads process groups from /proc")
+@pytest.mark.slow
 def test_a_trainer_killed_outright_leaves_nothing_of_its_server_behind(tmp_path):
     """kill -9 of the trainer (or the OOM killer, a preemption) runs no clean-up: the server's guard
     reads EOF on its pipe and ends the whole group, the "engine" that ignores SIGTERM included
@@ -132,6 +134,7 @@ def test_a_trainer_killed_outright_leaves_nothing_of_its_server_behind(tmp_path)
     assert "the trainer is gone" in log.read_text()
 
 
+@pytest.mark.slow
 def test_a_server_that_exits_during_start_up_is_refused_with_vllms_own_error(tmp_path):
     """The error names vLLM's root cause from the tail of vllm.log, not only the log's path; the
     engine the server left is ended with it."""
