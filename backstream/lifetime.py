@@ -103,12 +103,21 @@ def guarded(python: str, command: list[str], **popen) -> tuple[subprocess.Popen,
 
 def group_alive(pgid: int) -> bool:
     """Whether any process of the group `pgid` is still running."""
+    return _signalled(os.killpg, pgid)
+
+
+def alive(pid: int) -> bool:
+    """Whether process `pid` is still running (someone else's too)."""
+    return _signalled(os.kill, pid)
+
+
+def _signalled(kill, target: int) -> bool:
     try:
-        os.killpg(pgid, 0)
+        kill(target, 0)  # signal 0: delivered nowhere, but refused for a process (group) that is gone
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
+        return True  # someone else's
     return True
 
 

@@ -29,6 +29,7 @@ import time
 import traceback
 
 from backstream.checks import UserError
+from backstream.lifetime import alive
 from backstream.log import log
 
 LOCK = ".lock"
@@ -81,16 +82,6 @@ class RunLock:
             os.remove(self.path)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's process
-    return True
-
-
 def _take_lock(run_dir: str) -> RunLock:
     path = os.path.join(run_dir, LOCK)
     me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
@@ -104,7 +95,7 @@ def _take_lock(run_dir: str) -> RunLock:
             except (OSError, ValueError):
                 owner = {}
             pid, host = owner.get("pid"), owner.get("host")
-            if host == me["host"] and isinstance(pid, int) and not _alive(pid) or pid == me["pid"]:
+            if host == me["host"] and isinstance(pid, int) and not alive(pid) or pid == me["pid"]:
                 os.remove(path)  # stale: its process is gone (or it is ours, from an earlier Trainer)
                 continue
             raise UserError(

@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 import threading
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 import torch
 
@@ -32,10 +33,12 @@ from backstream.rl.agent.env import EnvConfig, EnvError, Environment, ToolResult
 from backstream.rl.agent.turns import make_format
 from backstream.rl.backends.base import SamplingParams
 from backstream.rl.records import CONTEXT, Completion, EpisodeInfo, Round, Samples
-from backstream.rl.rollout.sampler import RESPONSE_KEYS, episode_reward_inputs, response_metrics
+from backstream.rl.rollout.sampler import episode_metric_keys, episode_metrics, episode_reward_inputs
 
-METRIC_KEYS = ("episode/turns/mean", "episode/tool_calls/mean", "episode/tool_errors/mean", "episode/truncated",
-               "episode/timeouts", "episode/results_cut/mean")
+MEANS = {  # the step's line: the mean over its episodes of each
+    "episode/turns/mean": attrgetter("turns"), "episode/tool_calls/mean": attrgetter("tool_calls"),
+    "episode/tool_errors/mean": attrgetter("tool_errors"), "episode/timeouts": attrgetter("timed_out"),
+    "episode/results_cut/mean": attrgetter("results_cut")}
 CUT = "[... {} more characters cut]"  # ends a tool result cut at env.max_result_tokens: the policy reads it
 
 
@@ -79,7 +82,7 @@ class EpisodeSampler:
     """The sampler of `[env]` runs (rl/rollout/sampler.py's protocol): G episodes per task (see the module
     docstring)."""
 
-    metric_keys = (*RESPONSE_KEYS, *METRIC_KEYS, "episode/tool_seconds")
+    metric_keys = (*episode_metric_keys(MEANS), "episode/tool_seconds")
 
     def __init__(self, config: SamplingParams, group_size: int, env_cfg: EnvConfig, environment: Environment,
                  tokenizer, eos: list[int], return_kv: bool, context: int | None, backend, examples: list[dict] = ()):
@@ -261,12 +264,6 @@ class EpisodeSampler:
         return episode_reward_inputs(r)
 
     def metrics(self, r: Samples) -> dict[str, float]:
-        n, e = max(1, len(r)), r.episodes or []
-        return {**response_metrics(r), "episode/turns/mean": sum(x.turns for x in e) / n,
-                "episode/tool_calls/mean": sum(x.tool_calls for x in e) / n,
-                "episode/tool_errors/mean": sum(x.tool_errors for x in e) / n,
-                "episode/truncated": sum(x in ("length", "turns") for x in r.finish_reason) / n,
-                "episode/timeouts": sum(x.timed_out for x in e) / n,
-                "episode/results_cut/mean": sum(x.results_cut for x in e) / n,
-                "episode/tool_seconds": sum(x.tool_seconds for x in e)}
+        return {**episode_metrics(r, MEANS, ended=("length", "turns")),
+                "episode/tool_seconds": sum(x.tool_seconds for x in r.episodes or [])}
 

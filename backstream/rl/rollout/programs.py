@@ -25,6 +25,7 @@ import concurrent.futures
 import math
 import threading
 from dataclasses import dataclass
+from operator import attrgetter
 
 import torch
 
@@ -36,11 +37,13 @@ from backstream.rl.agent.transcript import Branch
 from backstream.rl.agent.turns import make_format, prompt_head
 from backstream.rl.backends.base import SamplingParams
 from backstream.rl.records import Completion, EpisodeInfo, Fork, Round, Samples
-from backstream.rl.rollout.sampler import RESPONSE_KEYS, episode_reward_inputs, response_metrics
+from backstream.rl.rollout.sampler import episode_metric_keys, episode_metrics, episode_reward_inputs
 from backstream.usercode import load_object
 
-METRIC_KEYS = ("episode/requests/mean", "episode/branches/mean", "episode/tool_calls/mean", "episode/truncated",
-               "episode/agent_errors", "episode/agent_timeouts", "episode/agent_seconds/mean")
+MEANS = {  # the step's line: the mean over its episodes of each
+    "episode/requests/mean": attrgetter("turns"), "episode/branches/mean": attrgetter("branches"),
+    "episode/tool_calls/mean": attrgetter("tool_calls"), "episode/agent_errors": attrgetter("agent_error"),
+    "episode/agent_timeouts": attrgetter("timed_out"), "episode/agent_seconds/mean": attrgetter("agent_seconds")}
 
 
 @dataclass
@@ -85,7 +88,7 @@ def format_for(env_cfg, tokenizer, eos: list[int]):
 class AgentSampler:
     """The sampler of an agent program's episodes (see the module docstring); `backend`: the run's."""
 
-    metric_keys = (*RESPONSE_KEYS, *METRIC_KEYS)
+    metric_keys = episode_metric_keys(MEANS)
 
     def __init__(self, config: SamplingParams, group_size: int, env_cfg, tokenizer, eos: list[int], context: int | None,
                  backend):
@@ -216,14 +219,7 @@ class AgentSampler:
         return episode_reward_inputs(r)
 
     def metrics(self, r: Samples) -> dict[str, float]:
-        n, e = max(1, len(r)), r.episodes or []
-        return {**response_metrics(r), "episode/requests/mean": sum(x.turns for x in e) / n,
-                "episode/branches/mean": sum(x.branches for x in e) / n,
-                "episode/tool_calls/mean": sum(x.tool_calls for x in e) / n,
-                "episode/truncated": sum(x == "length" for x in r.finish_reason) / n,
-                "episode/agent_errors": sum(x.agent_error for x in e) / n,
-                "episode/agent_timeouts": sum(x.timed_out for x in e) / n,
-                "episode/agent_seconds/mean": sum(x.agent_seconds for x in e) / n}
+        return episode_metrics(r, MEANS, ended=("length",))
 
     def close(self) -> None:
         with self.serving:

@@ -9,9 +9,10 @@ every kind reports of its samples: `response_metrics`; what an episode's reward 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
-from backstream.rl.records import Round, Samples
+from backstream.rl.records import EpisodeInfo, Round, Samples
 
 RESPONSE_KEYS = ("response_length/mean", "response/truncated")
 
@@ -42,6 +43,21 @@ def response_metrics(r: Samples) -> dict[str, float]:
     n = max(1, len(r))
     return {"response_length/mean": float(sum(r.sampled_tokens()) / n),
             "response/truncated": sum(x == "length" for x in r.finish_reason) / n}
+
+
+def episode_metric_keys(means: dict) -> tuple[str, ...]:
+    """The keys of `episode_metrics` with the table `means`."""
+    return (*RESPONSE_KEYS, *means, "episode/truncated")
+
+
+def episode_metrics(r: Samples, means: dict[str, Callable[[EpisodeInfo], float]],
+                    ended: tuple[str, ...]) -> dict[str, float]:
+    """What every kind of sample has (`response_metrics`), the mean over the samples of each of `means`
+    (key → a number of an episode's `EpisodeInfo`), and episode/truncated: the share of the episodes that
+    ended for one of the reasons `ended` (a token limit, the turn limit)."""
+    n, e = max(1, len(r)), r.episodes or []
+    return {**response_metrics(r), **{k: sum(value(x) for x in e) / n for k, value in means.items()},
+            "episode/truncated": sum(x in ended for x in r.finish_reason) / n}
 
 
 def episode_reward_inputs(r: Samples) -> tuple[list, list, dict]:

@@ -25,14 +25,7 @@ import torch
 from torch import Tensor
 
 from backstream.checks import UserError
-from backstream.rl.update.losses.base import (
-    LossConfigBase,
-    Metrics,
-    PolicyObjective,
-    SetupObjective,
-    flat,
-    logp_entropy,
-)
+from backstream.rl.update.losses.base import LossConfigBase, Metrics, SetupObjective, flat, logp_entropy
 from backstream.rl.update.offpolicy import sequence_log_ratios
 from backstream.stream.objective import BlockView
 
@@ -105,7 +98,7 @@ class GSPOConfig(LossConfigBase):
             raise UserError("loss.is_level: GSPO's ratio and clip are per sequence, so is its mismatch weight; "
                              "use 'sequence' (or 'none')")
 
-    def build(self, **inputs) -> PolicyObjective:
+    def build(self, **inputs) -> GSPOObjective:
         return GSPOObjective(self, **inputs)
 
 
