@@ -89,15 +89,15 @@ def samplers(model, prompts: list[torch.Tensor], G: int, new: int, rounds: int, 
 def server(model, tok, prompts: list[torch.Tensor], G: int, new: int) -> float:
     """tokens/s of a vLLM server, one request per group, all in flight."""
     from backstream import config
-    from backstream.rl.backends.vllm.backend import build
-    from backstream.rl.parallel.dataparallel import DataParallel
+    from backstream.rl.backends import build_backend
 
     n_tokens = len(prompts) * G * new
     with tempfile.TemporaryDirectory() as run_dir:
         cfg = config.load(None, ['rollout.backend="vllm"', f'train.output_dir="{run_dir}"'])
-        backend, sync = build(cfg, tok, [tok.eos_token_id], run_dir, DataParallel(), model)
-        sync.sync(model, 0)  # the run's server, started with the model's weights
-        srv, name = sync.pool.alive()[0].server, backend.requests.model
+        sampling = build_backend(cfg.rollout, cfg.vllm, policy=cfg.model, quant=cfg.quant, seed=0, tokenizer=tok,
+                                 eos=[tok.eos_token_id], run_dir=run_dir, model=model)
+        sampling.weights.sync(model, 0)  # the run's server, started with the model's weights
+        srv, name = sampling.weights.pool.alive()[0].server, sampling.backend.requests.model
 
         def vllm():
             import concurrent.futures
@@ -111,8 +111,7 @@ def server(model, tok, prompts: list[torch.Tensor], G: int, new: int) -> float:
             assert sum(len(c["token_ids"]) for a in answers for c in a["choices"]) == n_tokens
 
         took = timed(vllm, repeats=1)
-        backend.close()
-        sync.close()
+        sampling.close()
     return n_tokens / took
 
 
