@@ -38,8 +38,11 @@ from backstream.rl.scoring.rewards import RewardConfig
 from backstream.rl.update.backward import EngineConfig
 from backstream.rl.update.learner import UpdateConfig
 from backstream.rl.update.losses import LOSS_TYPES, LossConfig, PPOClipConfig
-from backstream.rl.update.optim import OptimConfig
+from backstream.rl.update.optim import ADAPTER_LR, DEFAULT_MODEL_LR, PRETRAINED_LR, OptimConfig
 from backstream.usercode import absolute_spec, is_path_spec, spec_files
+
+SUM_NORM = "seq-mean-token-sum-norm"  # Dr.GRPO's aggregation, whose L_max a run states (loss.max_len_norm)
+BASE_MODEL_SHOTS = 3  # data.shots for a base model: lm-evaluation-harness's few-shot prompts, for the same reason
 
 
 @dataclass(kw_only=True)
@@ -222,11 +225,50 @@ class RunConfig:
         from backstream.rl.data.tasks import TASKS  # noqa: PLC0415  (the tasks import the rewards)
 
         fmt, task = self.data.resolved_format(tokenizer), TASKS[self.data.task]
-        cfg = dataclasses.replace(self, data=dataclasses.replace(self.data, format=fmt))
+        cfg = dataclasses.replace(self, data=dataclasses.replace(self.data, format=fmt, shots=self._shots(fmt)))
         if fmt == "chat" and self.reward.functions == RewardConfig().functions:
             cfg = dataclasses.replace(cfg, reward=dataclasses.replace(self.reward, functions=[task.chat_reward]))
         if fmt == "plain" and not self.rollout.stop and task.stop:  # the answer's line ends the completion
             cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(self.rollout, stop=list(task.stop)))
+        return cfg
+
+    def _shots(self, fmt: str) -> int:
+        """data.shots, unset resolved: 3 solved examples for a base model under data.format = "auto" (one
+        without a chat template that is not the shipped default model, said), else none."""
+        d = self.data
+        if d.shots is not None:
+            return d.shots
+        from backstream.rl.data.tasks import TASKS  # noqa: PLC0415
+
+        if d.format != "auto" or fmt != "plain" or self.model.name == "default" or not TASKS[d.task].shots:
+            return 0
+        log.info(f"a base model without a chat template: {BASE_MODEL_SHOTS} solved examples before each prompt "
+                 "(data.shots)")
+        return BASE_MODEL_SHOTS
+
+    def generation_budget(self) -> int:
+        """The most sampled tokens of one trained sequence: rollout.max_new_tokens; an episode's (an
+        environment's or an agent program's) env.max_turns of them, at most env.max_episode_tokens."""
+        n, env = self.rollout.max_new_tokens, self.env
+        if env.enabled or env.program:
+            n = min(filter(None, (n * env.max_turns, env.max_episode_tokens)))
+        return n
+
+    def with_run_defaults(self) -> RunConfig:
+        """The config with what it leaves to the run stated (the run folder's config.toml then holds it):
+        Dr.GRPO's L_max, loss.max_len_norm unset under seq-mean-token-sum-norm, the generation budget; an
+        unset optim.lr, the model's (`OptimConfig.lr`, said)."""
+        cfg = self
+        if getattr(cfg.loss, "aggregation", None) == SUM_NORM and cfg.loss.max_len_norm is None:
+            cfg = dataclasses.replace(cfg, loss=dataclasses.replace(cfg.loss, max_len_norm=cfg.generation_budget()))
+        if cfg.optim.lr is None:
+            if cfg.model.name == "default":
+                lr = DEFAULT_MODEL_LR
+            else:
+                lr = ADAPTER_LR if cfg.model.lora_r > 0 else PRETRAINED_LR
+                log.info(f"optim.lr: {lr:g} for a pretrained model{'s LoRA adapter' if cfg.model.lora_r > 0 else ''} "
+                         f"(unset; the shipped default model's is {DEFAULT_MODEL_LR:g})")
+            cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, lr=lr))
         return cfg
 
     def validate(self, world_size: int | None = None) -> None:
@@ -511,7 +553,8 @@ def describe() -> str:
             for f in dataclasses.fields(c):
                 # a choice's values as its type has them (often from the registry it names: data.task's tasks)
                 choices = typing.get_args(hints[f.name]) if typing.get_origin(hints[f.name]) is Literal else ()
-                lines.append(f"  {f.name} = {getattr(inst, f.name)!r}"
+                value = getattr(inst, f.name)
+                lines.append(f"  {f.name} = {'(unset)' if value is None else repr(value)}"
                              + (f"  (one of: {', '.join(map(str, choices))})" if len(choices) > 1 else ""))
                 if f.name in docs:
                     lines.append(f"      {docs[f.name]}")
@@ -555,13 +598,55 @@ Any other key is the run's: the optimizer, its schedule, the data order and the 
 the checkpoint belong to it, so a change is refused rather than half-applied."""
 
 
-def resume_changes(run_dir: str, wanted: RunConfig) -> list[tuple[str, Any, Any]]:
-    """What `wanted` (the config a resume asks for, paths absolute) changes in the run's own config:
-    the (key, old, new) of the RESUMABLE keys; a ValueError naming every other key that differs."""
+
+
+def _as_run(cfg: RunConfig) -> RunConfig:
+    """A run folder's config as its run trained: one written before 2026-12-04 states no loss.max_len_norm
+    under seq-mean-token-sum-norm (which then divided by the minibatch's longest completion; a run since
+    writes the generation budget there)."""
+    if getattr(cfg.loss, "aggregation", None) != SUM_NORM or cfg.loss.max_len_norm is not None:
+        return cfg
+    return dataclasses.replace(cfg, loss=dataclasses.replace(cfg.loss, max_len_norm="minibatch"))
+
+
+def run_config(run_dir: str) -> RunConfig:
+    """The config of the run in `run_dir`, as it trained (`_as_run`)."""
     path = os.path.join(run_dir, "config.toml")
     if not os.path.isfile(path):
         raise UserError(f"--resume: {run_dir} is not a run folder (no config.toml)")
-    old, new = load(path).flat(), wanted.flat()
+    return _as_run(load(path))
+
+
+DECIDED_AT_START = {"data.format": "auto", "data.shots": None, "rollout.stop": [],
+                    "reward.functions": RewardConfig().functions, "loss.max_len_norm": None, "optim.lr": None}
+"""Keys whose unset value the run decides when it starts and states in its config.toml: a built-in task's
+format, shots, stop and reward (`RunConfig.for_tokenizer`: from the tokenizer and the model), Dr.GRPO's
+L_max and the learning rate (`with_run_defaults`). A resume whose run file leaves one unset takes the run's."""
+
+
+def kept_on_resume(run_dir: str, wanted: RunConfig) -> RunConfig:
+    """`wanted`, a resume's config, with the `DECIDED_AT_START` keys it leaves unset the run's own (those of
+    a built-in task only when `wanted` names one); Dr.GRPO's L_max "minibatch" for a run started before
+    2026-12-04, said."""
+    run, asked = run_config(run_dir).flat(), wanted.flat()
+    keep = {k: run[k] for k, unset in DECIDED_AT_START.items() if k in asked and k in run and asked[k] == unset
+            and (k in ("loss.max_len_norm", "optim.lr") or not wanted.data.path)}
+    if keep.get("loss.max_len_norm") == "minibatch":
+        log.warning("--resume: this run was started before loss.max_len_norm defaulted to the generation budget: "
+                    "it goes on dividing seq-mean-token-sum-norm by the longest completion of each minibatch, "
+                    "as it began (loss.max_len_norm = \"minibatch\"); a new run divides by the budget")
+    sections: dict[str, dict] = {}
+    for key, value in keep.items():
+        section, name = key.split(".")
+        sections.setdefault(section, {})[name] = value
+    return dataclasses.replace(wanted, **{sec: dataclasses.replace(getattr(wanted, sec), **kv)
+                                          for sec, kv in sections.items()})
+
+
+def resume_changes(run_dir: str, wanted: RunConfig) -> list[tuple[str, Any, Any]]:
+    """What `wanted` (the config a resume asks for, paths absolute) changes in the run's own config:
+    the (key, old, new) of the RESUMABLE keys; a ValueError naming every other key that differs."""
+    old, new = run_config(run_dir).flat(), wanted.flat()
     changes = [(k, old.get(k), new.get(k)) for k in dict.fromkeys([*old, *new]) if old.get(k) != new.get(k)]
     refused = [(k, a, b) for k, a, b in changes if k not in RESUMABLE]
     if refused:

@@ -91,6 +91,7 @@ def build(cfg: RunConfig, run_dir: str, *, model=None, tokenizer=None, sampling:
                         reuse_kv=cfg.engine.reuse_rollout_kv)
     policy, tok = build_policy(cfg, model, tokenizer)
     cfg = cfg.for_tokenizer(tok)  # a built-in task through a chat model's template
+    cfg = cfg.with_run_defaults()  # L_max and lr (the trainer states them before a resume's check)
     examples = cfg.data.build(tc.seed, prompt_optional=bool(cfg.env.factory or cfg.env.program))
     closing = contextlib.ExitStack()
     with contextlib.ExitStack() as failing:  # what started is stopped if a later part refuses the run
@@ -139,7 +140,7 @@ def _build(cfg: RunConfig, run_dir: str, dp, device, model, tok, examples: list[
 
     sampler, environment = sampler_for(examples, ro.group_size, cfg.engine.reuse_rollout_kv)
     rewards = Rewards(cfg.reward, environment=environment)
-    evaluator = Evaluator.build(cfg.eval, cfg.data, tc.seed, examples, lambda rows, k: sampler_for(rows, k)[0])
+    evaluator = Evaluator.build(cfg.eval, cfg.data, tc.seed, lambda rows, k: sampler_for(rows, k)[0])
     for check in sampling.preflight:  # every sampler built: what they sample must fit (a server's context)
         for s in samplers:
             if s.needs is not None:

@@ -58,7 +58,9 @@ class Trainer:
         self.run_dir = run_dir or cfg.train.output_dir
         if resume:  # the run lives where it was found (its folder may have moved)
             cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, output_dir=os.path.abspath(run_dir)))
+            cfg = cfgmod.kept_on_resume(run_dir, cfg)  # what the run decided at its start (Dr.GRPO's L_max)
         cfg = cfg.with_absolute_paths()  # the run folder names the same files wherever it is resumed from
+        cfg = cfg.with_run_defaults()  # Dr.GRPO's L_max and the learning rate, stated in config.toml
         changes = cfgmod.resume_changes(self.run_dir, cfg) if resume else []
         self.parts = parts.build(cfg, self.run_dir, model=model, tokenizer=tokenizer, sampling=backend)
         self.cfg, self.model, self.sampler = self.parts.cfg, self.parts.model, self.parts.sampler

@@ -44,7 +44,7 @@ CONFIGS = [
     PPOClipConfig(eps_low=0.2, eps_high=0.28),
     PPOClipConfig(aggregation="seq-mean-token-mean", dual_clip=3.0, eps_low=0.1, eps_high=0.1),
     PPOClipConfig(aggregation="seq-mean-token-sum-norm", max_len_norm=8),
-    PPOClipConfig(aggregation="seq-mean-token-sum-norm", kl_coef=0.3, kl_estimator="k1"),
+    PPOClipConfig(aggregation="seq-mean-token-sum-norm", max_len_norm="minibatch", kl_coef=0.3, kl_estimator="k1"),
     PPOClipConfig(kl_coef=0.2, kl_estimator="k3", entropy_coef=0.05, temperature=0.7),
     GSPOConfig(),
     GSPOConfig(eps_low=0.05, eps_high=0.05, kl_coef=0.1, entropy_coef=0.02),
@@ -123,3 +123,97 @@ def test_kl_needs_reference_logprobs():
     seqs, pos_index, mask, logits, adv, *_ = problem(1)
     with pytest.raises(ValueError, match="ref_logprobs"):
         build_objective(PPOClipConfig(kl_coef=0.1), sequences=seqs, completion_mask=mask, advantages=adv)
+
+
+# -- Dr.GRPO's normaliser and the advantage's ε (issue 56) ------------------------------------------------
+
+def drgrpo_problem(tail: int):
+    """Two sequences of 3 prompt tokens: A's 4 completion tokens with advantage 1.5, B's `tail` with
+    advantage 0 (B only changes the minibatch's lengths). float64 logits, one row a position."""
+    gens = [torch.Generator().manual_seed(3), torch.Generator().manual_seed(4)]  # A the same whatever B's length
+    lens = [3 + 4, 3 + tail]
+    seqs = [torch.randint(0, V, (n,), generator=g) for n, g in zip(lens, gens)]
+    logits = [torch.randn(n, V, generator=g, dtype=torch.float64) for n, g in zip(lens, gens)]
+    mask = [torch.arange(n) >= 3 for n in lens]
+    return seqs, logits, mask, torch.tensor([1.5, 0.0], dtype=torch.float64)
+
+
+def grad_of_a(cfg, tail: int) -> torch.Tensor:
+    """The gradient of the loss at A's logits, the loss streamed in blocks (`streamed`, as the engine
+    runs it) against the textbook one (`naive_loss`), which must agree."""
+    seqs, logits, mask, adv = drgrpo_problem(tail)
+    leaf = [x.clone().requires_grad_(True) for x in logits]
+    (want,) = torch.autograd.grad(naive_loss(cfg, leaf, seqs, mask, adv), leaf[0])
+    pos_index = [torch.arange(len(s)) + sum(len(t) for t in seqs[:i]) for i, s in enumerate(seqs)]
+    flat = torch.cat(logits).requires_grad_(True)
+    got, _ = streamed(cfg, flat, seqs, pos_index, mask, adv, None, None, 2, torch.Generator().manual_seed(0))
+    (g_flat,) = torch.autograd.grad(got, flat)
+    assert torch.allclose(g_flat[:len(seqs[0])], want, atol=1e-13, rtol=0)
+    return want
+
+
+def test_dr_grpo_gradient_of_a_completion_does_not_move_when_another_grows():
+    """seq-mean-token-sum-norm divides by a constant (the generation budget): A's gradient is the same
+    whether B, in the same minibatch, has 2 or 9 completion tokens; with "minibatch" (the longest
+    completion of the minibatch, the old default) it shrinks as B grows past A, 4/9 of itself."""
+    const = PPOClipConfig(aggregation="seq-mean-token-sum-norm", max_len_norm=16)
+    assert torch.equal(grad_of_a(const, 2), grad_of_a(const, 9))
+    old = PPOClipConfig(aggregation="seq-mean-token-sum-norm", max_len_norm="minibatch")
+    short, long = grad_of_a(old, 2), grad_of_a(old, 9)
+    assert torch.allclose(long, short * 4 / 9, atol=1e-15, rtol=1e-12)
+
+
+def test_dr_grpo_unset_is_the_generation_budget_and_equals_trls_dr_grpo():
+    """A run with max_len_norm unset divides by rollout.max_new_tokens, stated in its config (an episode:
+    env.max_turns x rollout.max_new_tokens, at most env.max_episode_tokens); the loss is TRL's dr_grpo,
+    Σ per-token loss / (sequences × max_completion_length), written out here from TRL's formula."""
+    from backstream import config
+
+    cfg = config.load(None, ['loss.aggregation="seq-mean-token-sum-norm"', "rollout.max_new_tokens=12"])
+    assert cfg.loss.max_len_norm is None and cfg.with_run_defaults().loss.max_len_norm == 12
+    assert config.load(None).with_run_defaults().loss.max_len_norm is None  # token-mean: nothing to state
+    episodes = config.load(None, ['loss.aggregation="seq-mean-token-sum-norm"', 'data.task="toolcalc"'])
+    assert episodes.generation_budget() == 4 * 32  # toolcalc's env.max_turns x its rollout.max_new_tokens
+    capped = config.load(None, ['data.task="toolcalc"', "env.max_episode_tokens=100"])
+    assert capped.generation_budget() == 100
+    seqs, logits, mask, _ = drgrpo_problem(6)
+    adv = torch.tensor([1.5, -0.5], dtype=torch.float64)
+    noise = torch.Generator().manual_seed(5)
+    old = []  # π_old of token t, 0.3 away from π in log space: some ratios clip on each side
+    for x, s in zip(logits, seqs):
+        o = torch.zeros(len(s), dtype=torch.float64)
+        o[1:] = torch.log_softmax(x[:-1], -1).gather(-1, s[1:, None])[:, 0]
+        old.append(o + 0.3 * torch.randn(len(s), generator=noise, dtype=torch.float64))
+    got = naive_loss(cfg.with_run_defaults().loss, logits, seqs, mask, adv, old)
+    # TRL: per_token_loss = -min(ρA, clip(ρ)A); (per_token_loss * completion_mask).sum() / (B * max_completion_length)
+    total = 0.0
+    for x, s, m, a, o in zip(logits, seqs, mask, adv, old):
+        t = torch.nonzero(m).flatten()
+        logp = torch.log_softmax(x[t - 1], -1).gather(-1, s[t, None])[:, 0]
+        ratio = torch.exp(logp - o[t])
+        total += (-torch.min(ratio * a, torch.clamp(ratio, 0.8, 1.2) * a)).sum()
+    assert abs(float(got) - float(total / (2 * 12))) < 1e-14
+
+
+def test_dr_grpo_built_by_hand_without_its_length_is_refused():
+    seqs, logits, mask, adv = drgrpo_problem(2)
+    with pytest.raises(ValueError, match="loss.max_len_norm"):
+        naive_loss(PPOClipConfig(aggregation="seq-mean-token-sum-norm"), logits, seqs, mask, adv)
+    for bad in (0, "longest", 2.5):
+        with pytest.raises(ValueError, match="loss.max_len_norm"):
+            PPOClipConfig(aggregation="seq-mean-token-sum-norm", max_len_norm=bad)
+
+
+def test_the_advantage_eps_is_a_key_of_algorithm():
+    """algorithm.eps is grpo's ε: at a group std of 1e-3, TRL's 1e-4 gives an advantage 10% below 1e-6's."""
+    from backstream.rl.scoring.advantages import AlgorithmConfig
+
+    r = torch.tensor([0.0, 0.0, 0.0, 0.002])  # std 1e-3
+    ours, trls = AlgorithmConfig().advantages(r, 4), AlgorithmConfig(eps=1e-4).advantages(r, 4)
+    std = float(r.std())
+    assert AlgorithmConfig().eps == 1e-6 and abs(float(ours[3]) - 0.0015 / (std + 1e-6)) < 1e-4
+    assert abs(float(trls[3]) - 0.0015 / (std + 1e-4)) < 1e-4 and 0.08 < 1 - float(trls[3] / ours[3]) < 0.1
+    assert torch.equal(AlgorithmConfig(advantage="drgrpo", eps=1.0).advantages(r, 4), drgrpo_advantages(r, 4))
+    for bad in (0, -1e-6, True):
+        with pytest.raises(ValueError, match="algorithm.eps"):
+            AlgorithmConfig(eps=bad)

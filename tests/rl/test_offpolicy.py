@@ -148,7 +148,8 @@ IS_CONFIGS = [
     PPOClipConfig(is_level="token", is_mode="mask", is_cap_low=0.8, is_cap_high=1.25, dual_clip=3.0),
     PPOClipConfig(is_level="sequence", is_cap_low=0.5, aggregation="seq-mean-token-mean", kl_coef=0.1,
                   entropy_coef=0.05),
-    PPOClipConfig(is_level="sequence", is_mode="mask", is_cap_low=0.5, aggregation="seq-mean-token-sum-norm"),
+    PPOClipConfig(is_level="sequence", is_mode="mask", is_cap_low=0.5, aggregation="seq-mean-token-sum-norm",
+                  max_len_norm=16),
     GSPOConfig(is_level="sequence", is_cap_low=0.5, eps_low=0.1, eps_high=0.1, kl_coef=0.1),
     GSPOConfig(is_level="sequence", is_mode="mask", is_cap_low=0.5, eps_low=0.1, eps_high=0.1, entropy_coef=0.05),
 ]

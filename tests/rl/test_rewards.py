@@ -516,8 +516,7 @@ def test_eval_metrics_against_rewards_known_in_advance():
         def release(self):
             pass
 
-    examples = [{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(50)]
-    ev = Evaluator(EvalConfig(every=1, prompts=3, samples=4, pass_reward=1.0), DataConfig(task="arith"), 0, examples,
+    ev = Evaluator(EvalConfig(every=1, prompts=3, samples=4, pass_reward=1.0), DataConfig(task="arith"), 0,
                    lambda ex, k: None)
     ev.examples = ev.examples[:3]
     sample = lambda rows, indices, gens: Fixed(indices)  # noqa: E731

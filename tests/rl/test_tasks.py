@@ -223,3 +223,96 @@ def test_kvlookup_in_words_keeps_every_pair():
     text = TASKS["kvlookup"].chat(row)
     key = row["prompt"].rsplit("\n", 1)[1].rstrip("=")
     assert text.count("=") == KV_PAIRS and f"What is the value of {key}? Answer" in text
+
+
+# -- solved examples before the prompt: data.shots (issue 56) ----------------------------------------
+
+def test_shots_are_solved_rows_of_the_task_none_the_row_itself():
+    """data.shots = 3: every prompt is three solved rows of its task ("a+b=c\n", c right) and then the row's
+    own, which none of them repeats; the same for the same seed, drawn per row (rows differ in shots)."""
+    from backstream.rl.data.prompts import DataConfig
+
+    plain = make_dataset("arith", 64, seed=2)
+    rows = DataConfig(task="arith", num_examples=64, shots=3, format="plain").build(2)
+    assert rows == DataConfig(task="arith", num_examples=64, shots=3, format="plain").build(2)
+    for p, r in zip(plain, rows):
+        *shots, question = r["prompt"].split("\n")
+        assert question == p["prompt"] and r["answer"] == p["answer"] and len(shots) == 3
+        for line in shots:
+            a, b, c = map(int, re.fullmatch(r"(\d+)\+(\d+)=(\d+)", line).groups())
+            assert a + b == c and f"{a}+{b}=" != p["prompt"]
+        assert len(set(shots)) == 3
+    assert len({r["prompt"].rsplit("\n", 1)[0] for r in rows}) == 64  # each row its own examples
+    (kv,) = DataConfig(task="kvlookup", num_examples=1, shots=1, format="plain").build(0)
+    (row,) = make_dataset("kvlookup", 1, 0)
+    shot = kv["prompt"].removesuffix(row["prompt"])  # the solved example comes whole, then the row
+    assert shot != kv["prompt"] and shot.startswith("Remember these pairs.\n") and shot.endswith("\n")
+    key, value = re.search(r"\n(\w+)=(\d+)\n$", shot).groups()
+    assert f"\n{key}={value}\n" in shot.split("What is")[0]  # the answer is the pair's value
+
+
+def test_shots_in_the_chat_format_are_turns_before_the_question():
+    from backstream.rl.data.prompts import DataConfig
+
+    (row,) = DataConfig(task="arith", num_examples=1, shots=2, format="chat").build(0)
+    roles = [m["role"] for m in row["prompt"]]
+    assert roles == ["user", "assistant", "user", "assistant", "user"]
+    for ask, answer in zip(row["prompt"][0:4:2], row["prompt"][1:4:2]):
+        a, b = map(int, re.search(r"What is (\d+)\+(\d+)\?", ask["content"]).groups())
+        assert answer["content"] == str(a + b)
+    assert row["prompt"][-1]["content"] == TASKS["arith"].chat(make_dataset("arith", 1, 0)[0])
+
+
+def test_shots_are_refused_where_there_is_nothing_to_show():
+    from backstream.rl.data.prompts import DataConfig
+
+    with pytest.raises(ValueError, match=r"data.shots = 2: task toolcalc's solved example would be a whole episode"):
+        DataConfig(task="toolcalc", shots=2)
+    with pytest.raises(ValueError, match=r"data.shots = 1: solved examples are drawn from a built-in task"):
+        DataConfig(path="x.jsonl", shots=1)
+    with pytest.raises(ValueError, match="data.shots"):
+        DataConfig(shots=-1)
+    assert DataConfig(task="toolcalc", shots=0).shots == 0
+
+
+def test_a_base_model_gets_three_shots_and_the_default_model_none(caplog):
+    """data.format = "auto" with a model without a chat template that is not the shipped default: 3 shots,
+    said at start-up; the default model keeps its zero-shot prompts, a chat model its template, and a run
+    that sets data.shots (or data.format = "plain") keeps what it says."""
+    import logging
+
+    from backstream import config
+
+    base = ['model.name="some/base-model"']
+    with caplog.at_level(logging.INFO, logger="backstream"):
+        cfg = config.load(None, base).for_tokenizer(_Tok(None))
+    assert cfg.data.shots == 3 and cfg.data.format == "plain"
+    assert "a base model without a chat template: 3 solved examples before each prompt (data.shots)" in caplog.text
+    assert config.load(None, []).for_tokenizer(_Tok(None)).data.shots == 0  # the shipped default model
+    assert config.load(None, base).for_tokenizer(_Tok("{{ x }}")).data.shots == 0  # a chat model
+    assert config.load(None, [*base, "data.shots=1"]).for_tokenizer(_Tok(None)).data.shots == 1
+    assert config.load(None, [*base, 'data.format="plain"']).for_tokenizer(_Tok(None)).data.shots == 0
+    assert config.load(None, [*base, 'data.task="toolcalc"']).for_tokenizer(_Tok(None)).data.shots == 0
+
+
+def test_the_default_models_prompts_are_the_tasks_rows_unchanged():
+    """The demo's data: with no shots, the plain prompts are the generator's rows, byte for byte."""
+    from backstream.rl.data.prompts import DataConfig
+
+    for name in sorted(TASKS):
+        assert DataConfig(task=name, num_examples=40, format="plain", shots=0).build(7) == make_dataset(name, 40, 7)
+
+
+def test_the_evaluation_shows_the_trainings_shots_in_its_format():
+    """Held-out rows of a built-in task get the training's shots (or eval.shots') and format: a chat
+    model is evaluated on chat messages, as it trains; none is a training row."""
+    from backstream.rl.data.prompts import DataConfig
+    from backstream.rl.rollout.evaluate import EvalConfig, held_out
+
+    train = {r["prompt"] for r in make_dataset("arith", 32, 0)}
+    held = held_out(EvalConfig(prompts=20), DataConfig(task="arith", num_examples=32, shots=2, format="plain"), 0)
+    assert all(len(r["prompt"].split("\n")) == 3 and r["prompt"].split("\n")[-1] not in train for r in held)
+    zero = held_out(EvalConfig(prompts=20, shots=0), DataConfig(task="arith", num_examples=32, shots=2), 0)
+    assert [r["prompt"] for r in zero] == [r["prompt"].split("\n")[-1] for r in held]
+    chat = held_out(EvalConfig(prompts=5), DataConfig(task="arith", num_examples=32, format="chat"), 0)
+    assert all(r["prompt"][-1]["role"] == "user" and "Answer with" in r["prompt"][-1]["content"] for r in chat)

@@ -80,7 +80,7 @@ def test_help_lists_every_key_with_its_doc():
     text = config.describe()
     for section, cls in config.SECTIONS.items():
         assert f"[{section}]" in text
-    assert "lr = 0.0001" in text and "Peak learning rate." in text
+    assert "lr = (unset)" in text and "Peak learning rate; unset = the model's" in text
     assert "group_size" in text and 'type = "gspo"' in text
     # every key has its line of documentation, inherited ones (the losses' common keys) included
     import dataclasses
@@ -247,3 +247,65 @@ def test_a_renamed_key_keeps_its_old_spelling_with_a_line_that_names_the_new_one
     assert moved.env.factory == "backstream.rl.data.tasks:Calculator"
     # the resolved config states the new spellings only
     assert "epochs" not in config.to_toml(cfg.to_dict()).split("[algorithm]")[1].split("[")[0]
+
+
+class _Tok:
+    def __init__(self, template=None):
+        self.chat_template = template
+
+
+def test_a_resume_keeps_what_the_run_decided_when_it_started(tmp_path, caplog):
+    """A run folder written before 2026-12-04 with seq-mean-token-sum-norm states no loss.max_len_norm: it
+    resumes dividing by the minibatch's longest completion, as it began, and says so. A run since states
+    what it decided (the generation budget, a base model's shots, the format, the stop): a resume given
+    the run file, which leaves them unset, takes the run's and is not refused for them."""
+    import logging
+
+    norm = 'loss.aggregation="seq-mean-token-sum-norm"'
+    old = tmp_path / "old"
+    old.mkdir()
+    before = config.load(None, [norm, "optim.lr=1e-4"])  # a run of then stated every lr
+    (old / "config.toml").write_text(config.to_toml(before.public_dict()))  # max_len_norm None: not written
+    assert "max_len_norm" not in (old / "config.toml").read_text()
+    with caplog.at_level(logging.WARNING, logger="backstream"):
+        kept = config.kept_on_resume(str(old), before)
+    assert kept.loss.max_len_norm == "minibatch" and "as it began (loss.max_len_norm = \"minibatch\")" in caplog.text
+    assert kept.with_run_defaults().loss.max_len_norm == "minibatch"
+    assert config.resume_changes(str(old), kept) == []
+
+    new = tmp_path / "new"
+    new.mkdir()
+    run_file = config.load(None, [norm, 'model.name="some/base-model"'])
+    started = run_file.for_tokenizer(_Tok()).with_run_defaults()
+    (new / "config.toml").write_text(config.to_toml(started.public_dict()))
+    with pytest.raises(ValueError, match="data.format"):  # what a resume with the run file met before
+        config.resume_changes(str(new), run_file)
+    caplog.clear()
+    kept = config.kept_on_resume(str(new), run_file)
+    budget = run_file.rollout.max_new_tokens
+    decided = (kept.loss.max_len_norm, kept.data.shots, kept.data.format, kept.rollout.stop, kept.optim.lr)
+    assert decided == (budget, 3, "plain", ["\n"], 1e-6)
+    assert config.resume_changes(str(new), kept) == [] and "minibatch" not in caplog.text
+    with pytest.raises(ValueError, match=rf"loss.max_len_norm = 9 \(the run's: {budget}\)"):  # a change: refused
+        config.resume_changes(str(new), config.kept_on_resume(str(new), config.load(None, [
+            norm, 'model.name="some/base-model"', "loss.max_len_norm=9"])))
+
+
+def test_an_unset_learning_rate_is_the_models(caplog):
+    """optim.lr unset: the shipped default model's 1e-4 (as before), a pretrained model's 1e-6 (TRL's and
+    verl's default: 1e-4 wrecks a 270M base model after its first update) and its LoRA adapter's 1e-5, said
+    and stated; a number set is kept, and an optimizer built by hand without one is refused."""
+    import logging
+
+    import torch
+
+    from backstream.rl.update.optim import OptimConfig
+
+    assert config.load(None).optim.lr is None and config.load(None).with_run_defaults().optim.lr == 1e-4
+    with caplog.at_level(logging.INFO, logger="backstream"):
+        assert config.load(None, ['model.name="some/model"']).with_run_defaults().optim.lr == 1e-6
+    assert "optim.lr: 1e-06 for a pretrained model (unset; the shipped default model's is 0.0001)" in caplog.text
+    assert config.load(None, ['model.name="some/model"', "model.lora_r=8"]).with_run_defaults().optim.lr == 1e-5
+    assert config.load(None, ['model.name="some/model"', "optim.lr=3e-5"]).with_run_defaults().optim.lr == 3e-5
+    with pytest.raises(ValueError, match="optim.lr: unset"):
+        OptimConfig().build([torch.nn.Parameter(torch.zeros(2))])

@@ -201,6 +201,27 @@ def test_reward_rises_on_the_default_model(tmp_path):
     assert max(r["mismatch/logprob_abs"] for r in rows) < 1e-4
 
 
+def test_shots_sit_once_in_the_shared_prompt_of_a_group(tmp_path):
+    """data.shots = 3 on a tiny model: a group's prompt, its solved examples included, is one branch of the
+    token tree that its G samples share, so the engine holds it once: tree/tokens_unique is at most the
+    total less G − 1 copies of each prompt (fewer where completions share prefixes too), and at least
+    each prompt once (but for what the two groups' prompts share; an entropy term keeps every sequence
+    in the tree). The run folder's config.toml states the shots."""
+    from backstream.rl.data.prompts import DataConfig, encode_prompts
+
+    model, tok = tiny(torch.float32)
+    run = trainer.train(run_cfg(tmp_path, "shots", 'model.dtype="float32"', "data.shots=3", "data.num_examples=2",
+                                "train.steps=1", "update.minibatches=1", "loss.entropy_coef=0.01"),
+                        model=model, tokenizer=tok)
+    p0, p1 = encode_prompts(DataConfig(task="arith", num_examples=2, shots=3, format="plain").build(0), tok, 4096)
+    assert min(len(p0), len(p1)) > 3 * 9  # three "a+b=c\n" lines and the question
+    common = next(i for i, (a, b) in enumerate(zip(p0.tolist(), p1.tolist())) if a != b)
+    (row,) = [json.loads(x) for x in open(os.path.join(run, "metrics.jsonl"))]
+    G, total, unique, held = 4, row["tree/tokens_total"], row["tree/tokens_unique"], len(p0) + len(p1)
+    assert held - common <= unique <= total - (G - 1) * held, (held, common, unique, total)
+    assert config.load(os.path.join(run, "config.toml")).data.shots == 3
+
+
 def test_streamed_and_reference_runs_agree_float32_20_steps(tmp_path):
     results = {}
     for backward in ("stream", "reference"):

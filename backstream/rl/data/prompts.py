@@ -15,7 +15,7 @@ from typing import Literal
 import torch
 
 from backstream.checks import UserError, at_least, literals
-from backstream.rl.data.tasks import TASKS, make_dataset
+from backstream.rl.data.tasks import TASKS, make_dataset, plain_shot, solved_examples
 
 
 @dataclass(kw_only=True)
@@ -29,6 +29,12 @@ class DataConfig:
     bare text the built-in default model continues ("37+45="), scored by "exact_match"; "auto" = chat
     when the tokenizer has a chat template. (A reward.functions of your own is kept. A data.path
     file's prompts are used as they are: text, or chat messages.)"""
+    shots: int | None = None
+    """Solved examples of the task before each built-in prompt ("12+34=46\n" lines, or user/assistant turns
+    in the chat format), drawn from the task's generator, none the row itself, the same for every sample
+    of a group (part of the prompt the group shares). Unset = 0, but 3 under data.format = "auto" for a
+    base model (no chat template, not the shipped default), which cannot hit the answer's format
+    without seeing it; the run folder's config.toml states the number."""
     path: str = ""
     """A JSONL file or a `datasets` folder with a `prompt` column (text or chat messages)."""
     num_examples: int = 2048
@@ -40,6 +46,9 @@ class DataConfig:
         literals(self, "data")
         at_least("data.num_examples", self.num_examples, 1)
         at_least("data.max_prompt_tokens", self.max_prompt_tokens, 1)
+        if self.shots is not None:
+            at_least("data.shots", self.shots, 0)
+            check_shots(self.task, self.shots, "data.shots", self.path)
 
     def resolved_format(self, tokenizer) -> str:
         """"chat" or "plain" for a built-in task: `format`, "auto" decided by the tokenizer."""
@@ -58,12 +67,37 @@ class DataConfig:
         if self.path:
             examples, source = load_examples(self.path), self.path
         else:
-            examples, source = make_dataset(self.task, self.num_examples, seed), f"task {self.task}"
-            if self.format == "chat":
-                chat = TASKS[self.task].chat
-                examples = [{**ex, "prompt": [{"role": "user", "content": chat(ex)}]} for ex in examples]
+            rows, source = make_dataset(self.task, self.num_examples, seed), f"task {self.task}"
+            examples = self.present(rows, seed, self.shots or 0)
         check_examples(examples, source, prompt_optional)
         return examples
+
+    def present(self, rows: list[dict], seed: int, shots: int) -> list[dict]:
+        """Rows of the built-in task as the model reads them: `shots` solved examples first (drawn with
+        `seed` and the row's index), in `format` (plain text, or chat messages when "chat")."""
+        task = TASKS[self.task]
+        out = []
+        for i, row in enumerate(rows):
+            solved = solved_examples(task, row, shots, seed, i) if shots else []
+            if self.format == "chat":
+                turns = [m for s in solved for m in ({"role": "user", "content": task.chat(s)},
+                                                     {"role": "assistant", "content": s["answer"]})]
+                out.append({**row, "prompt": [*turns, {"role": "user", "content": task.chat(row)}]})
+            else:
+                out.append({**row, "prompt": "".join(map(plain_shot, solved)) + row["prompt"]})
+        return out
+
+
+def check_shots(task: str, shots: int, key: str, path: str = "") -> None:
+    """`shots` solved examples are something `task` can show (a built-in task's rows, not data.path's)."""
+    if not shots:
+        return
+    if path:
+        raise UserError(f"{key} = {shots}: solved examples are drawn from a built-in task, and the run reads "
+                         f"data.path ({path}); put them in your prompts, or set {key} = 0")
+    if not TASKS[task].shots:
+        raise UserError(f"{key} = {shots}: task {task}'s solved example would be a whole episode with tool calls, "
+                         f"which is not built in; set {key} = 0")
 
 
 def load_examples(path: str) -> list[dict]:

@@ -17,6 +17,12 @@ text before the stop (rl/rollout/completions.py `before_stop`), the trained toke
 that reward for a single pair, so scripts that use only this module (scripts/check_learnable.py)
 reward exactly as the trainer does.
 
+A base model reads the plain format but has never seen it: before each prompt, `data.shots` solved
+rows of the same task ("12+34=46\n" lines; `solved_examples`: drawn from the task's generator with a
+seed of the row's own, none the row itself) show it the answer's form, as lm-evaluation-harness's
+few-shot prompts do. They are part of the prompt the group's samples share. `data.format = "auto"`
+gives a base model (no chat template, not the shipped default) 3 of them.
+
 In the chat format (a chat model: `data.format = "chat"`, or "auto" with a tokenizer that has a chat
 template) the row's prompt is one user message, `Task.chat(row)`, which asks the question in words and
 the answer's form ("Answer with the number only."), rendered through the model's chat template; it is
@@ -80,6 +86,9 @@ class Task:
     """Where a completion ends in the plain format (rollout.stop unless the run sets it): the answer is
     one line, and a pretrained base model does not end it with its end-of-sequence token but goes on
     with more text ("82\n\n38+46=84..."), as the evaluation harnesses' `until` stops it."""
+    shots: bool = False
+    """Whether a row can be shown solved before another's prompt (data.shots): its prompt, its answer and
+    the stop, "12+34=46\n". (toolcalc's solved example would be a whole episode with tool calls: none.)"""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -185,6 +194,7 @@ TASKS: dict[str, Task] = {
         description="two-digit addition, 'a+b=' -> 'a+b' (e.g. '37+45=' -> '82')",
         chat=arith_chat,
         stop=("\n",),
+        shots=True,
     ),
     "kvlookup": Task(
         name="kvlookup",
@@ -193,6 +203,7 @@ TASKS: dict[str, Task] = {
         description=f"retrieve one of {KV_PAIRS} key=value pairs from a >1024-token prompt",
         chat=kvlookup_chat,
         stop=("\n",),
+        shots=True,
     ),
     "toolcalc": Task(
         name="toolcalc",
@@ -222,6 +233,30 @@ def make_dataset(task: str | Task, n: int, seed: int = 0) -> list[Row]:
     # the task name is part of the seed so two tasks with the same seed draw unrelated streams
     rng = random.Random(f"{task.name}:{seed}")
     return [task.make_row(rng) for _ in range(n)]
+
+
+def solved_examples(task: str | Task, row: Row, n: int, seed: int, index: int) -> list[Row]:
+    """`n` rows of `task` to show solved before row `index` (data.shots): drawn from the task's own
+    generator with a seed of their own (the same for every sample of the row, on any machine), none with
+    the row's prompt, no two the same."""
+    task = get_task(task)
+    rng = random.Random(f"{task.name}:{seed}:shots:{index}")
+    out, seen = [], {row["prompt"]}
+    for _ in range(100 * n):
+        if len(out) == n:
+            break
+        shot = task.make_row(rng)
+        if shot["prompt"] not in seen:
+            seen.add(shot["prompt"])
+            out.append(shot)
+    if len(out) < n:
+        raise UserError(f"data.shots = {n}: task {task.name} drew no {n} distinct examples besides row {index}")
+    return out
+
+
+def plain_shot(row: Row) -> str:
+    """A row shown solved in the plain format: its prompt, its answer, the line's end."""
+    return f"{row['prompt']}{row['answer']}\n"
 
 
 def score(completion: str, answer: str) -> float:

@@ -40,11 +40,16 @@ class EvalConfig:
     """k: samples (or episodes) per prompt, for eval/pass@k and eval/avg@k."""
     pass_reward: float = 1.0
     """A sample passes when its total reward is at least this."""
+    shots: int | None = None
+    """Solved examples before each held-out prompt of a built-in task (as data.shots); unset = the
+    training's (data.shots as the run resolved it)."""
 
     def __post_init__(self):
         at_least("eval.every", self.every, 0)
         at_least("eval.prompts", self.prompts, 1)
         at_least("eval.samples", self.samples, 1)
+        if self.shots is not None:
+            at_least("eval.shots", self.shots, 0)
 
     @property
     def enabled(self) -> bool:
@@ -66,19 +71,19 @@ class NoEvaluation:
 class Evaluator(NoEvaluation):
     """The run's evaluation: its prompts, a sampler of `eval.samples` per prompt and the scoring."""
 
-    def __init__(self, cfg: EvalConfig, data_cfg, seed: int, train_examples: list[dict], make_sampler):
+    def __init__(self, cfg: EvalConfig, data_cfg, seed: int, make_sampler):
         """`make_sampler(examples, group_size)`: the run's kind of sampler over these examples."""
         self.cfg, self.seed, self.at_start = cfg, seed, cfg.at_start
-        self.examples = held_out(cfg, data_cfg, seed, train_examples)
+        self.examples = held_out(cfg, data_cfg, seed)
         self.sampler = make_sampler(self.examples, cfg.samples)
 
     def due(self, step: int, last: int) -> bool:
         return self.cfg.every > 0 and (step % self.cfg.every == 0 or step == last)
 
     @staticmethod
-    def build(cfg: EvalConfig, data_cfg, seed: int, train_examples: list[dict], make_sampler):
+    def build(cfg: EvalConfig, data_cfg, seed: int, make_sampler):
         """The evaluation `[eval]` asks for, or `NoEvaluation`."""
-        return Evaluator(cfg, data_cfg, seed, train_examples, make_sampler) if cfg.enabled else NoEvaluation()
+        return Evaluator(cfg, data_cfg, seed, make_sampler) if cfg.enabled else NoEvaluation()
 
     def run(self, sample, score, dp, step: int) -> dict[str, float]:
         """Sample this rank's share of the prompts (`dp.share`) with `sample(rows, indices, generators)`
@@ -106,8 +111,9 @@ class Evaluator(NoEvaluation):
         return ["eval/reward/mean", f"eval/pass@{k}", f"eval/avg@{k}"]
 
 
-def held_out(cfg: EvalConfig, data_cfg, seed: int, train: list[dict]) -> list[dict]:
-    """The evaluation's prompts (see the module docstring)."""
+def held_out(cfg: EvalConfig, data_cfg, seed: int) -> list[dict]:
+    """The evaluation's prompts (see the module docstring): a built-in task's rows none of the training's
+    (data_cfg's, drawn with `seed`), in its format and with its shots (or eval.shots')."""
     if cfg.path:
         examples = datamod.load_examples(cfg.path)
         datamod.check_examples(examples, cfg.path)
@@ -117,15 +123,17 @@ def held_out(cfg: EvalConfig, data_cfg, seed: int, train: list[dict]) -> list[di
                          "held-out file; set eval.path (or eval.every = 0)")
     from backstream.rl.data.tasks import make_dataset  # noqa: PLC0415
 
-    seen = {str(ex["prompt"]) for ex in train}
+    shots = data_cfg.shots if cfg.shots is None else cfg.shots
+    datamod.check_shots(data_cfg.task, shots or 0, "eval.shots")
+    seen = {ex["prompt"] for ex in make_dataset(data_cfg.task, data_cfg.num_examples, seed)}  # the training's rows
     out, draw = [], 0
     while len(out) < cfg.prompts and draw < 20:
         for ex in make_dataset(data_cfg.task, 4 * cfg.prompts, seed=seed + 7919 * (draw + 1)):
-            if str(ex["prompt"]) not in seen and len(out) < cfg.prompts:
-                seen.add(str(ex["prompt"]))
+            if ex["prompt"] not in seen and len(out) < cfg.prompts:
+                seen.add(ex["prompt"])
                 out.append(ex)
         draw += 1
     if not out:
         raise UserError(f"eval: every prompt of task {data_cfg.task!r} is in the training data; set eval.path")
-    return out
+    return data_cfg.present(out, seed ^ EVAL_SEED, shots or 0)  # in the training's format, with its shots
 

@@ -2,7 +2,7 @@
 of its group (the G samples of one prompt, contiguous); `ADVANTAGES` is the registry
 `algorithm.advantage` names.
 
-  GRPO      A_i = (r_i − mean_g r) / (std_g r + ε)   (unbiased std, as TRL)
+  GRPO      A_i = (r_i − mean_g r) / (std_g r + ε)   (unbiased std, as TRL; ε = algorithm.eps)
   Dr.GRPO   A_i =  r_i − mean_g r                      (Liu et al. 2025: no std)
   RLOO      A_i =  r_i − mean_{j≠i} r_j                (leave-one-out baseline)
 """
@@ -65,12 +65,20 @@ ADVANTAGES: dict[str, Callable[[Tensor, int], Tensor]] = {
 class AlgorithmConfig:
     advantage: Literal[tuple(ADVANTAGES)] = "grpo"
     """Advantage estimator: grpo (group mean/std), drgrpo (group mean, no std), rloo (leave-one-out)."""
+    eps: float = 1e-6
+    """ε of grpo's A = (r − mean) / (std + ε), which keeps a group whose rewards barely differ finite; TRL's
+    GRPOTrainer uses 1e-4 (at a group std of 1e-3 the two differ by 10% in A)."""
 
     def __post_init__(self):
         literals(self, "algorithm")
+        if not (isinstance(self.eps, (int, float)) and not isinstance(self.eps, bool) and self.eps > 0):
+            raise UserError(f"algorithm.eps: got {self.eps!r}, expected a number > 0 (e.g. 1e-6, or TRL's 1e-4): "
+                             "a group whose rewards are all equal has std 0")
 
     def advantages(self, rewards: Tensor, group_size: int) -> Tensor:
         """Per-sample advantages of `rewards` [N], groups of `group_size` contiguous samples."""
+        if self.advantage == "grpo":
+            return grpo_advantages(rewards, group_size, eps=self.eps)
         return ADVANTAGES[self.advantage](rewards, group_size)
 
 

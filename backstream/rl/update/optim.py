@@ -32,14 +32,19 @@ def _muon(params: list, c: OptimConfig) -> torch.optim.Optimizer:
 
 
 OPTIMIZERS = {"adamw": _adamw, "rmsprop": _rmsprop, "muon": _muon}
+DEFAULT_MODEL_LR = 1e-4  # optim.lr unset: the shipped default model's (tiny, trained from scratch)
+PRETRAINED_LR = 1e-6  # a pretrained model's, full fine-tuning: TRL's GRPOConfig and verl's actor default
+ADAPTER_LR = 1e-5  # its LoRA adapter's: an adapter learns at about 10x a full model's rate (examples/*lora*)
 
 
 @dataclass(kw_only=True)
 class OptimConfig:
     name: Literal[tuple(OPTIMIZERS)] = "adamw"
     """adamw, rmsprop, or muon (torch.optim.Muon, where the installed torch has it; 2-D weights only)."""
-    lr: float = 1e-4
-    """Peak learning rate."""
+    lr: float | None = None
+    """Peak learning rate; unset = the model's: 1e-4 for the shipped default model, 1e-6 for a pretrained
+    one (TRL's GRPOConfig and verl's actor default), 1e-5 for its LoRA adapter (model.lora_r > 0); the
+    run folder's config.toml states it."""
     weight_decay: float = 0.0
     """Decoupled weight decay."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.99])
@@ -55,12 +60,15 @@ class OptimConfig:
     def __post_init__(self):
         literals(self, "optim")
         at_least("optim.max_nonfinite_steps", self.max_nonfinite_steps, 1)
-        if not self.lr > 0:
+        if self.lr is not None and not self.lr > 0:
             raise UserError(f"optim.lr: got {self.lr}, expected a number > 0")
 
     def build(self, params) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
         """The optimizer over the trainable tensors of `params`, and its schedule (stepped once per
         optimizer step)."""
+        if self.lr is None:
+            raise UserError("optim.lr: unset; a run sets the model's (RunConfig.with_run_defaults), an optimizer built "
+                             "by hand names it")
         opt = OPTIMIZERS[self.name]([p for p in params if p.requires_grad], self)
         warm = self.warmup_steps
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm) if warm > 0 else 1.0)

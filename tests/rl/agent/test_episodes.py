@@ -320,7 +320,7 @@ def test_evaluation_during_training(tmp_path):
     from backstream.rl.rollout.evaluate import EvalConfig, held_out
 
     train_rows = make_dataset("arith", 16, 0)
-    held = held_out(EvalConfig(every=1, prompts=50), DataConfig(task="arith"), 0, train_rows)
+    held = held_out(EvalConfig(every=1, prompts=50), DataConfig(task="arith", num_examples=16), 0)
     assert len(held) == 50 and not {r["prompt"] for r in held} & {r["prompt"] for r in train_rows}
 
 

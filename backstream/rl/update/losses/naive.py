@@ -58,7 +58,7 @@ def ppo_clip(config: PPOClipConfig, seq: Seq, batch: Batch) -> tuple[Tensor, Ten
     lt = -torch.min(ratio * A, torch.clamp(ratio, 1 - config.eps_low, 1 + config.eps_high) * A)
     if config.dual_clip is not None and A < 0:
         lt = torch.min(lt, torch.full_like(lt, -config.dual_clip * A))
-    weight = AGGREGATIONS[config.aggregation](len(logp), batch.n_tok, batch.n_seq, config.max_len_norm or batch.lmax)
+    weight = AGGREGATIONS[config.aggregation](len(logp), batch.n_tok, batch.n_seq, config.norm_length(batch.lmax))
     w = torch.full((len(logp),), weight, dtype=logp.dtype)
     return (w * mismatch_weight(config, seq) * lt).sum(), w
 

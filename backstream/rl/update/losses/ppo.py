@@ -6,7 +6,8 @@
 Aggregation (normalisers over the whole minibatch, fixed before any block runs):
   token-mean               Σ_{i,t} ℓ / Σ_i |y_i|
   seq-mean-token-mean      (1/N) Σ_i (1/|y_i|) Σ_t ℓ
-  seq-mean-token-sum-norm  (1/N) Σ_i Σ_t ℓ / L_max          (Dr.GRPO; L_max = max_len_norm)
+  seq-mean-token-sum-norm  (1/N) Σ_i Σ_t ℓ / L_max          (Dr.GRPO; L_max = max_len_norm, a constant:
+                                                           the generation budget, as the paper and TRL)
 Every term is per token, so the block term is the loss itself restricted to the block's tokens.
 With loss.is_level, decoupled PPO: ℓ_t ← w · ℓ_t, the detached mismatch weight of `base` (per token,
 or per sequence), fixed in `setup`.
@@ -45,8 +46,12 @@ class PPOClipConfig(LossConfigBase):
     """Dual-clip constant c > 1 bounding the loss of negative-advantage tokens; None = off."""
     aggregation: str = "token-mean"
     """token-mean, seq-mean-token-mean, or seq-mean-token-sum-norm (Dr.GRPO)."""
-    max_len_norm: int | None = None
-    """L_max of seq-mean-token-sum-norm; None = the longest completion of the minibatch."""
+    max_len_norm: int | str | None = None
+    """L_max of seq-mean-token-sum-norm (Dr.GRPO): a number of tokens; unset = the generation budget, which
+    a run resolves and writes in its config.toml (rollout.max_new_tokens; an episode's env.max_turns ×
+    rollout.max_new_tokens, at most env.max_episode_tokens), as Dr.GRPO and TRL's `max_completion_length`
+    do; "minibatch" = the longest completion of the minibatch (the default before 2026-12-04, which a run
+    folder written then keeps on resume): a scale that moves with the lengths in the batch."""
 
     def __post_init__(self):
         self._check("ppo_clip")
@@ -55,8 +60,21 @@ class PPOClipConfig(LossConfigBase):
             raise UserError(f"loss.aggregation: got {self.aggregation!r}, expected one of {list(AGGREGATIONS)}")
         if self.dual_clip is not None and not self.dual_clip > 1:
             raise UserError(f"loss.dual_clip: got {self.dual_clip}, expected a number > 1 (or none)")
-        if self.max_len_norm is not None and self.max_len_norm < 1:
-            raise UserError(f"loss.max_len_norm: got {self.max_len_norm}, expected an integer >= 1")
+        m = self.max_len_norm
+        if not (m is None or m == "minibatch" or (isinstance(m, int) and not isinstance(m, bool) and m >= 1)):
+            raise UserError(f"loss.max_len_norm: got {m!r}, expected an integer >= 1 (tokens), \"minibatch\", or "
+                             "unset (the generation budget)")
+
+    def norm_length(self, lmax: int) -> int:
+        """L_max of seq-mean-token-sum-norm, given the minibatch's longest completion `lmax` (which the other
+        aggregations do not read)."""
+        if self.aggregation != "seq-mean-token-sum-norm" or self.max_len_norm == "minibatch":
+            return lmax
+        if self.max_len_norm is None:
+            raise UserError("loss.max_len_norm: seq-mean-token-sum-norm divides by a constant, the generation "
+                             "budget, which a run sets from rollout.max_new_tokens; a loss config built by hand "
+                             "names it: an integer (e.g. the max_new_tokens its samples had), or \"minibatch\"")
+        return self.max_len_norm
 
     def build(self, **inputs) -> PolicyObjective:
         # the corrected variant has a `setup` (its π_old may be the prefill's); the plain one has
@@ -73,7 +91,7 @@ class PPOClipObjective(PolicyObjective):
         weight = AGGREGATIONS[self.cfg.aggregation]
         out = torch.zeros(len(self.adv_flat), dtype=torch.float64)
         nm = self.norm
-        n_total, lmax = nm.n_tok, self.cfg.max_len_norm or nm.lmax
+        n_total, lmax = nm.n_tok, self.cfg.norm_length(nm.lmax)
         for i, (o, L) in enumerate(zip(self.offsets, self.lengths)):
             out[o:o + L] = weight(self.n_tok[i], n_total, nm.n_seq, lmax)
         return out
