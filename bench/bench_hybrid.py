@@ -24,6 +24,11 @@ prefix   G = 8 responses sharing a prompt, share 0.9 of L = 512 tokens, loss on 
          at the block boundaries are not in them), so the stream always runs its prefill.
 
     python -m bench.bench_hybrid [--parts memory,prefix] [--lengths 8192,16384]
+    python -m bench.bench_hybrid --family jamba --parts memory --lengths 8192   # Mamba 1 layers (issue 55)
+
+jamba    `--family jamba`: the memory part on a Jamba-shaped miniature (`jamba_model`: one period of
+         Jamba's layers, 7 Mamba 1 and 1 attention, MoE on every other; hidden 512; its 65,536-token
+         vocabulary), whose Mamba 1 scan the engine continues from each block's state (stream/scan.py).
 """
 
 from __future__ import annotations
@@ -61,6 +66,25 @@ def model(groups: int, vocab: int = VOCAB, seed: int = 0):
     return AutoModelForCausalLM.from_config(cfg).eval()
 
 
+JAMBA_VOCAB = 65536
+JAMBA_SHAPE = dict(hidden_size=512, intermediate_size=1792, num_hidden_layers=8, num_attention_heads=8,
+                   num_key_value_heads=2, attn_layer_period=8, attn_layer_offset=4, expert_layer_period=2,
+                   expert_layer_offset=1, num_experts=4, num_experts_per_tok=2, mamba_d_state=16, mamba_d_conv=4,
+                   mamba_expand=2, tie_word_embeddings=False, use_mamba_kernels=False)
+
+
+def jamba_model(seed: int = 0):
+    """A Jamba-shaped miniature (issue 55): one period of Jamba's layers (7 Mamba 1 layers and an attention
+    layer, MoE on every other layer, 4 experts of which 2 per token), hidden 512, its 65,536-token
+    vocabulary; float32, random init."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model("jamba", vocab_size=JAMBA_VOCAB, **JAMBA_SHAPE)
+    cfg._experts_implementation = "eager"
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+
+
 def trajectory(n: int, vocab: int, loss: int = LOSS, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     seq = torch.randint(0, vocab, (n,), generator=g)
@@ -90,12 +114,12 @@ def available_bytes() -> int:
     return info["MemAvailable"]
 
 
-def part_memory(lengths: list[int], blocks: list[int]) -> list[dict]:
-    m = model(groups=1)
+def part_memory(lengths: list[int], blocks: list[int], family: str = "qwen3_5") -> list[dict]:
+    m, vocab = (jamba_model(), JAMBA_VOCAB) if family == "jamba" else (model(groups=1), VOCAB)
     layout = probe_layout(m)
     rows, ref_rows = [], []
     for n in lengths:
-        seq, w = trajectory(n, VOCAB)
+        seq, w = trajectory(n, vocab)
         row = {"tokens": n, "loss_tokens": LOSS}
         for b in blocks:
             rep, r, dt = counted(m, stream_backward, [seq], [w], block_size=b, batch_tokens=b)
@@ -119,7 +143,7 @@ def part_memory(lengths: list[int], blocks: list[int]) -> list[dict]:
                        reference_at_peak_MiB={k: round(v / MiB) for k, v in ref["at_peak"].items()})
             ref_rows.append({"tokens": n, "peak": ref["peak"], "per_token": None})
             if len(ref_rows) == 1:  # growth per token: one more, shorter reference run
-                short, sw = trajectory(n // 2, VOCAB)
+                short, sw = trajectory(n // 2, vocab)
                 half, _, _ = counted(m, reference_backward, [short], [sw])
                 ref_rows[-1]["per_token"] = (ref["peak"] - half["peak"]) / (n - n // 2)
                 row["reference_growth_B_per_token"] = round(ref_rows[-1]["per_token"])
@@ -177,13 +201,15 @@ def main():
     ap.add_argument("--lengths", default="8192,16384")
     ap.add_argument("--blocks", default="256,512")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--family", default="qwen3_5", choices=["qwen3_5", "jamba"],
+                    help="memory: Qwen3.5-0.8B's shape, or a Jamba-shaped miniature (Mamba 1 layers)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     res = {"args": vars(a), "cpu": cpu_name(), "torch": torch.__version__}
     parts = a.parts.split(",")
     if "memory" in parts:
         blocks = [int(x) for x in a.blocks.split(",")]
-        res["memory"] = part_memory([int(x) for x in a.lengths.split(",")], blocks)
+        res["memory"] = part_memory([int(x) for x in a.lengths.split(",")], blocks, a.family)
         flat = [{"tokens": r["tokens"], "block": b, **{k: v for k, v in r[f"stream_b{b}"].items() if "MiB" not in k
                                                         or k == "peak_MiB" or k == "predicted_MiB"},
                  "reference_MiB": r["reference_peak_MiB"], "reference_run": r["reference_run"],
@@ -192,7 +218,7 @@ def main():
                                   "reference_run", "peak_ratio", "s", "reference_s"]))
     if "prefix" in parts:
         res["prefix"] = part_prefix()
-    print("saved", common.save("hybrid", res))
+    print("saved", common.save("hybrid" if a.family == "qwen3_5" else f"hybrid_{a.family}", res))
 
 
 if __name__ == "__main__":

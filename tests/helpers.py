@@ -497,6 +497,22 @@ def tiny_hybrid(dtype=torch.float64, seed=0):
     return (exact_norms(model) if dtype == torch.float64 else model), tok
 
 
+def tiny_mamba1(model_type: str = "jamba", dtype=torch.float64, seed: int = 0):
+    """A Mamba 1 family's miniature (Jamba: Mamba 1 and attention layers, MoE every other; Mamba;
+    Falcon-Mamba) with the default model's tokenizer (issue 55)."""
+    from transformers import AutoModelForCausalLM
+
+    from backstream.stream.miniature import miniature_config
+
+    tok = build_tokenizer()
+    cfg = miniature_config(model_type)
+    cfg.vocab_size, cfg.eos_token_id, cfg.pad_token_id = len(tok), tok.eos_token_id, tok.pad_token_id
+    cfg.tie_word_embeddings = True
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").to(dtype).eval()
+    return (exact_norms(model) if dtype == torch.float64 else model), tok
+
+
 # -- vLLM servers (tests/rl/vllm/) ----------------------------------------------------------------
 
 KEY = "test-key-1"

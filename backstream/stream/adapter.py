@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from transformers import AttentionInterface, PretrainedConfig
 from transformers.cache_utils import Cache
 
-from backstream.stream import family
+from backstream.stream import family, scan
 from backstream.stream.attention import Part, merged_attention
 from backstream.stream.hf import base_model, cache_arg, require_transformers, state_api_hint
 from backstream.stream.state import ConvState, RecurrentState, StateLayout
@@ -221,6 +221,7 @@ def probe_layout(model: nn.Module) -> StateLayout:
     is checked on itself, to its dtype's rounding. A multi-token path that ignores the state it is
     handed (Mamba 1's) is refused here."""
     base = base_model(model)
+    scan.install(model)  # Mamba 1's multi-token scan continues the state it is handed (stream/scan.py)
     dtype = next(model.parameters()).dtype
     known = _LAYOUTS.setdefault(base, {})
     if dtype in known:
@@ -256,6 +257,7 @@ def _check_continuation(model, base, vocab: int, device, layout: StateLayout) ->
             mini = None
     layers = sorted(layout.state_layers)
     if mini is not None:
+        scan.install(mini)
         ids = (torch.arange(CONTINUATION_CUTS[-1]) * 7 % (VOCAB - 8) + 7)[None]
         with keep_float64(), torch.no_grad():
             full = mini(input_ids=ids, use_cache=False).logits[0]

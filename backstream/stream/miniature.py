@@ -314,6 +314,10 @@ RULES = (
     # a cap the tiny model's logits reach, so that soft-capping does visible work
     Rule(_ends("logit_softcapping"), 2.0, value=lambda v: isinstance(v, (int, float)) and v > 0),
     Rule(_in("rotary_dim"), 4),
+    # layer kinds set by a period and an offset (Jamba's attention and MoE layers): period 2, so that the
+    # two layers kept hold every kind
+    Rule(_ends("_layer_period"), 2, value=_above(2)),
+    Rule(_ends("_layer_offset"), lambda name, v, heads: v % 2),
     Rule(_in("hidden_size_per_layer_input"), HEAD_DIM),
 )
 

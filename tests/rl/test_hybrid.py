@@ -6,7 +6,7 @@ on arith and on toolcalc episodes."""
 
 import pytest
 import torch
-from helpers import REPO, episode_sampler, rel, run_cfg, sample, text, tiny_hybrid, weights
+from helpers import REPO, episode_sampler, rel, run_cfg, sample, text, tiny_hybrid, tiny_mamba1, weights
 
 from backstream import config, trainer
 from backstream.checks import UserError
@@ -119,3 +119,53 @@ def test_train_a_hybrid_on_toolcalc_episodes(tmp_path, backward):
     assert rel(weights(model), start) > 0
     lines = (tmp_path / backward / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 2 and '"episode/turns/mean"' in lines[-1] and run
+
+
+# -- Mamba 1 layers (issue 55): Jamba, Mamba, Falcon-Mamba ---------------------------------------------
+
+@pytest.mark.parametrize("model_type", ["jamba", pytest.param("mamba", marks=pytest.mark.slow),
+                                        pytest.param("falcon_mamba", marks=pytest.mark.slow)])
+def test_a_mamba1_sampler_is_the_learner_float64(script, model_type):
+    """The local sampler on Mamba 1 layers: a group's prompt prefilled once, then one-token steps; and
+    episodes, whose inserted tool results are multi-token forwards continued from the episode's state
+    (transformers' own scan would start them from zero: stream/scan.py continues it). Every sampled
+    token's log-prob is the full forward's, to 1e-12."""
+    model, tok = tiny_mamba1(model_type)
+    prompts = [torch.tensor(tok("12+34=")["input_ids"]), torch.tensor(tok("7+8+91=")["input_ids"])]
+    with keep_float64():
+        out = generate(model, prompts, SamplingParams(max_new_tokens=8, temperature=1.0),
+                       eos_token_id=list(range(10, 30)), generator=torch.Generator().manual_seed(0), group_size=3)
+        r = Samples.of_groups([0, 1], prompts, out, 3)
+        for seq, m, lp in zip(r.sequences(), r.completion_mask(), r.aligned_logprobs()):
+            torch.testing.assert_close(lp[m], learner_logprobs(model, seq)[m[1:]], atol=1e-12, rtol=0)
+    script([["[add 12 34]<eos>", "46<eos>"], ["[add 1 2]<eos>", "[add 3 4]<eos>", "7<eos>"]])
+    s = episode_sampler(tok, SamplingParams(max_new_tokens=40), EnvConfig(factory="envs_for_tests:Calc"), group_size=1)
+    with keep_float64():
+        r = sample(s, model, [{"prompt": "12+34=", "answer": "46"}, {"prompt": "1+2+4=", "answer": "7"}])
+        assert [e.turns for e in r.episodes] == [2, 3]
+        for i, (seq, m, lp) in enumerate(zip(r.sequences(), r.completion_mask(), r.aligned_logprobs())):
+            assert seq.tolist() == r.episodes[i].fed + seq[-1:].tolist()
+            torch.testing.assert_close(lp[m], learner_logprobs(model, seq)[m[1:]], atol=1e-12, rtol=0)
+
+
+@pytest.mark.slow
+def test_train_jamba_streamed_and_reference_agree_float64(tmp_path):
+    """`backstream train` on a Jamba miniature (Mamba 1, attention and MoE layers), 3 steps, with the MoE
+    load-balancing loss (the router contract): the streamed engine and the reference give the same
+    weights and the same router loss."""
+    import json
+    import os
+
+    results, logged = {}, {}
+    for backward in ("stream", "reference"):
+        model, tok = tiny_mamba1("jamba")
+        with keep_float64():  # the scan's own float32 casts would add 1e-7
+            cfg = run_cfg(tmp_path, backward, f'engine.backward="{backward}"', "engine.block_size=3",
+                          "loss.router_aux_coef=0.5", "reward.functions=['rewards_for_tests:count_digits']")
+            run = trainer.train(cfg, model=model, tokenizer=tok)
+        results[backward] = weights(model)
+        logged[backward] = [json.loads(x)["loss/router_aux"] for x in open(os.path.join(run, "metrics.jsonl"))]
+    assert rel(results["stream"], weights(tiny_mamba1("jamba")[0])) > 1e-4  # the runs did train
+    assert rel(results["stream"], results["reference"]) <= 1e-10
+    assert len(logged["stream"]) == 3
+    assert max(abs(a - b) for a, b in zip(logged["stream"], logged["reference"])) <= 1e-10

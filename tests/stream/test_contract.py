@@ -274,10 +274,14 @@ def test_gradient_checkpointing_in_training_mode_refused():
 # -- state that is not K/V, crashes inside transformers --------------------------------------------
 
 
-def test_state_dropped_by_the_multi_token_path_refused():
-    """Mamba 1 (transformers' `mamba_selective_scan` takes no initial state): a forward continued
-    from the cache's state differs from the full forward, so the family is refused by name rather
-    than streamed wrong (the continuation contract, docs/design.md §6b (f))."""
+def test_state_dropped_by_the_multi_token_path_refused(monkeypatch):
+    """A multi-token path that drops the state it is handed (transformers' Mamba 1 scan, without the
+    engine's continued scan, stream/scan.py): a forward continued from the cache's state differs from
+    the full forward, so the family is refused by name rather than streamed wrong (the continuation
+    contract, docs/design.md §6b (f))."""
+    from backstream.stream import scan
+
+    monkeypatch.setattr(scan, "install", lambda model: 0)
     model = build("mamba")
     check_refused(model, "ignores or mishandles the state it is handed")
 

@@ -5,8 +5,10 @@ Every hybrid and state-space family transformers ships that the engine drives is
 (its miniature, `keep_float64` so that the layers' float32 kernels add no 1e-7 noise) on a token tree with
 a shared 70-token prompt, unequal responses, a second turn, a branch one token after the prompt and a
 one-token response, at block sizes shorter than a convolution's window (2: its state spans blocks),
-that cut Mamba 2's 8-token chunks and Gated DeltaNet's 64-token chunks (37, 100); the families whose
-transformers code drops the state it is handed are refused by name. (Block 5, a window cut once, ran
+that cut Mamba 2's 8-token chunks and Gated DeltaNet's 64-token chunks (37, 100); Mamba 1's (Mamba,
+Falcon-Mamba, Jamba), whose transformers scan drops the state it is handed, through the engine's own
+continued scan (stream/scan.py) on a smaller tree at block sizes 1, 3 and 16 (without it the family
+is refused by name: tests/stream/test_contract.py). (Block 5, a window cut once, ran
 here before: its cases are covered by 2 and 37, and it cost a quarter of the module's time.)
 
 The gradient of a state read by several blocks is the sum over its readers (the shared-prefix rule,
@@ -24,7 +26,7 @@ from transformers import AutoConfig
 from backstream import reference_backward, stream_backward
 from backstream.stream.adapter import probe_layout
 from backstream.stream.engine import measured_activations
-from backstream.stream.family import ModelContractError, Unsupported
+from backstream.stream.family import ModelContractError
 from backstream.stream.miniature import keep_float64, miniature, miniature_config
 from backstream.stream.planner import boundaries, plan
 from backstream.stream.schedule import batches, chunks, read_later
@@ -37,8 +39,8 @@ HYBRIDS = {
     "lfm2": {"layer_types": ["conv", "full_attention", "conv"], "num_hidden_layers": 3},
     "lfm3": {}, "kimi_linear": {}, "olmo_hybrid": {}, "bailing_hybrid": {}, "lara_mini": {}, "zaya": {},
 }
-# transformers' Mamba 1 scan (`mamba_selective_scan`) takes no initial state
-DROPS_THE_STATE = ["mamba", "falcon_mamba", "jamba"]
+# transformers' Mamba 1 scan (`mamba_selective_scan`) takes no initial state: stream/scan.py continues it
+MAMBA1 = ("mamba", "falcon_mamba", "jamba")
 BLOCKS = (2, 37, 100)
 ONE_ROW = (37, 1)  # (block_size, batch_tokens): one row per batch, so a state's readers span batches
 
@@ -121,13 +123,28 @@ def test_a_group_larger_than_one_batch():
     assert_exact(hybrid("qwen3_5_text"), seqs, weights, blocks=(37,))
 
 
-@pytest.mark.parametrize("model_type", DROPS_THE_STATE)
-def test_a_family_whose_code_drops_the_state_is_refused(model_type):
+def small_tree(seed: int = 0):
+    """A GRPO group of 4 on a 20-token prompt (responses of 7, 12, 1 and 9 tokens), a second turn on the
+    12-token response, a branch 8 tokens into the prompt; no loss on the first 15 tokens."""
+    g = torch.Generator().manual_seed(seed)
+    ids = lambda n: torch.randint(7, 55, (n,), generator=g)  # noqa: E731
+    P = ids(20)
+    seqs = [torch.cat([P, ids(n)]) for n in (7, 12, 1, 9)]
+    seqs += [torch.cat([seqs[1], ids(5)]), torch.cat([P[:8], ids(4)])]
+    weights = [torch.randn(len(s), generator=g, dtype=torch.float64) for s in seqs]
+    for w in weights:
+        w[:15] = 0
+    return seqs, weights
+
+
+@pytest.mark.parametrize("model_type", ["mamba", pytest.param("falcon_mamba", marks=pytest.mark.slow), "jamba"])
+def test_mamba1_family_streamed_exactly(model_type):
+    """Mamba 1 layers (issue 55): their scan continued from the state a block starts with
+    (stream/scan.py), at block sizes 1, 3 and 16 (a 4-tap convolution's window cut, one-token blocks
+    on the one-token path) and with one row per batch (the prompt's readers in four batches)."""
     model = hybrid(model_type)
-    seqs, weights = tree()
-    with pytest.raises(Unsupported, match=r"^model: .*ignores or mishandles the state it is handed"):
-        with keep_float64():
-            stream_backward(model, seqs, weights, block_size=8)
+    assert {"conv", "recurrent"} <= set(probe_layout(model).states)
+    assert_exact(model, *small_tree(), blocks=(1, 3, 16), one_row=[(3, 1)])
 
 
 @pytest.mark.slow

@@ -360,7 +360,10 @@ def stack(parts: list, n: int, room: int, share_min: float = math.inf) -> Rows:
             layers[-1].load(states)
         else:
             layers.append(cache_utils.DummyLayer())
-    return Rows(DecodeCache(layers, prefixes, width), lengths, [width - x for x in lengths], logits)
+    # a model of states only has no K/V columns to pad (a pad mask would reach Mamba's mixer, which
+    # multiplies its one-token input by the mask's [B, T] and silently broadcasts)
+    pads = [width - x for x in lengths] if any(x is not None for x in rows_of[0][1]) else [0] * n
+    return Rows(DecodeCache(layers, prefixes, width), lengths, pads, logits)
 
 
 @dataclass
