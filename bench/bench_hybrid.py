@@ -24,10 +24,10 @@ prefix   G = 8 responses sharing a prompt, share 0.9 of L = 512 tokens, loss on 
          at the block boundaries are not in them), so the stream always runs its prefill.
 
     python -m bench.bench_hybrid [--parts memory,prefix] [--lengths 8192,16384]
-    python -m bench.bench_hybrid --family jamba --parts memory --lengths 8192   # Mamba 1 layers (issue 55)
+    python -m bench.bench_hybrid --family jamba --parts memory --lengths 1024,8192 --blocks 256   # Mamba 1 (issue 55)
 
 jamba    `--family jamba`: the memory part on a Jamba-shaped miniature (`jamba_model`: one period of
-         Jamba's layers, 7 Mamba 1 and 1 attention, MoE on every other; hidden 512; its 65,536-token
+         Jamba's layers, 7 Mamba 1 and 1 attention, MoE on every other; hidden 256, MLP 896; its 65,536-token
          vocabulary), whose Mamba 1 scan the engine continues from each block's state (stream/scan.py).
 """
 
@@ -67,7 +67,7 @@ def model(groups: int, vocab: int = VOCAB, seed: int = 0):
 
 
 JAMBA_VOCAB = 65536
-JAMBA_SHAPE = dict(hidden_size=512, intermediate_size=1792, num_hidden_layers=8, num_attention_heads=8,
+JAMBA_SHAPE = dict(hidden_size=256, intermediate_size=896, num_hidden_layers=8, num_attention_heads=8,
                    num_key_value_heads=2, attn_layer_period=8, attn_layer_offset=4, expert_layer_period=2,
                    expert_layer_offset=1, num_experts=4, num_experts_per_tok=2, mamba_d_state=16, mamba_d_conv=4,
                    mamba_expand=2, tie_word_embeddings=False, use_mamba_kernels=False)
