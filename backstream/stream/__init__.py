@@ -6,6 +6,8 @@ LM (docs/design.md §2–§5, §6b, §6c). It never imports the RL loop (`backst
     state, kvstore            layer state carried between blocks (one protocol): recurrent and
                               convolution states at block boundaries; the K/V store + gK/gV
     scan                      Mamba 1's selective scan continued from the state a block starts with
+    vision                    a vision-language model's image rows as tree tokens, the tower's
+                              gradient summed over blocks and backpropagated once
     attention                 shared-prefix attention merged by log-sum-exp, and its backward
     objective                 the per-block objective contract (BlockView, Objective, TokenWeights)
     hf, family, adapter       what the engine asks of a transformers model, the contract's guards, the

@@ -114,10 +114,11 @@ class _Batch:
         self.guard = GuardSaved()
         self.attn_calls = 0
         self.hooks = []
+        self.input_hooks = []  # the image rows' leaves (made once before the forward and its retries)
 
     def reset_cache(self) -> None:
         """A fresh cache before a forward (a retry drops what the failed attempt registered)."""
-        self.release()
+        self._drop_cache()
         self.cache = BlockCache(self)
         self.attn_calls = 0
 
@@ -202,6 +203,12 @@ class _Batch:
         """Break the leaf → hook → batch → cache → graph → leaf cycle, and the batch ↔ cache one, so
         that this batch's tensors are freed now rather than at the next garbage collection (whose
         moment would also make the memory count of a call differ from run to run)."""
+        for h in self.input_hooks:
+            h.remove()
+        self.input_hooks.clear()
+        self._drop_cache()
+
+    def _drop_cache(self) -> None:
         for h in self.hooks:
             h.remove()
         self.hooks.clear()
@@ -227,6 +234,10 @@ class _Batch:
                         keep[r, off - row.lo] = True
         ids, keep = ids.to(eng.device), keep.to(eng.device)
         kwargs = dict(input_ids=ids, position_ids=self.qpos[None], use_cache=True)
+        if eng.images is not None:  # image rows as leaves of the input (stream/vision.py)
+            kwargs["inputs_embeds"] = eng.images.block_embeds(eng.embed, kwargs.pop("input_ids"), self.input_hooks)
+            if eng.node_pos is not None:
+                kwargs["position_ids"] = self._rope_positions()
         if eng.has_logits_to_keep:
             kwargs["logits_to_keep"] = keep
         if eng.every_token:
@@ -250,6 +261,18 @@ class _Batch:
             raise family.layers_without_kv(type(eng.base).__name__, missing, layer_types)
         router = self._router_rows(getattr(out, "router_logits", None), B) if eng.every_token else (None, None)
         return logits, keep, router
+
+    def _rope_positions(self) -> Tensor:
+        """The rows' rotary positions [n, B, Q] (M-RoPE), read from their nodes; padding continues
+        each row's last position."""
+        pos = self.engine.node_pos
+        out = []
+        for row in self.rows:
+            p = pos[row.node][:, row.lo:row.hi]
+            if p.shape[1] < self.Q:
+                p = torch.cat([p, p[:, -1:] + torch.arange(1, self.Q - p.shape[1] + 1)], 1)
+            out.append(p)
+        return torch.stack(out, 1).to(self.engine.device)
 
     def _router_rows(self, router_logits, B: int) -> tuple:
         """The router logits of the batch's real tokens ([R, E] per layer) and how many sequences
@@ -354,8 +377,12 @@ def objective_from(weights, objective) -> Objective:
 class _Engine:
     """The two passes over one token tree: the prefill (forward order) and the backward (reverse)."""
 
-    def __init__(self, model, sequences, tree: TokenTree, block_size, batch_tokens, kernel, pad_id, layout):
+    def __init__(self, model, sequences, tree: TokenTree, block_size, batch_tokens, kernel, pad_id, layout,
+                 images=None):
         self.model = model
+        self.images = images  # stream/vision.py Images, or None
+        self.embed = images.embed_module(model) if images is not None else None
+        self.node_pos = _node_positions(tree, images) if images is not None else None
         self.base = base_model(model)
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
@@ -473,6 +500,7 @@ def stream_backward(
     kernel: str = "auto",
     grad_dtype: torch.dtype | None = torch.float32,
     progress=None,
+    images=None,
 ) -> StreamResult:
     """Accumulate into `.grad` the gradient of Σ_i Σ_t weights[i][t]·log πθ(x_i[t] | x_i[:t]) — or of
     the sum of `objective`'s block terms — block by block, shared prefixes once.
@@ -494,6 +522,9 @@ def stream_backward(
       through their block batches ("prefill" / "backward"; a progress bar's hook).
     An objective with `router_aux_coef > 0` (MoE models) adds the router load-balancing loss over
     every token (`backstream.stream.router`); its value is in `stats.router_aux_loss`.
+    images: a vision-language model's image rows (`backstream.stream.vision.Images`): the positions
+      they fill read them instead of their tokens' embeddings; when `images.embeds` requires grad
+      (the vision tower trains), its gradient is summed over every block and backpropagated once.
     Returns the log-probs at the current weights (NaN where no target was active) and stats.
     """
     obj = objective_from(weights, objective)
@@ -505,7 +536,7 @@ def stream_backward(
         raise UserError(f"grad_dtype: expected a floating torch.dtype or None, got {grad_dtype!r}")
     return _run(model, sequences, obj, block_size=block_size, batch_tokens=batch_tokens,
                 memory_budget=memory_budget, kv=kv, kernel=kernel, backward=True,
-                grad_dtype=None if sharded else grad_dtype, progress=progress)
+                grad_dtype=None if sharded else grad_dtype, progress=progress, images=images)
 
 
 class _Mask(Objective):
@@ -517,7 +548,8 @@ class _Mask(Objective):
 
 
 def logprobs(model: nn.Module, sequences: list[Tensor], mask: list[Tensor] | None = None, *,
-             block_size: int | None = None, batch_tokens: int | None = None, kernel: str = "auto") -> list[Tensor]:
+             block_size: int | None = None, batch_tokens: int | None = None, kernel: str = "auto",
+             images=None) -> list[Tensor]:
     """log π(x_i[t] | x_i[:t]) at the current weights where `mask[i][t]` (default: every t ≥ 1),
     NaN elsewhere: the prefill alone (no grad), shared prefixes once, logits block by block. This is
     the "old log-prob" / reference-model pass of a PPO trainer."""
@@ -525,7 +557,7 @@ def logprobs(model: nn.Module, sequences: list[Tensor], mask: list[Tensor] | Non
     if mask is None:
         mask = [torch.arange(len(s)) >= 1 for s in sequences]
     return _run(model, sequences, _Mask(mask), block_size=block_size, batch_tokens=batch_tokens,
-                memory_budget=None, kv=None, kernel=kernel, backward=False).logprobs
+                memory_budget=None, kv=None, kernel=kernel, backward=False, images=images).logprobs
 
 
 def _run(model, sequences, obj, **kw) -> StreamResult:
@@ -545,7 +577,7 @@ def _run(model, sequences, obj, **kw) -> StreamResult:
 
 def _run_local(model, sequences, obj, *, block_size, batch_tokens, memory_budget, kv, kernel,
                backward, across_ranks: bool = False, grad_dtype: torch.dtype | None = None,
-               progress=None) -> StreamResult:
+               progress=None, images=None) -> StreamResult:
     from backstream.stream.planner import plan  # noqa: PLC0415  (planner imports engine stats)
 
     for name, val in (("block_size", block_size), ("batch_tokens", batch_tokens), ("memory_budget", memory_budget)):
@@ -576,8 +608,12 @@ def _run_local(model, sequences, obj, *, block_size, batch_tokens, memory_budget
             "K/V, and caller-given K/V do not hold it at each block boundary; let the prefill compute it: do not pass "
             "kv= (trainer: engine.reuse_rollout_kv = false)")
     seqs_cpu = [s.detach().to("cpu", torch.long) for s in sequences]
+    if images is not None:
+        images.validate(seqs_cpu)
+        if kv is not None:
+            raise UserError("kv: not with images (the prefill computes the image positions' K/V); do not pass kv=")
     inputs, tree = _tree(seqs_cpu, [a.detach().to("cpu", torch.bool) for a in active], obj.needs_router_logits,
-                         stateful=bool(layout.states))
+                         stateful=bool(layout.states), images=images)
 
     stats = StreamStats(sequences=len(sequences), active_sequences=sum(1 for x in inputs if x),
                         input_tokens=sum(len(x) for x in inputs), tree_tokens=tree.num_tokens())
@@ -585,7 +621,8 @@ def _run_local(model, sequences, obj, *, block_size, batch_tokens, memory_budget
              layout=layout, act_per_token=measured_activations(model, layout) if layout.states else None)
     stats.block_size, stats.batch_tokens, stats.peak_bytes_predicted = p.block_size, p.batch_tokens, p.peak_bytes
 
-    eng = _Engine(model, seqs_cpu, tree, p.block_size, p.batch_tokens, kernel, pad_id=0, layout=layout)
+    eng = _Engine(model, seqs_cpu, tree, p.block_size, p.batch_tokens, kernel, pad_id=0, layout=layout,
+                  images=images)
     eng.progress = progress
     if obj.needs_router_logits:
         eng.every_token, eng.mult = True, _multiplicities(tree, inputs)
@@ -607,7 +644,11 @@ def _run_local(model, sequences, obj, *, block_size, batch_tokens, memory_budget
             stats.router_aux_loss = router.value
         t = time.perf_counter()
         with gathered_grads(model, grad_dtype, sharded=across_ranks or bool(fsdp.units(model))):
+            if images is not None:
+                images.start()
             eng.backward(obj, lps, stats, record=kv is not None or not all_lp)
+            if images is not None:
+                images.finish()  # the vision tower's backward, once
         stats.backward_s = time.perf_counter() - t
     return StreamResult(logprobs=lps, stats=stats)
 
@@ -652,11 +693,14 @@ def measured_activations(model, layout) -> int:
 
 
 def _tree(seqs: list[Tensor], active: list[Tensor], every_token: bool,
-          stateful: bool = False) -> tuple[list[list[int]], TokenTree]:
+          stateful: bool = False, images=None) -> tuple[list[list[int]], TokenTree]:
     """The inputs each sequence needs (up to its last active target, or all of it when the
-    objective reads every token) merged into the token tree, with the targets placed."""
+    objective reads every token) merged into the token tree, with the targets placed. Image
+    positions enter the tree as virtual tokens (stream/vision.py)."""
     inputs = []
-    for s, a in zip(seqs, active):
+    for i, (s, a) in enumerate(zip(seqs, active)):
+        if images is not None:
+            s = images.tree_inputs(i, s)
         nz = torch.nonzero(a)
         if every_token:
             inputs.append(s.tolist())  # the router loss reads every token of every sequence
@@ -665,6 +709,28 @@ def _tree(seqs: list[Tensor], active: list[Tensor], every_token: bool,
     tree = TokenTree(inputs, stateful=stateful)
     tree.add_targets(seqs, active)
     return inputs, tree
+
+
+def _node_positions(tree: TokenTree, images) -> dict[int, Tensor] | None:
+    """Per node, its tokens' rotary positions [n, len] (images.positions, M-RoPE), from any sequence
+    whose path crosses it; sequences that share a node must agree there (a position is a function of
+    the prefix), or the call is refused."""
+    if images.positions is None:
+        return None
+    pos: dict[int, Tensor] = {}
+    for i, path in enumerate(tree.paths):
+        p_i = images.positions[i].to("cpu", torch.long)
+        for n in path:
+            node = tree.nodes[n]
+            hi = min(node.end, p_i.shape[1])
+            mine = p_i[:, node.start:hi]
+            if n not in pos or pos[n].shape[1] < mine.shape[1]:
+                if n in pos and not torch.equal(pos[n], mine[:, :pos[n].shape[1]]):
+                    raise UserError(f"images.positions[{i}]: differs from another sequence's over their shared prefix")
+                pos[n] = mine
+            elif not torch.equal(pos[n][:, :mine.shape[1]], mine):
+                raise UserError(f"images.positions[{i}]: differs from another sequence's over their shared prefix")
+    return pos
 
 
 def _multiplicities(tree: TokenTree, inputs: list[list[int]]) -> dict[int, Tensor]:

@@ -24,6 +24,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from backstream.checks import UserError
+from backstream.stream.hf import image_path
 
 
 class ModelContractError(UserError):
@@ -230,8 +231,9 @@ def check_positions(model: nn.Module, longest: int) -> None:
     """(d) A RoPE whose frequencies depend on the longest position of the forward (`longrope`,
     `dynamic`) gives a block forwarded alone other frequencies than the whole sequence, unless every
     sequence stays on the same side of its threshold as every one of its blocks."""
+    skip = image_path(model)  # a vision tower's rotary embedding runs outside the engine
     for mod in model.modules():
-        types = getattr(mod, "rope_type", None)
+        types = getattr(mod, "rope_type", None) if id(mod) not in skip else None
         if types is None:
             continue
         items = types.items() if isinstance(types, dict) else [(None, types)]

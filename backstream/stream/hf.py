@@ -98,6 +98,17 @@ def experts_per_token(config) -> int | None:
     return next((v for v in (_int(config, k) for k in TOP_K_KEYS) if v is not None), None)
 
 
+def image_path(model: nn.Module) -> set[int]:
+    """The ids of a vision-language model's modules outside its text decoder (the vision tower, the
+    projector: every child of the inner model but `language_model`), which the engine never runs
+    (stream/vision.py gets their output); empty for a text model."""
+    base = base_model(model)
+    inner = getattr(base, "model", None)
+    if not isinstance(inner, nn.Module) or not isinstance(getattr(inner, "language_model", None), nn.Module):
+        return set()
+    return {id(m) for name, child in inner.named_children() if name != "language_model" for m in child.modules()}
+
+
 def decoder_layers(model: nn.Module) -> dict[str, nn.Module]:
     """The transformer blocks of `model` (a PEFT wrapper or not), by their names in
     `model.named_modules()`: the modules whose class is in the model's `_no_split_modules`, else the

@@ -32,7 +32,7 @@ def _sequence_view(logits_LV: Tensor, seq: Tensor, act: Tensor, i: int, offset: 
 
 
 def reference_backward(model: nn.Module, sequences: list[Tensor], weights: list[Tensor] | None = None, *,
-                       objective=None) -> StreamResult:
+                       objective=None, images=None) -> StreamResult:
     """p.grad += ∂/∂p Σ_i Σ_t weights[i][t] · log πθ(x_i[t] | x_i[:t]), computed the obvious way.
 
     With `objective`, its `setup` gets the log-probs of a no-grad pass first (as the streamed
@@ -41,11 +41,16 @@ def reference_backward(model: nn.Module, sequences: list[Tensor], weights: list[
     the textbook load-balancing loss, and one backward runs over everything.
     Under FSDP2 the per-sequence backwards accumulate unreduced and every rank joins one reduction at
     the end, as in `stream_backward` (see backstream.stream.engine).
+    With `images` (stream/vision.py), each sequence's forward takes its image rows of `images.embeds`
+    with their graph, and each backward goes through the vision tower again (its graph retained), as
+    a per-sample trainer does.
     """
     validate_sequences(model, sequences, allow_empty=bool(fsdp.units(model)))
     obj = objective_from(weights, objective)
     if weights is not None:
         validate_weights(sequences, weights)
+    if images is not None:
+        images.validate(sequences)
 
     def idle() -> StreamResult:  # nothing here; the router term's counts are still summed with the other ranks'
         result, term = StreamResult(logprobs=[]), router_term(model, obj)
@@ -54,10 +59,11 @@ def reference_backward(model: nn.Module, sequences: list[Tensor], weights: list[
         return result
 
     return fsdp.run(model, bool(sequences), True,
-                    lambda across_ranks: _reference(model, sequences, obj, across_ranks=across_ranks), idle)
+                    lambda across_ranks: _reference(model, sequences, obj, across_ranks=across_ranks, images=images),
+                    idle)
 
 
-def _reference(model, sequences, obj, across_ranks: bool = False) -> StreamResult:
+def _reference(model, sequences, obj, across_ranks: bool = False, images=None) -> StreamResult:
     device = next(model.parameters()).device
     dtype = torch.promote_types(next(model.parameters()).dtype, torch.float32)
     active = [a.to("cpu", torch.bool) for a in obj.active(sequences)]
@@ -68,6 +74,16 @@ def _reference(model, sequences, obj, across_ranks: bool = False) -> StreamResul
     term = router_term(model, obj)  # validated as the engine validates it; computed the naive way below
     router = (term.E, term.k) if term is not None else None
     router_logits: list[tuple[Tensor, ...]] = []
+    embed = images.embed_module(model) if images is not None else None
+    retain = images is not None and images.embeds.requires_grad  # the tower's graph, for every sequence
+
+    def forward(i: int, seq: Tensor, **kw):
+        if images is None:
+            return model(input_ids=seq.to(device)[None], use_cache=False, **kw)
+        pos = images.position_ids(i, device)
+        if pos is not None:
+            kw["position_ids"] = pos
+        return model(inputs_embeds=images.sequence_embeds(embed, i, seq.to(device)), use_cache=False, **kw)
 
     def views(grad: bool):
         for i, (seq, act) in enumerate(zip(sequences, active)):
@@ -79,7 +95,7 @@ def _reference(model, sequences, obj, across_ranks: bool = False) -> StreamResul
             if grad and router:
                 kw["output_router_logits"] = True
             with torch.set_grad_enabled(grad):
-                out = model(input_ids=seq.to(device)[None], use_cache=False, **kw)
+                out = forward(i, seq, **kw)
             if grad and router:
                 router_logits.append(tuple(out.router_logits))
             if act.any():
@@ -98,7 +114,7 @@ def _reference(model, sequences, obj, across_ranks: bool = False) -> StreamResul
         if router:
             total.append(loss)  # one backward at the end: the router loss couples the sequences
         elif loss.requires_grad:
-            loss.backward()
+            loss.backward(retain_graph=retain)
         tokens += len(sequences[i])
     stats = StreamStats(sequences=len(sequences), input_tokens=tokens, backward_tokens=tokens)
     if router:

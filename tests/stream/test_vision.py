@@ -1,0 +1,201 @@
+"""Images on the tree (backstream/stream/vision.py, issue 53's engine part), in float64 on a LLaVA
+miniature (a 2-layer CLIP tower, its projector, a 2-layer Llama): the naive reference with images is
+the model's own forward with pixels (log-probs and every gradient, the tower's included); the streamed
+gradient equals the reference at block sizes that cut through an image and beside it, with the tower
+trained and frozen, on a group of G = 4 after a prompt with an image plus a second prompt whose image
+differs but whose placeholder ids are the same (the tree must not merge them); the engine never runs
+the tower, whose output is backpropagated once."""
+
+import pytest
+import torch
+from helpers import relative_errors
+from transformers import AutoModelForImageTextToText, CLIPVisionConfig, LlamaConfig, LlavaConfig
+
+from backstream import reference_backward, stream_backward
+from backstream.checks import UserError
+from backstream.stream import vision
+from backstream.stream.miniature import exact_norms, keep_float64
+
+IMAGE = 299  # the placeholder token
+N_IMG = 16  # a 56 × 56 image in 14-pixel patches, CLS dropped
+
+
+def llava(seed: int = 0):
+    text = LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256)
+    tower = CLIPVisionConfig(hidden_size=24, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                             image_size=56, patch_size=14)
+    cfg = LlavaConfig(text_config=text, vision_config=tower, image_token_id=IMAGE, projector_hidden_act="gelu")
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(cfg, attn_implementation="eager").to(torch.float64).eval()
+    return exact_norms(model)
+
+
+def group(seed: int = 0):
+    """Prompt A (text, an image, text) with G = 4 responses (one a second turn's prefix), prompt B: the
+    same text and placeholders around another image, 2 responses. Loss on the responses only."""
+    g = torch.Generator().manual_seed(seed)
+    ids = lambda n: torch.randint(5, 250, (n,), generator=g)  # noqa: E731
+    prompt = torch.cat([ids(5), torch.full((N_IMG,), IMAGE), ids(4)])
+    seqs = [torch.cat([prompt, ids(n)]) for n in (7, 12, 1, 9)] + [torch.cat([prompt, ids(n)]) for n in (6, 8)]
+    weights = []
+    for s in seqs:
+        w = torch.randn(len(s), generator=g, dtype=torch.float64)
+        w[: len(prompt)] = 0
+        weights.append(w)
+    pixels = torch.randn(2, 3, 56, 56, generator=g, dtype=torch.float64)
+    return seqs, weights, pixels, [[0]] * 4 + [[1]] * 2
+
+
+def grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def run(model, fn, seqs, weights, pixels, images_of, **kw):
+    """fn (stream_backward or reference_backward) with the images encoded once; the gradients and the
+    log-probs."""
+    model.zero_grad(set_to_none=True)
+    with keep_float64():
+        feats = vision.encode(model, pixels)
+        res = fn(model, seqs, weights, images=vision.place(seqs, IMAGE, feats, images_of), **kw)
+    return grads(model), res
+
+
+def test_the_reference_with_images_is_the_models_own_forward_with_pixels():
+    model = llava()
+    seqs, weights, pixels, images_of = group()
+    g_ref, r_ref = run(model, reference_backward, seqs, weights, pixels, images_of)
+    model.zero_grad(set_to_none=True)
+    with keep_float64():
+        total = 0
+        for i, (s, w) in enumerate(zip(seqs, weights)):
+            logits = model(input_ids=s[None], pixel_values=pixels[images_of[i]]).logits[0, :-1]
+            lp = logits.log_softmax(-1).gather(-1, s[1:, None])[:, 0]
+            total = total + (lp * w[1:]).sum()
+            m = w[1:] != 0
+            torch.testing.assert_close(r_ref.logprobs[i][1:][m], lp[m].detach(), atol=1e-12, rtol=0)
+        total.backward()
+    g_own = grads(model)
+    assert g_own.keys() == g_ref.keys() and any("vision_tower" in n for n in g_own)
+    for n, err in relative_errors(g_ref, g_own).items():
+        assert err <= 1e-10, f"{n}: {err:.3g}"
+
+
+@pytest.mark.parametrize("tower", ["trained", "frozen"])
+def test_streamed_with_an_image_equals_the_reference(tower):
+    model = llava()
+    if tower == "frozen":
+        for n, p in model.named_parameters():
+            if "vision_tower" in n or "multi_modal_projector" in n:
+                p.requires_grad_(False)
+    seqs, weights, pixels, images_of = group()
+    g_ref, r_ref = run(model, reference_backward, seqs, weights, pixels, images_of)
+    assert any("vision_tower" in n for n in g_ref) == (tower == "trained")
+    calls = []
+    handle = model.model.vision_tower.register_forward_hook(lambda *a: calls.append(1))
+    # blocks 1 and 3 cut through the image, 16 holds it whole beside text, one row per batch splits its readers
+    for block, rows in [(1, None), (3, None), (16, None), (3, 3)]:
+        calls.clear()
+        g, r = run(model, stream_backward, seqs, weights, pixels, images_of, block_size=block, batch_tokens=rows)
+        assert len(calls) == 1  # the tower ran once for the call (both images in one batch), not per sample
+        assert g.keys() == g_ref.keys()
+        for n, err in relative_errors(g, g_ref).items():
+            assert err <= 1e-10, f"block {block}, rows {rows}: {n}: {err:.3g}"
+        for a, b, w in zip(r.logprobs, r_ref.logprobs, weights):
+            torch.testing.assert_close(a[w != 0], b[w != 0], atol=1e-12, rtol=0)
+    handle.remove()
+    # A's 25-token prompt is shared by its 4 responses (inputs: each response but its last token); B's
+    # shares only the 5 text tokens before its image with A's (same ids, another image)
+    P = len(seqs[0]) - 7
+    assert r.stats.tree_tokens == P + (6 + 11 + 0 + 8) + (P - 5) + (5 + 7)
+
+
+def test_an_image_is_not_merged_with_another_behind_the_same_placeholders():
+    """The same sequences with B's image swapped for A's: B's responses now share A's prompt, and the
+    gradient changes: the image, not the placeholder ids, is what the tree keys on."""
+    model = llava()
+    seqs, weights, pixels, _ = group()
+    g_two, r_two = run(model, stream_backward, seqs, weights, pixels, [[0]] * 4 + [[1]] * 2, block_size=4)
+    g_one, r_one = run(model, stream_backward, seqs, weights, pixels, [[0]] * 6, block_size=4)
+    assert r_one.stats.tree_tokens < r_two.stats.tree_tokens
+    assert max(relative_errors(g_one, g_two).values()) > 1e-3
+
+
+def test_bad_images_are_refused_by_name():
+    model = llava()
+    seqs, weights, pixels, images_of = group()
+    feats = vision.encode(model, pixels)
+    with pytest.raises(UserError, match=r"^sequences\[0\]: 16 image placeholder tokens, but its images \[0, 1\]"):
+        vision.place(seqs, IMAGE, feats, [[0, 1]] + images_of[1:])
+    images = vision.place(seqs, IMAGE, feats, images_of)
+    images.rows[2] = images.rows[2][:-1]
+    with pytest.raises(UserError, match=r"^images.rows\[2\]: expected an integer tensor of sequences\[2\]'s shape"):
+        stream_backward(model, seqs, weights, images=images)
+    images = vision.place(seqs, IMAGE, feats, images_of)
+    images.rows[1][5] = 10_000
+    with pytest.raises(UserError, match=r"^images.rows\[1\]: a row outside \[-1, 32\)"):
+        reference_backward(model, seqs, weights, images=images)
+
+
+Q_IMAGE, Q_START, Q_END = 290, 292, 293
+Q_THW = torch.tensor([[1, 4, 4]])  # one frame of 4 × 4 patches of 14 px, merged 2 × 2: 4 image tokens
+
+
+def qwen2_vl(seed: int = 0):
+    """A Qwen2-VL miniature: 3-row M-RoPE (sections 2, 1, 1 of a head's 4 frequencies), a 2-block tower
+    whose own rotary embedding (`axial`) the engine never runs."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.for_model(
+        "qwen2_vl",
+        text_config=dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         rope_parameters={"rope_type": "default", "mrope_section": [2, 1, 1], "rope_theta": 1e4}),
+        vision_config=dict(depth=2, embed_dim=16, hidden_size=32, num_heads=2, mlp_ratio=2, patch_size=14,
+                           spatial_merge_size=2, temporal_patch_size=2, in_channels=3),
+        image_token_id=Q_IMAGE, video_token_id=291, vision_start_token_id=Q_START, vision_end_token_id=Q_END)
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(cfg, attn_implementation="eager").to(torch.float64).eval()
+    return exact_norms(model)
+
+
+def test_mrope_positions_streamed_exactly_against_the_models_own_forward():
+    """Qwen2-VL: the positions are the model's own `get_rope_index` (text after the image continues at
+    its max + 1); the stream with them equals the model's own forward from pixels at blocks 1, 3, 16."""
+    model = qwen2_vl()
+    g = torch.Generator().manual_seed(0)
+    ids = lambda n: torch.randint(5, 250, (n,), generator=g)  # noqa: E731
+    prompt = torch.cat([ids(5), torch.tensor([Q_START]), torch.full((4,), Q_IMAGE), torch.tensor([Q_END]), ids(4)])
+    seqs = [torch.cat([prompt, ids(n)]) for n in (7, 12, 3, 9)]
+    weights = []
+    for s in seqs:
+        w = torch.randn(len(s), generator=g, dtype=torch.float64)
+        w[: len(prompt)] = 0
+        weights.append(w)
+    pixels = torch.randn(16, 3 * 2 * 14 * 14, generator=g, dtype=torch.float64)
+    with keep_float64():
+        kinds = [(s == Q_IMAGE).int()[None] for s in seqs]
+        positions = [model.model.get_rope_index(s[None], mm_token_type_ids=k, image_grid_thw=Q_THW)[0][:, 0]
+                     for s, k in zip(seqs, kinds)]
+        assert positions[0][:, -1].tolist() == [len(seqs[0]) - 3] * 3  # 4 image tokens span 2 positions
+        model.zero_grad(set_to_none=True)
+        total = 0
+        for s, w, k in zip(seqs, weights, kinds):
+            logits = model(input_ids=s[None], pixel_values=pixels, image_grid_thw=Q_THW, mm_token_type_ids=k).logits
+            total = total + (logits[0, :-1].log_softmax(-1).gather(-1, s[1:, None])[:, 0] * w[1:]).sum()
+        total.backward()
+        own = grads(model)
+        assert any("visual" in n for n in own)
+        for block in (1, 3, 16):
+            model.zero_grad(set_to_none=True)
+            feats = vision.encode(model, pixels, image_grid_thw=Q_THW)
+            stream_backward(model, seqs, weights, block_size=block,
+                            images=vision.place(seqs, Q_IMAGE, feats, [[0]] * 4, positions=positions))
+            g_stream = grads(model)
+            assert g_stream.keys() == own.keys()
+            for n, err in relative_errors(g_stream, own).items():
+                assert err <= 1e-10, f"block {block}: {n}: {err:.3g}"
+    bad = [p.clone() for p in positions]
+    bad[1][0, 3] += 1  # sequence 1 disagrees with the others inside the shared prompt
+    with pytest.raises(UserError, match=r"^images.positions\[1\]: differs from another sequence's"):
+        stream_backward(model, seqs, weights, images=vision.place(seqs, Q_IMAGE, feats, [[0]] * 4, positions=bad))
