@@ -27,14 +27,16 @@ import torch
 from torch import Tensor, nn
 
 from backstream import checkpoint
+from backstream.checks import UserError
 from backstream.config import RunConfig
+from backstream.log import log
 from backstream.metrics import Progress, check_backends
 from backstream.quant.linear import quant_linears, quantize_model
 from backstream.rl.backends import build_backend
 from backstream.rl.backends.base import Reporter, Sampling
 from backstream.rl.data.prompts import PromptStream, encode_and_render
 from backstream.rl.parallel import collectives, dataparallel
-from backstream.rl.policy import eos_ids, reference_policy
+from backstream.rl.policy import eos_ids, reference_policy, tokenizer_of
 from backstream.rl.rollout import build_sampler
 from backstream.rl.rollout.collect import Collector
 from backstream.rl.rollout.evaluate import Evaluator, NoEvaluation
@@ -45,7 +47,9 @@ from backstream.rl.scoring.rewards import Rewards
 from backstream.rl.update.backward import verify_engine
 from backstream.rl.update.learner import BeforeUpdate, Learner
 from backstream.rl.update.optim import Stepper
+from backstream.stream.hf import base_model
 from backstream.stream.router import moe_spec
+from backstream.stream.vision import image_token
 
 
 @dataclass(kw_only=True)
@@ -58,6 +62,7 @@ class Parts:
     dp: dataparallel.DataParallel
     model: nn.Module
     tok: object
+    saved: object  # what a checkpoint saves beside the weights: the tokenizer, or a VLM's processor
     ref: nn.Module | None
     examples: list[dict]
     sampling: Sampling
@@ -89,23 +94,44 @@ def build(cfg: RunConfig, run_dir: str, *, model=None, tokenizer=None, sampling:
     check_backends(tc.log_tensorboard, tc.log_wandb)
     dp = dataparallel.start(cfg.distributed, device=device, seed=tc.seed, minibatches=cfg.update.minibatches,
                         reuse_kv=cfg.engine.reuse_rollout_kv)
-    policy, tok = build_policy(cfg, model, tokenizer)
-    cfg = cfg.for_tokenizer(tok)  # a built-in task through a chat model's template
+    images = cfg.data.holds_images()
+    if images:
+        check_images(cfg)
+    policy, tok = build_policy(cfg, model, tokenizer, images)
+    processor, tok = (tok, tokenizer_of(tok)) if images else (None, tok)
+    cfg = cfg.for_tokenizer(processor or tok)  # a built-in task through a chat model's template
     cfg = cfg.with_run_defaults()  # L_max and lr (the trainer states them before a resume's check)
     examples = cfg.data.build(tc.seed, prompt_optional=bool(cfg.env.factory or cfg.env.program))
     closing = contextlib.ExitStack()
     with contextlib.ExitStack() as failing:  # what started is stopped if a later part refuses the run
         failing.callback(closing.close)
-        parts = _build(cfg, run_dir, dp, device, policy, tok, examples, sampling, closing,
+        parts = _build(cfg, run_dir, dp, device, policy, tok, processor, examples, sampling, closing,
                        copy_of_given=model is not None)
         failing.pop_all()
     return parts
 
 
-def build_policy(cfg: RunConfig, model=None, tokenizer=None):
+def check_images(cfg: RunConfig) -> None:
+    """What a run with images in its prompts cannot do yet (docs/vision.md), refused by name before
+    anything starts."""
+    refused = {"rollout.backend = \"vllm\"": cfg.rollout.backend == "vllm",
+               "an environment (env.factory) or agent program (env.program)": bool(cfg.env.factory or cfg.env.program),
+               "engine.reuse_rollout_kv = true": cfg.engine.reuse_rollout_kv,
+               "[distributed] (torchrun)": collectives.requested_world() not in (None, 1)}
+    for what, on in refused.items():
+        if on:
+            raise UserError(f"data: the prompts hold images, and images are not yet supported with {what}; "
+                            "sample with rollout.backend = \"local\" in one process, single-turn (docs/vision.md)")
+
+
+def build_policy(cfg: RunConfig, model=None, tokenizer=None, images: bool = False):
     """The policy ([model]: LoRA; [quant]: its low-bit forward), and the checks it must pass before
-    anything is written (the router's for loss.router_aux_coef, the engine's, engine.verify's)."""
-    model, tok = cfg.model.build(model, tokenizer)
+    anything is written (the router's for loss.router_aux_coef, the engine's, engine.verify's);
+    `images`: the data holds images (a VLM, loaded with its processor as the second value)."""
+    model, tok = cfg.model.build(model, tokenizer, images=images)
+    if images:
+        log.info(f"model: {type(base_model(model)).__name__} (image-text), vision tower "
+                 f"{'frozen' if cfg.model.freeze_vision else 'trained'}")
     if cfg.quant.enabled:  # after LoRA: the base layers are quantized, the adapters stay in full precision
         quantize_model(model, cfg.quant)
     if cfg.loss.router_aux_coef > 0:
@@ -116,8 +142,8 @@ def build_policy(cfg: RunConfig, model=None, tokenizer=None):
     return model, tok
 
 
-def _build(cfg: RunConfig, run_dir: str, dp, device, model, tok, examples: list[dict], sampling: Sampling | None,
-           closing: contextlib.ExitStack, copy_of_given: bool) -> Parts:
+def _build(cfg: RunConfig, run_dir: str, dp, device, model, tok, processor, examples: list[dict],
+           sampling: Sampling | None, closing: contextlib.ExitStack, copy_of_given: bool) -> Parts:
     tc, ro = cfg.train, cfg.rollout
     eos, quantized = eos_ids(model, tok), list(quant_linears(model).values())  # (before sharding)
     sampling = sampling or build_backend(ro, cfg.vllm, policy=cfg.model, quant=cfg.quant, seed=tc.seed,
@@ -127,14 +153,17 @@ def _build(cfg: RunConfig, run_dir: str, dp, device, model, tok, examples: list[
     progress = Progress(enabled=tc.progress and dp.main, total_steps=tc.steps)
     context = getattr(model.config, "max_position_embeddings", None)
     samplers: list[Sampler] = []
+    image_id = image_token(model) if processor is not None else None
 
     def sampler_for(rows: list[dict], k: int, return_kv: bool = False):
         """The run's kind of sampler over `rows` (the training data, or the evaluation's), k samples per
         prompt; a prompt whose completion could run past the model's context is an error now."""
-        prompts, text = encode_and_render(rows, tok, cfg.data.max_prompt_tokens, ro.max_new_tokens, context)
+        prompts, text, pictures = encode_and_render(rows, tok, cfg.data.max_prompt_tokens, ro.max_new_tokens,
+                                                    context, processor, cfg.data.folder(), image_id)
         sampler, environment = build_sampler(cfg.env, ro.sampling(), k, tokenizer=tok, eos=eos, context=context,
                                              backend=sampling.backend, examples=rows, prompts=prompts,
-                                             prompt_text=text, return_kv=return_kv, closing=closing)
+                                             prompt_text=text, return_kv=return_kv, closing=closing,
+                                             pictures=pictures)
         samplers.append(sampler)
         return sampler, environment
 
@@ -161,7 +190,8 @@ def _build(cfg: RunConfig, run_dir: str, dp, device, model, tok, examples: list[
         closing.callback(s.close)
     collector = Collector(ro, cfg.reward, tc.prompts_per_step, tc.steps, source, sampler, rewards, examples, dp, tok,
                           sampling.resting)
-    return Parts(cfg=cfg, device=device, dp=dp, model=model, tok=tok, ref=ref, examples=examples, sampling=sampling,
+    return Parts(cfg=cfg, device=device, dp=dp, model=model, tok=tok, saved=processor or tok, ref=ref,
+                 examples=examples, sampling=sampling,
                  sampler=sampler, evaluator=evaluator, rewards=rewards, source=source, collector=collector,
                  advantages=cfg.algorithm.advantages, learner=learner,
                  reporters=(sampler, *sampling.reporters, *ahead),

@@ -112,7 +112,7 @@ class Trainer:
         dp = self.parts.dp
         check_finite_weights(self.model, dp, self.step, self.run_folder.last)
         with dp.guard(f"the checkpoint of step {self.step}"):
-            path = checkpoint.save(self.run_dir, self.step, self.model, self.parts.tok, self.state_dict(),
+            path = checkpoint.save(self.run_dir, self.step, self.model, self.parts.saved, self.state_dict(),
                                    self.cfg.train.keep_checkpoints)
         self.run_folder.saved()
         if self.cfg.train.plots:

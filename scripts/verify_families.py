@@ -47,7 +47,7 @@ def _one(model_type: str) -> None:
     logging.set_verbosity_error()
     from backstream.stream.verify import verify
 
-    rep = verify(model_type, stage=lambda s: print(f"stage: {s}", file=sys.stderr, flush=True))
+    rep = verify(model_type, images=False, stage=lambda s: print(f"stage: {s}", file=sys.stderr, flush=True))
     print(json.dumps(rep.to_dict(), default=str))
 
 

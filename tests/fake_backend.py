@@ -55,7 +55,7 @@ class FakeBackend:
             versions.append(self.version)
         return Completion(ids.tolist(), -(ids % 5 + 1).float() / 4, torch.tensor(versions), "length")
 
-    def complete(self, prompts, group_size, max_tokens, generators, return_kv=False, progress=None):
+    def complete(self, prompts, group_size, max_tokens, generators, return_kv=False, progress=None, pictures=None):
         if self.fail:
             raise RuntimeError(self.fail)
         out = []

@@ -109,6 +109,7 @@ class TrainingRows:
     behind: list[Tensor]  # versions behind the update's weights per token, -1 at the prompt (`Samples.behind`)
     owner: list[int]
     kv: list | None
+    pictures: list[list] | None = None  # per sequence, its prompt's images (stream/vision.py `Picture`)
 
     def rows_of(self, n_samples: int) -> list[list[int]]:
         """Per sample, its sequences."""
@@ -144,6 +145,9 @@ class Samples:
     # per sample, the sequences it trains beside its own (an agent program's rewritten histories:
     # rl/rollout/programs.py); None: one sequence per sample
     forks: list[list[Fork]] | None = None
+    # per sample, the images its prompt's placeholder tokens stand for (stream/vision.py `Picture`: a
+    # group's rows hold the same objects, encoded once a round); None: a text model's samples
+    pictures: list[list] | None = None
 
     def __len__(self) -> int:
         return len(self.completion_ids)
@@ -199,7 +203,8 @@ class Samples:
         """The sequences the update trains: each sample's own (`sequences()`), then every sample's forks,
         with their loss masks, sampler log-probs and versions behind `version` (`behind`)."""
         rows = TrainingRows(seqs=self.sequences(), mask=self.completion_mask(), logprobs=self.aligned_logprobs(),
-                            behind=self.behind(version), owner=list(range(len(self))), kv=self.kv)
+                            behind=self.behind(version), owner=list(range(len(self))), kv=self.kv,
+                            pictures=self.pictures)
         for i, fs in enumerate(self.forks or []):
             for f in fs:
                 behind = (torch.zeros(len(f.ids), dtype=torch.long) if f.versions is None else
@@ -210,6 +215,7 @@ class Samples:
                 rows.behind.append(behind)
                 rows.owner.append(i)
         assert self.kv is None or len(rows.seqs) == len(self), "Samples.training: K/V with forks"
+        assert self.pictures is None or len(rows.seqs) == len(self), "Samples.training: images with forks"
         return rows
 
     def completion_mask(self) -> list[Tensor]:
@@ -249,9 +255,9 @@ class Samples:
 
     @staticmethod
     def of_groups(indices: list[int], prompts: list[Tensor], completions: list[Completion], group_size: int,
-                  kv: bool = False) -> Samples:
+                  kv: bool = False, pictures: list[list] | None = None) -> Samples:
         """The record of `group_size` completions after each prompt (prompt j's at j*G .. j*G+G-1), group j
-        of example `indices[j]`; `kv`: keep the completions' K/V."""
+        of example `indices[j]`; `kv`: keep the completions' K/V; `pictures[j]`: prompt j's images."""
         G = group_size
         assert len(completions) == G * len(prompts) == G * len(indices)
         return Samples(prompt_index=[i for i in indices for _ in range(G)],
@@ -259,7 +265,8 @@ class Samples:
                        completion_ids=[torch.tensor(c.ids, dtype=torch.long) for c in completions],
                        logprobs=[c.logprobs for c in completions], finish_reason=[c.reason for c in completions],
                        kv=[c.kv for c in completions] if kv else None, group_size=G,
-                       weight_version=[c.versions for c in completions])
+                       weight_version=[c.versions for c in completions],
+                       pictures=None if pictures is None else [p for p in pictures for _ in range(G)])
 
     @staticmethod
     def concat(parts: list[Samples]) -> Samples:

@@ -474,12 +474,75 @@ def miniature(config, *, seed: int = 0, training: bool = False):
     reference math: soft-capping, sinks), norms through `exact_norms`, eval mode unless `training`."""
     from transformers import AutoModelForCausalLM  # noqa: PLC0415
 
-    mini = miniature_config(config)
+    return _random_float64(AutoModelForCausalLM, miniature_config(config), seed, training)
+
+
+def _random_float64(auto_class, mini, seed: int, training: bool):
+    """`auto_class` built from the config `mini` with eager attention, float64, randomized from `seed`,
+    norms exact, in train mode or eval mode."""
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(mini, attn_implementation="eager")
+    model = auto_class.from_config(mini, attn_implementation="eager")
     model = model.to(torch.float64).train(training)
     _randomize(model)
     return exact_norms(model)
+
+
+def is_image_text(config) -> bool:
+    """Whether `config` is a vision-language composite transformers loads as image-text-to-text."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES  # noqa: PLC0415
+
+    return getattr(config, "vision_config", None) is not None and \
+        getattr(config, "model_type", None) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+
+def vision_miniature(config, *, seed: int = 0, training: bool = False):
+    """The float64 miniature of a vision-language composite, built as its image-text class: the text
+    part shrunk as `miniature` does, the tower to 2 blocks of the miniature's width (a CLIP/SigLIP tower
+    on 4 × 4 patches), the composite's own token ids (image, video, vision start and end) moved inside
+    the miniature's vocabulary."""
+    from transformers import AutoModelForImageTextToText  # noqa: PLC0415
+
+    config = load_config(config)
+    d = _shrink(config.to_dict())
+    k = 0
+    for key in sorted(d):
+        if key.endswith(("token_id", "token_index")) and key not in _SPECIAL_IDS and _is_int(d[key]):
+            k += 1
+            d[key] = VOCAB - k
+    mini = _rebuild(config, d)
+    vc = mini.vision_config
+    for key in ("depth", "num_hidden_layers"):
+        if _is_int(getattr(vc, key, None)):
+            setattr(vc, key, min(getattr(vc, key), 2))
+    if _is_int(getattr(vc, "image_size", None)) and _is_int(getattr(vc, "patch_size", None)):
+        vc.image_size = 4 * vc.patch_size
+    for c in (mini, mini.get_text_config()):
+        c._experts_implementation = "eager"
+    _shrink_mrope(mini.get_text_config(), _reads_mrope(mini))
+    return _random_float64(AutoModelForImageTextToText, mini, seed, training)
+
+
+def _reads_mrope(config) -> bool:
+    """Whether the family's modeling code reads M-RoPE sections (whose defaults fit a full-size head)."""
+    import importlib  # noqa: PLC0415
+    import inspect  # noqa: PLC0415
+
+    try:
+        mod = importlib.import_module(f"transformers.models.{config.model_type}.modeling_{config.model_type}")
+    except ImportError:
+        return False
+    return "mrope_section" in inspect.getsource(mod)
+
+
+def _shrink_mrope(text, reads: bool) -> None:
+    """M-RoPE's sections (temporal, height, width) fitted to the miniature's rotary half-dimension (the
+    family's default sections fit a full-size head), each at least 1."""
+    rp = getattr(text, "rope_parameters", None)
+    if not reads or not isinstance(rp, dict):
+        return
+    head = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    half = int(head * rp.get("partial_rotary_factor", getattr(text, "partial_rotary_factor", 1.0) or 1.0)) // 2
+    rp["mrope_section"] = [half - 2 * (half // 3), half // 3, half // 3]
 
 
 def _randomize(model: nn.Module) -> None:

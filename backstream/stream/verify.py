@@ -32,8 +32,17 @@ import torch
 from torch import Tensor, nn
 
 from backstream.stream.family import ModelContractError, Unsupported
-from backstream.stream.hf import EXPERT_KEYS, TOP_K_KEYS, base_model
-from backstream.stream.miniature import VOCAB, WINDOW_KEYS, keep_float64, load_config, miniature, special_ids
+from backstream.stream.hf import EXPERT_KEYS, TOP_K_KEYS, base_model, image_path
+from backstream.stream.miniature import (
+    VOCAB,
+    WINDOW_KEYS,
+    is_image_text,
+    keep_float64,
+    load_config,
+    miniature,
+    special_ids,
+    vision_miniature,
+)
 
 TOL = 1e-10
 BLOCK_SIZES = (1, 3, 16)
@@ -171,6 +180,8 @@ class VerifyReport:
     worst_parameter: str = ""
     seconds: float = 0.0
     tolerance: float = TOL
+    image_tokens: int | None = None  # checked with an image of this many placeholder tokens (images=True)
+    image_forward_error: float | None = None  # the reference with the image against the model's own forward
 
     def __post_init__(self):
         self.kind = Verdict(self.kind)
@@ -197,13 +208,19 @@ class VerifyReport:
                 "worst_error": self.worst, "architecture": self.architecture, "features": self.features,
                 "block_sizes": list(self.block_sizes), "errors": self.errors, "tensors": self.tensors,
                 "logprob_error": self.logprob_error, "worst_parameter": self.worst_parameter,
-                "seconds": round(self.seconds, 2), "tolerance": self.tolerance}
+                "seconds": round(self.seconds, 2), "tolerance": self.tolerance, "image_tokens": self.image_tokens,
+                "image_forward_error": self.image_forward_error}
 
     def __str__(self) -> str:
         fmt = lambda x: "-" if x is None else f"{x:.1e}"  # noqa: E731
         lines = [f"backstream verify: {self.model_type}" + (f" ({self.architecture})" if self.architecture else "")]
         if self.features:
             lines.append("miniature: " + ", ".join(f"{k} {v}" for k, v in self.features.items()))
+        if self.image_tokens is not None:
+            own = "" if self.image_forward_error is None else \
+                f"; the reference equals the model's own forward from pixels to {self.image_forward_error:.1e}"
+            lines.append(f"with an image: {self.image_tokens} image tokens in every prompt, the vision tower "
+                         f"trained{own}")
         if self.errors:
             lines.append("")
             head = f"{'parameters':<16}{'tensors':>8}" + "".join(f"{f'block {b}':>11}" for b in self.block_sizes)
@@ -298,12 +315,76 @@ def _short(e: BaseException, n: int = 300) -> str:
     return (msg[:n] + "…") if len(msg) > n else msg
 
 
-def verify(model_or_config, *, seed: int = 0, block_sizes=BLOCK_SIZES, stage=None) -> VerifyReport:
+def image_inputs(mini: nn.Module) -> dict:
+    """Random inputs of one image for a miniature's tower: a Qwen-VL tower's 2m × 2m patches
+    (`image_grid_thw`: 4 tokens after its m × m merge), a CLIP/SigLIP tower's one square image."""
+    from backstream.stream.hf import base_model as unwrap  # noqa: PLC0415
+
+    vc = unwrap(mini).config.vision_config
+    g = torch.Generator().manual_seed(1)
+    C = next((getattr(vc, k) for k in ("in_channels", "in_chans", "num_channels") if _is_int(getattr(vc, k, None))), 3)
+    if _is_int(getattr(vc, "spatial_merge_size", None)) and _is_int(getattr(vc, "temporal_patch_size", None)):
+        m, P, T = vc.spatial_merge_size, vc.patch_size, vc.temporal_patch_size
+        return {"pixel_values": torch.randn(4 * m * m, C * T * P * P, generator=g, dtype=torch.float64),
+                "image_grid_thw": torch.tensor([[1, 2 * m, 2 * m]])}
+    if _is_int(getattr(vc, "image_size", None)):
+        return {"pixel_values": torch.randn(1, C, vc.image_size, vc.image_size, generator=g, dtype=torch.float64)}
+    raise Unsupported(f"{type(vc).__name__}: no known way to make an image for this tower")
+
+
+def _with_image(mini: nn.Module, seqs: list[Tensor], weights: list[Tensor]):
+    """The tree with one image in front of every sequence (its placeholders, between the family's
+    vision start and end tokens where it has them), weight 0 there, and its `Picture`."""
+    from backstream.stream import vision  # noqa: PLC0415
+
+    inputs = image_inputs(mini)
+    with keep_float64(), torch.no_grad():
+        n = vision.encode(mini, inputs["pixel_values"], **{k: v for k, v in inputs.items() if k != "pixel_values"})
+    pic = vision.Picture("verify", inputs, n[0].shape[0])
+    cfg = base_model(mini).config
+    span = [vision.image_token(mini)] * pic.tokens
+    start, end = getattr(cfg, "vision_start_token_id", None), getattr(cfg, "vision_end_token_id", None)
+    span = ([start] if _is_int(start) else []) + span + ([end] if _is_int(end) else [])
+    span_t = torch.tensor(span)
+    seqs = [torch.cat([s[:2], span_t, s[2:]]) for s in seqs]
+    weights = [torch.cat([w[:2], torch.zeros(len(span), dtype=w.dtype), w[2:]]) for w in weights]
+    return seqs, weights, pic
+
+
+def _own_forward_error(mini: nn.Module, seqs, weights, pic, lp_ref) -> float:
+    """The largest |log-prob| difference between the reference with images and the model's own forward
+    from the image's inputs (what the engine's contract leaves out, a family's extra use of the image,
+    shows here)."""
+    import inspect  # noqa: PLC0415
+
+    from backstream.stream import vision  # noqa: PLC0415
+
+    takes = inspect.signature(base_model(mini).forward).parameters
+    worst = 0.0
+    with keep_float64(), torch.no_grad():
+        for s, w, lp in zip(seqs, weights, lp_ref):
+            kw = dict(pic.inputs)
+            if "mm_token_type_ids" in takes:
+                kw["mm_token_type_ids"] = (s == vision.image_token(mini)).int()[None]
+            logits = mini(input_ids=s[None], **kw).logits[0, :-1]
+            own = logits.log_softmax(-1).gather(-1, s[1:, None])[:, 0]
+            m = w[1:] != 0
+            if bool(m.any()):
+                worst = max(worst, float((own[m] - lp[1:][m]).abs().max()))
+    return worst
+
+
+def verify(model_or_config, *, seed: int = 0, block_sizes=BLOCK_SIZES, stage=None,
+           images: bool | None = None) -> VerifyReport:
     """Check on a miniature of the architecture that `stream_backward` gives the gradient of
     `reference_backward` (see the module docstring). `model_or_config`: a model (its config; a PEFT
     LoRA model also gets the same LoRA config; a model in train mode is verified in train mode), a
     config, "default", a local folder, a transformers model_type or a Hub id (config.json only).
-    `stage`, if given, is called with the name of each step (for progress and time limits)."""
+    `images`: check a vision-language model's image-text class with an image in every prompt, the
+    tower trained (its gradient compared too), and the reference with the image against the model's
+    own forward from pixels; None: for a model with a vision tower, or a composite config that
+    transformers loads as image-text-to-text. `stage`, if given, is called with the name of each step
+    (for progress and time limits)."""
     from backstream.stream.engine import stream_backward  # noqa: PLC0415
     from backstream.stream.reference import reference_backward  # noqa: PLC0415
 
@@ -321,7 +402,10 @@ def verify(model_or_config, *, seed: int = 0, block_sizes=BLOCK_SIZES, stage=Non
         config = load_config(model_or_config)
         rep.model_type = getattr(config, "model_type", "") or rep.model_type
         is_model = isinstance(model_or_config, nn.Module)
-        mini = miniature(config, seed=seed, training=bool(is_model and model_or_config.training))
+        if images is None:
+            images = bool(image_path(model_or_config)) if is_model else is_image_text(config)
+        training = bool(is_model and model_or_config.training)
+        mini = (vision_miniature if images else miniature)(config, seed=seed, training=training)
         if is_model:
             mini = _lora(mini, model_or_config)
         rep.architecture = type(base_model(mini)).__name__
@@ -329,6 +413,10 @@ def verify(model_or_config, *, seed: int = 0, block_sizes=BLOCK_SIZES, stage=Non
         gen = torch.Generator().manual_seed(seed)
         allowed = torch.tensor([i for i in range(VOCAB) if i not in special_ids(base_model(mini).config)])
         seqs, weights = token_tree(gen, allowed)
+        pic = None
+        if images:
+            seqs, weights, pic = _with_image(mini, seqs, weights)
+            rep.image_tokens = pic.tokens
     except Exception as e:  # noqa: BLE001  (anything the config or transformers raise)
         return done(Verdict.COULD_NOT_BUILD, f"{type(e).__name__}: {_short(e)}")
 
@@ -339,6 +427,10 @@ def verify(model_or_config, *, seed: int = 0, block_sizes=BLOCK_SIZES, stage=Non
         torch.set_num_threads(1)
         try:
             with keep_float64():
+                if pic is not None:  # the tower trained: encoded with its graph for each call
+                    from backstream.stream import vision  # noqa: PLC0415
+
+                    kw["images"] = vision.images_for(mini, seqs, [[pic.fresh()]] * len(seqs), grad=True)
                 res = fn(mini, seqs, weights, **kw)
         finally:
             torch.set_num_threads(threads)
@@ -367,6 +459,17 @@ def verify(model_or_config, *, seed: int = 0, block_sizes=BLOCK_SIZES, stage=Non
         return done(Verdict.COULD_NOT_BUILD, "the reference backward computed no gradient")
     if failure is not None:
         return done(Verdict.ERROR, f"{type(failure).__name__}: {_short(failure)}")
+    if pic is not None:
+        try:
+            rep.image_forward_error = _own_forward_error(mini, seqs, weights, pic, r_ref.logprobs)
+        except Exception as e:  # noqa: BLE001
+            return done(Verdict.COULD_NOT_BUILD, f"the model's own forward with the image failed: "
+                                                 f"{type(e).__name__}: {_short(e)}")
+        if rep.image_forward_error > TOL:
+            return done(Verdict.REFUSED, f"the model's own forward with an image differs from the decoder over "
+                                         f"the tower's output at its placeholders (log-probs off by "
+                                         f"{rep.image_forward_error:.2g}): the family uses the image beyond the "
+                                         "contract (docs/vision.md)")
 
     roles = {n: role(n) for n in g_ref}
     for n, r in roles.items():

@@ -26,6 +26,7 @@ placeholder token; `sequence_embeds` is the naive reference's input (one sequenc
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -115,6 +116,31 @@ class Images:
         e = self.embeds[r[img].to(self.embeds.device)].to(out.device, out.dtype)
         return out.masked_scatter(img[None, :, None], e)
 
+    @contextlib.contextmanager
+    def reading(self, model: nn.Module):
+        """While open, the model's input embedding reads the image rows at virtual ids (`tree_inputs`):
+        the sampler feeds a prompt with images as token ids, no graph (rl/backends/local/generate.py)."""
+        embed, fed = self.embed_module(model), []
+
+        def before(module, args):
+            fed.append(args[0])
+            return (args[0].clamp_min(0), *args[1:])
+
+        def after(module, args, out):
+            ids = fed.pop()
+            img = ids < 0
+            if not bool(img.any()):
+                return out
+            e = self.embeds.detach()[(-ids[img] - 1).to(self.embeds.device)].to(out.device, out.dtype)
+            return out.masked_scatter(img[..., None].to(out.device), e)
+
+        hooks = [embed.register_forward_pre_hook(before), embed.register_forward_hook(after)]
+        try:
+            yield self
+        finally:
+            for h in hooks:
+                h.remove()
+
     def position_ids(self, i: int, device) -> Tensor | None:
         """Sequence i's rotary positions as the model takes them ([n, 1, L]), or None (the default)."""
         return None if self.positions is None else self.positions[i][:, None].to(device)
@@ -135,8 +161,8 @@ def place(sequences: list[Tensor], image_token_id: int, features: list[Tensor], 
           positions: list[Tensor] | None = None) -> Images:
     """`Images` for sequences whose image placeholders (`image_token_id`) read the rows of
     `features` (one [n_k, H] per unique image) in order: `images_of[i]` are the images of sequence i,
-    in the order its placeholders appear. An image used by several sequences (a group's prompt) is
-    one set of rows."""
+    in the order its placeholders appear (the first ones: a placeholder id the policy sampled after
+    them is a token). An image used by several sequences (a group's prompt) is one set of rows."""
     if len(images_of) != len(sequences):
         raise UserError(f"images_of: expected one list per sequence ({len(sequences)}), got {len(images_of)}")
     starts, at = [], 0
@@ -147,6 +173,8 @@ def place(sequences: list[Tensor], image_token_id: int, features: list[Tensor], 
     for i, (s, ks) in enumerate(zip(sequences, images_of)):
         slots = torch.nonzero(s == image_token_id).flatten()
         want = sum(features[k].shape[0] for k in ks)
+        # the prompt's placeholders come first; one the policy sampled later is a token like any other
+        slots = slots[:want]
         if len(slots) != want:
             raise UserError(f"sequences[{i}]: {len(slots)} image placeholder tokens, but its images "
                             f"{list(ks)} have {want} rows")
@@ -156,3 +184,157 @@ def place(sequences: list[Tensor], image_token_id: int, features: list[Tensor], 
         rows.append(r)
     embeds = torch.cat(features) if features else torch.zeros(0, 1)
     return Images(embeds, rows, positions)
+
+
+# -- pictures: images as a run holds them, encoded once per round -------------------------------------
+
+@dataclass(eq=False)
+class Picture:
+    """One image of a prompt as the model's processor made it: `inputs`, what the vision tower takes for
+    it alone (`pixel_values`, and a family's `image_grid_thw`, ...); `tokens`, the placeholder tokens it
+    fills; `digest`, a hash of its inputs (two rows holding the same image share it, on the tree and in
+    the tower). `embeds` is the tower's output [tokens, H] once a round encoded it without a graph (the
+    frozen tower's, which the learner then reuses); `calls` counts the tower forwards it had."""
+
+    digest: str
+    inputs: dict
+    tokens: int
+    embeds: Tensor | None = field(default=None, repr=False)
+    calls: int = 0
+
+    def fresh(self) -> Picture:
+        """The same image with nothing encoded: what a round starts from (one round's embeddings are
+        never another's: the tower may have trained in between)."""
+        return Picture(self.digest, self.inputs, self.tokens)
+
+
+def unique(pictures_of: list[list[Picture]]) -> list[Picture]:
+    """The distinct images of some sequences (by digest), in first-use order, each the first object
+    seen with its digest."""
+    seen: dict[str, Picture] = {}
+    for ps in pictures_of:
+        for p in ps:
+            seen.setdefault(p.digest, p)
+    return list(seen.values())
+
+
+def tower_trains(model: nn.Module) -> bool:
+    """Whether any parameter outside the text decoder (the vision tower, its projector) takes a gradient."""
+    from backstream.stream.hf import base_model, image_path  # noqa: PLC0415
+
+    outside = image_path(model)
+    return any(p.requires_grad for m in base_model(model).modules() if id(m) in outside
+               for p in m.parameters(recurse=False))
+
+
+def encode_pictures(model: nn.Module, pictures: list[Picture], grad: bool) -> list[Tensor]:
+    """The tower's output rows of each picture, one forward over all of them (their inputs concatenated
+    along the first dimension, as a processor batches images): with its graph when `grad`, else
+    without one and kept as `Picture.embeds`. A picture whose rows do not match its placeholder count
+    is an error naming the family's mismatch, never a shifted image."""
+    if not pictures:
+        return []
+    keys = list(pictures[0].inputs)
+    device = next(model.parameters()).device
+    batch = {k: torch.cat([p.inputs[k] for p in pictures]).to(device) for k in keys}
+    pv = batch.pop("pixel_values")
+    if pv.is_floating_point():
+        pv = pv.to(next(model.parameters()).dtype)
+    with torch.set_grad_enabled(grad):
+        feats = encode(model, pv, **batch)
+    if len(feats) != len(pictures):  # a family whose features come flat: split by the placeholder counts
+        feats = list(torch.cat([f.reshape(-1, f.shape[-1]) for f in feats]).split([p.tokens for p in pictures]))
+    for p, f in zip(pictures, feats):
+        p.calls += 1
+        if f.shape[0] != p.tokens:
+            raise UserError(f"images: the vision tower gave {f.shape[0]} rows for an image its processor expanded "
+                            f"into {p.tokens} placeholder tokens; the processor and the model disagree (load both "
+                            "from the same folder)")
+        if not grad:
+            p.embeds = f
+    return feats
+
+
+def image_token(model: nn.Module) -> int:
+    """The placeholder token id of a vision-language model's images (its config's `image_token_id`)."""
+    from backstream.stream.hf import base_model  # noqa: PLC0415
+
+    cfg = base_model(model).config
+    tid = getattr(cfg, "image_token_id", None)
+    if tid is None:
+        tid = getattr(cfg, "image_token_index", None)
+    if tid is None:
+        raise UserError(f"model: {type(base_model(model)).__name__}'s config names no image_token_id; it is not a "
+                        "vision-language model backstream can feed images")
+    return int(tid)
+
+
+def _rope_index(model: nn.Module):
+    """The family's M-RoPE position function (`get_rope_index`), or None (1-D positions)."""
+    from backstream.stream.hf import base_model  # noqa: PLC0415
+
+    base = base_model(model)
+    for m in (getattr(base, "model", None), base):
+        fn = getattr(m, "get_rope_index", None)
+        if callable(fn):
+            return fn
+    return None
+
+
+def rope_positions(model: nn.Module, seq: Tensor, pictures: list[Picture], image_token_id: int) -> Tensor | None:
+    """Sequence `seq`'s rotary positions [n, len] as the model's own `get_rope_index` computes them from
+    its placeholders and its pictures' grids (Qwen's M-RoPE); None for a family of 1-D positions."""
+    fn = _rope_index(model)
+    if fn is None:
+        return None
+    import inspect  # noqa: PLC0415
+
+    takes = inspect.signature(fn).parameters
+    kw = {}
+    if pictures and "image_grid_thw" in pictures[0].inputs:
+        kw["image_grid_thw"] = torch.cat([p.inputs["image_grid_thw"] for p in pictures]).to(seq.device)
+    if "mm_token_type_ids" in takes:  # the images' placeholders: the first ones (a sampled one is text)
+        kinds = torch.zeros(len(seq), dtype=torch.int)
+        kinds[torch.nonzero(seq == image_token_id).flatten()[:sum(p.tokens for p in pictures)]] = 1
+        kw["mm_token_type_ids"] = kinds[None]
+    pos = fn(seq[None].to("cpu", torch.long), **{k: v.cpu() for k, v in kw.items()})[0]
+    return pos[:, 0].long()
+
+
+def images_for(model: nn.Module, seqs: list[Tensor], pictures_of: list[list[Picture]], grad: bool) -> Images | None:
+    """`Images` of sequences whose placeholders read `pictures_of[i]` in order (None when no sequence
+    holds an image): each distinct image encoded once, with its graph when `grad` (the tower trains),
+    else its round's embeddings reused (`Picture.embeds`, encoded now where none are); positions the
+    family's (`rope_positions`)."""
+    if not any(pictures_of):
+        return None
+    tid = image_token(model)
+    pics = unique(pictures_of)
+    index = {p.digest: k for k, p in enumerate(pics)}
+    if grad:
+        feats = encode_pictures(model, pics, grad=True)
+    else:
+        encode_pictures(model, [p for p in pics if p.embeds is None], grad=False)
+        feats = [p.embeds for p in pics]
+    positions = None
+    if _rope_index(model) is not None:
+        positions = [rope_positions(model, s, ps, tid) for s, ps in zip(seqs, pictures_of)]
+    return place(seqs, tid, feats, [[index[p.digest] for p in ps] for ps in pictures_of], positions)
+
+
+VISION_KEYS = ("vision/images", "vision/encoder_calls", "vision/image_tokens")
+
+
+def vision_metrics(pictures_of: list[list[Picture]]) -> dict[str, float]:
+    """A step's `vision/*`: its distinct images, the tower forwards they had (sampler's and learner's),
+    and their placeholder tokens, each image counted once."""
+    pics = {p.digest: p for ps in pictures_of for p in ps}
+    calls: dict[str, int] = {}
+    for ps in pictures_of:  # a digest may sit in several objects (rows of other rounds): count each once
+        for p in ps:
+            calls.setdefault(p.digest, 0)
+    objs = {id(p): p for ps in pictures_of for p in ps}
+    for p in objs.values():
+        calls[p.digest] += p.calls
+    return {"vision/images": float(len(pics)), "vision/encoder_calls": float(sum(calls.values())),
+            "vision/image_tokens": float(sum(p.tokens for p in pics.values()))}

@@ -14,7 +14,11 @@ def test_dataset_is_deterministic_and_has_the_columns(name):
     assert a != make_dataset(name, 20, seed=4)
     assert make_dataset(name, 5, seed=3) == a[:5]  # a longer dataset extends a shorter one
     for row in a:
-        assert isinstance(row["prompt"], str) and row["prompt"]
+        if TASKS[name].images:  # chat messages with an image part, the picture in `images`
+            assert [p["type"] for p in row["prompt"][0]["content"]] == ["image", "text"]
+            assert len(row["images"]) == 1
+        else:
+            assert isinstance(row["prompt"], str) and row["prompt"]
         assert isinstance(row["answer"], str) and row["answer"].isdigit()
         assert row["task"] == name
 
@@ -150,7 +154,7 @@ class _Tok:
         self.chat_template = template
 
 
-@pytest.mark.parametrize("name", sorted(TASKS))
+@pytest.mark.parametrize("name", sorted(n for n in TASKS if not TASKS[n].images))
 def test_a_task_for_a_chat_model_asks_in_words_and_for_the_answers_form(name):
     from backstream.rl.data.prompts import DataConfig
 
@@ -161,6 +165,16 @@ def test_a_task_for_a_chat_model_asks_in_words_and_for_the_answers_form(name):
         assert msg["role"] == "user" and msg["content"].endswith("Answer with the number only.")
         assert r["answer"] == p["answer"] and "=" not in msg["content"].splitlines()[-1]
     assert DataConfig(task=name, num_examples=5, format="plain").build(1) == plain
+
+
+def test_a_visual_task_is_chat_messages_in_both_formats():
+    from backstream.rl.data.prompts import DataConfig
+
+    plain = make_dataset("shapes", 3, seed=1)
+    for fmt in ("chat", "plain"):
+        rows = DataConfig(task="shapes", num_examples=3, format=fmt).build(1)
+        assert [r["prompt"] for r in rows] == [r["prompt"] for r in plain]
+        assert [r["answer"] for r in rows] == [r["answer"] for r in plain]
 
 
 def test_format_auto_follows_the_tokenizer_and_picks_the_reward():
@@ -316,3 +330,29 @@ def test_the_evaluation_shows_the_trainings_shots_in_its_format():
     assert [r["prompt"] for r in zero] == [r["prompt"].split("\n")[-1] for r in held]
     chat = held_out(EvalConfig(prompts=5), DataConfig(task="arith", num_examples=32, format="chat"), 0)
     assert all(r["prompt"][-1]["role"] == "user" and "Answer with" in r["prompt"][-1]["content"] for r in chat)
+
+
+def test_shapes_rows_are_right():
+    """The answer is the number of shapes (4-connected regions) of the asked colour in the picture."""
+    from backstream.rl.data.shapes import PALETTE, SIZE
+
+    answers = set()
+    for row in make_dataset("shapes", 60, seed=0):
+        color = row["prompt"][0]["content"][1]["text"].rstrip("?")
+        img = row["images"][0]
+        assert img.size == (SIZE, SIZE) and img.mode == "RGB"
+        px = img.load()
+        todo = {(x, y) for x in range(SIZE) for y in range(SIZE) if px[x, y] == PALETTE[color]}
+        regions = 0
+        while todo:
+            regions += 1
+            stack = [todo.pop()]
+            while stack:
+                x, y = stack.pop()
+                for q in ((x + 1, y), (x - 1, y), (x, y + 1), (x, y - 1)):
+                    if q in todo:
+                        todo.remove(q)
+                        stack.append(q)
+        assert str(regions) == row["answer"]
+        answers.add(row["answer"])
+    assert answers >= {"0", "1", "2", "3"}

@@ -163,7 +163,7 @@ FLOORS = [
     ["backstream.checks", "backstream.log"],  # the errors, the logger: every room's
     ["backstream.lifetime", "backstream.usercode", "backstream.default_model", "backstream.metrics",
      "backstream.checkpoint"],  # leaves of the standard library, torch or the two above
-    ["backstream.stream"],  # the streamed-backward library
+    ["backstream.stream", "backstream.tiny_vlm"],  # the streamed-backward library; the tiny VLM over the default model
     ["backstream.quant"],  # low-bit formats and layers, the compressed-tensors writer
     ["backstream.rl", "backstream.rl.records"],  # the rl/ map (a docstring), the records its rooms share
     ["backstream.rl.parallel", "backstream.rl.policy", "backstream.rl.scoring", "backstream.rl.agent"],

@@ -99,8 +99,10 @@ class Backend(Protocol):
     episode's tools run between its rounds, and nothing samples while the learner trains)."""
 
     def complete(self, prompts: list[Tensor], group_size: int, max_tokens: int, generators: list,
-                 return_kv: bool = False, progress=None) -> list[Completion]:
-        """`group_size` samples after each prompt, group j drawn from `generators[j]`, in order."""
+                 return_kv: bool = False, progress=None, pictures: list[list] | None = None) -> list[Completion]:
+        """`group_size` samples after each prompt, group j drawn from `generators[j]`, in order;
+        `pictures[j]`: the images prompt j's placeholders stand for (stream/vision.py `Picture`), for a
+        vision-language model."""
 
     def play(self, starts: list[list[int]], generators: list, turn: Callable, budget: Callable[[int], int],
              max_turns: int, return_kv: bool = False) -> list[Played]:

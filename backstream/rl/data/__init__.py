@@ -1,2 +1,3 @@
 """Where prompts come from: `[data]`, files and chat messages rendered and encoded, the prompt stream
-(`prompts`), and the built-in generated tasks (`tasks`)."""
+(`prompts`), the images in them read and processed (`images`), and the built-in generated tasks
+(`tasks`; the picture-counting task's images are drawn by `shapes`)."""

@@ -50,6 +50,27 @@ class DataConfig:
             at_least("data.shots", self.shots, 0)
             check_shots(self.task, self.shots, "data.shots", self.path)
 
+    def holds_images(self) -> bool:
+        """Whether the prompts hold images (a built-in visual task, or a data.path row with an image),
+        which makes the run a vision-language model's (rl/data/images.py)."""
+        if not self.path:
+            return TASKS[self.task].images
+        from backstream.rl.data.images import has_images  # noqa: PLC0415
+
+        return any(has_images(e) for e in self._loaded())
+
+    def _loaded(self) -> list[dict]:
+        if getattr(self, "_rows", None) is None:
+            object.__setattr__(self, "_rows", load_examples(self.path))
+        return self._rows
+
+    def folder(self) -> str:
+        """Where a row's relative image paths are read from: data.path's folder (the file's, or the
+        `datasets` folder itself)."""
+        if not self.path:
+            return "."
+        return self.path if os.path.isdir(self.path) else os.path.dirname(os.path.abspath(self.path))
+
     def resolved_format(self, tokenizer) -> str:
         """"chat" or "plain" for a built-in task: `format`, "auto" decided by the tokenizer."""
         if self.format == "chat" and getattr(tokenizer, "chat_template", None) is None:
@@ -65,7 +86,7 @@ class DataConfig:
         every one with a `prompt` unless `prompt_optional`: an environment whose reset returns the
         task's text owns its data)."""
         if self.path:
-            examples, source = load_examples(self.path), self.path
+            examples, source = self._loaded(), self.path
         else:
             rows, source = make_dataset(self.task, self.num_examples, seed), f"task {self.task}"
             examples = self.present(rows, seed, self.shots or 0)
@@ -76,6 +97,8 @@ class DataConfig:
         """Rows of the built-in task as the model reads them: `shots` solved examples first (drawn with
         `seed` and the row's index), in `format` (plain text, or chat messages when "chat")."""
         task = TASKS[self.task]
+        if task.images:  # its rows are chat messages with their images already (rl/data/shapes.py)
+            return rows
         out = []
         for i, row in enumerate(rows):
             solved = solved_examples(task, row, shots, seed, i) if shots else []
@@ -170,17 +193,27 @@ def encode_prompts(examples: list[dict], tokenizer, max_tokens: int) -> list[tor
     return out
 
 
-def encode_and_render(examples: list[dict], tokenizer, max_tokens: int, max_new_tokens: int,
-                      context: int | None) -> tuple[list[torch.Tensor], list[str]]:
-    """Every prompt's token ids and text (a row without a prompt: none, its environment's reset gives
-    it); a prompt whose completion could run past the model's `context` is an error."""
-    prompts = encode_prompts(examples, tokenizer, max_tokens)
-    text = [render_prompt(e["prompt"], tokenizer, i) if "prompt" in e else "" for i, e in enumerate(examples)]
+def encode_and_render(examples: list[dict], tokenizer, max_tokens: int, max_new_tokens: int, context: int | None,
+                      processor=None, folder: str = ".", image_token_id: int | None = None
+                      ) -> tuple[list[torch.Tensor], list[str], list[list] | None]:
+    """Every prompt's token ids, text and images (a row without a prompt: none, its environment's reset
+    gives it); `processor`: a vision-language model's, which renders rows with images (their files read
+    from `folder`, `image_token_id` the model's placeholder; rl/data/images.py), else the images are
+    None; a prompt whose completion could run
+    past the model's `context` is an error."""
+    pictures = None
+    if processor is not None:
+        from backstream.rl.data.images import encode_visual  # noqa: PLC0415
+
+        prompts, text, pictures = encode_visual(examples, processor, image_token_id, max_tokens, folder)
+    else:
+        prompts = encode_prompts(examples, tokenizer, max_tokens)
+        text = [render_prompt(e["prompt"], tokenizer, i) if "prompt" in e else "" for i, e in enumerate(examples)]
     longest = max(len(p) for p in prompts)
     if context is not None and longest + max_new_tokens > context:
         raise UserError(f"data: the longest prompt ({longest} tokens) + rollout.max_new_tokens "
                          f"({max_new_tokens}) exceeds the model's context ({context} positions)")
-    return prompts, text
+    return prompts, text, pictures
 
 
 class PromptStream:

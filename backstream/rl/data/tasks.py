@@ -77,6 +77,9 @@ class Task:
     max_new_tokens: int = 8
     """A completion budget with room to spare for the answer and its end-of-sequence token."""
     description: str = ""
+    images: bool = False
+    """Its rows' prompts hold images (chat messages with image parts and an `images` column): a
+    vision-language model's task, played by the shipped tiny VLM by default (backstream/tiny_vlm.py)."""
     chat: Callable[[Row], str] | None = None
     """The row as one user message for a chat model (data.format = "chat"): the question in words and
     the answer's form."""
@@ -215,6 +218,23 @@ TASKS: dict[str, Task] = {
                   "rollout.max_new_tokens": 32},
     ),
 }
+
+
+def shapes_row(rng: random.Random) -> Row:
+    """A `shapes` row (backstream/rl/data/shapes.py: PIL on use)."""
+    from backstream.rl.data.shapes import shapes_row as row  # noqa: PLC0415  (PIL: on use)
+
+    return row(rng)
+
+
+TASKS["shapes"] = Task(
+    name="shapes",
+    make_row=shapes_row,
+    chat_reward="exact_match",  # the prompt is chat messages already; the answer is one digit
+    max_new_tokens=4,
+    description="how many shapes of one colour are in a 56 x 56 picture (images: the tiny VLM)",
+    images=True,
+)
 
 
 def get_task(task: str | Task) -> Task:

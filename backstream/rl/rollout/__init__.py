@@ -10,9 +10,9 @@ import contextlib
 
 def build_sampler(env, params, group_size: int, *, tokenizer, eos: list[int], context: int | None,
                   backend, examples: list[dict], prompts: list, prompt_text: list[str], return_kv: bool,
-                  closing: contextlib.ExitStack):
+                  closing: contextlib.ExitStack, pictures: list | None = None):
     """The run's kind of sampler for `[env]` `env` over `backend`, `group_size` samples per example of
-    `examples` (their token ids `prompts` and text `prompt_text`); what it starts is stopped by
+    `examples` (their token ids `prompts`, text `prompt_text` and images `pictures`); what it starts is stopped by
     `closing`. Returns (the sampler, what the reward 'env' reads: an environment's get_reward or an
     agent program's reward, None for completions)."""
     if env.program:
@@ -33,4 +33,5 @@ def build_sampler(env, params, group_size: int, *, tokenizer, eos: list[int], co
         return sampler, environment
     from backstream.rl.rollout.completions import CompletionSampler  # noqa: PLC0415
 
-    return CompletionSampler(params, group_size, tokenizer, eos, return_kv, prompts, prompt_text, backend), None
+    return CompletionSampler(params, group_size, tokenizer, eos, return_kv, prompts, prompt_text, backend,
+                             pictures), None

@@ -9,6 +9,7 @@ from torch import Tensor
 from backstream.rl.backends.base import SamplingParams
 from backstream.rl.records import Round, Samples
 from backstream.rl.rollout.sampler import RESPONSE_KEYS, response_metrics
+from backstream.stream.vision import VISION_KEYS, vision_metrics
 
 
 class CompletionSampler:
@@ -19,9 +20,11 @@ class CompletionSampler:
     metric_keys = RESPONSE_KEYS
 
     def __init__(self, config: SamplingParams, group_size: int, tokenizer, eos: list[int], return_kv: bool,
-                 prompts: list[Tensor], prompt_text: list[str], backend):
+                 prompts: list[Tensor], prompt_text: list[str], backend, pictures: list[list] | None = None):
         self.config, self.group_size, self.tok, self.eos, self.return_kv = config, group_size, tokenizer, eos, return_kv
         self.prompts, self.prompt_text = prompts, prompt_text  # per example: its token ids and text
+        self.pictures = pictures if pictures and any(pictures) else None  # per example: its images
+        self.metric_keys = RESPONSE_KEYS + (VISION_KEYS if self.pictures is not None else ())
         self.backend = backend
         longest, new = max((len(p) for p in prompts), default=0), config.max_new_tokens
         # the longest sequence it samples, and what sets it (a server's context must hold it: `Preflight`)
@@ -32,14 +35,20 @@ class CompletionSampler:
         `generators[j]`; `prompt_index` holds the examples' indices."""
         G = self.group_size
         prompts = [self.prompts[i] for i in indices]
-        out = self.backend.complete(prompts, G, self.config.max_new_tokens, generators, self.return_kv, progress)
-        return Round(Samples.of_groups(indices, prompts, out, G, self.return_kv))
+        pictures = None
+        if self.pictures is not None:  # this round's: an image two prompts hold is one object, encoded once
+            fresh: dict[str, object] = {}
+            pictures = [[fresh.setdefault(p.digest, p.fresh()) for p in self.pictures[i]] for i in indices]
+        out = self.backend.complete(prompts, G, self.config.max_new_tokens, generators, self.return_kv, progress,
+                                    pictures=pictures)
+        return Round(Samples.of_groups(indices, prompts, out, G, self.return_kv, pictures=pictures))
 
     def reward_inputs(self, r: Samples, rows: list[dict]) -> tuple[list, list, dict]:
         return completion_reward_inputs(r, rows, self.tok, self.prompt_text, self.config.stop)
 
     def metrics(self, r: Samples) -> dict[str, float]:
-        return response_metrics(r)
+        # vision/*: read after the update, so the tower forwards of the learner's are counted beside the sampler's
+        return {**response_metrics(r), **(vision_metrics(r.pictures) if r.pictures is not None else {})}
 
 
 def before_stop(text: str, stop: list[str]) -> str:

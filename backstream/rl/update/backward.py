@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from backstream.checks import UserError, at_least, literals
-from backstream.stream import fsdp
+from backstream.stream import fsdp, vision
 from backstream.stream.adapter import probe_layout
 from backstream.stream.attention import KERNELS
 from backstream.stream.engine import StreamResult, logprobs, stream_backward
@@ -35,11 +35,15 @@ class StreamedBackward:
         if ec.memory_budget_mb:
             self.kw["memory_budget"] = ec.memory_budget_mb * 2**20
 
-    def backward(self, model, sequences: list[Tensor], objective, kv: list | None, progress=None) -> StreamResult:
-        return stream_backward(model, sequences, objective=objective, kv=kv, progress=progress, **self.kw)
+    def backward(self, model, sequences: list[Tensor], objective, kv: list | None, progress=None,
+                 pictures: list | None = None) -> StreamResult:
+        return stream_backward(model, sequences, objective=objective, kv=kv, progress=progress,
+                               images=_images(model, sequences, pictures, grad=True), **self.kw)
 
-    def logprobs(self, model, sequences: list[Tensor], mask: list[Tensor]) -> list[Tensor]:
-        return logprobs(model, sequences, mask, kernel=self.kw["kernel"])
+    def logprobs(self, model, sequences: list[Tensor], mask: list[Tensor],
+                 pictures: list | None = None) -> list[Tensor]:
+        return logprobs(model, sequences, mask, kernel=self.kw["kernel"],
+                        images=_images(model, sequences, pictures, grad=False))
 
 
 class ReferenceBackward:
@@ -49,24 +53,42 @@ class ReferenceBackward:
     def __init__(self, ec: EngineConfig, device: torch.device):
         self.device = device
 
-    def backward(self, model, sequences: list[Tensor], objective, kv: list | None, progress=None) -> StreamResult:
+    def backward(self, model, sequences: list[Tensor], objective, kv: list | None, progress=None,
+                 pictures: list | None = None) -> StreamResult:
         t = time.perf_counter()
-        res = reference_backward(model, sequences, objective=objective)
+        res = reference_backward(model, sequences, objective=objective,
+                                 images=_images(model, sequences, pictures, grad=True))
         res.stats.backward_s = time.perf_counter() - t  # the reference does not time itself
         return res
 
-    def logprobs(self, model, sequences: list[Tensor], mask: list[Tensor]) -> list[Tensor]:
+    def logprobs(self, model, sequences: list[Tensor], mask: list[Tensor],
+                 pictures: list | None = None) -> list[Tensor]:
         """Plain full-sequence forwards, no grad; NaN outside `mask`."""
         out = []
+        images = _images(model, sequences, pictures, grad=False)
         with torch.no_grad(), fsdp.gathered(model):  # no per-forward all-gather under FSDP
-            for s, m in zip(sequences, mask):
-                logits = model(input_ids=s[None].to(self.device), use_cache=False).logits[0, :-1]
+            for i, (s, m) in enumerate(zip(sequences, mask)):
+                if images is None:
+                    logits = model(input_ids=s[None].to(self.device), use_cache=False).logits[0, :-1]
+                else:
+                    logits = model(inputs_embeds=images.sequence_embeds(images.embed_module(model), i,
+                                                                        s.to(self.device)),
+                                   position_ids=images.position_ids(i, self.device), use_cache=False).logits[0, :-1]
                 logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
                 lp = torch.full((len(s),), math.nan, dtype=logits.dtype)
                 lp[1:] = torch.log_softmax(logits, -1).gather(-1, s[1:, None].to(self.device))[:, 0].cpu()
                 lp[~m] = math.nan
                 out.append(lp)
         return out
+
+
+def _images(model, sequences: list[Tensor], pictures: list | None, grad: bool):
+    """The engine's `Images` of sequences whose prompts hold `pictures` (None: none do): each distinct
+    image encoded once, with its graph when the backward takes a gradient and the tower trains
+    (`model.freeze_vision = false`), else the round's embeddings of the frozen tower reused."""
+    if not pictures or not any(pictures):
+        return None
+    return vision.images_for(model, sequences, pictures, grad=grad and vision.tower_trains(model))
 
 
 BACKWARDS = {"stream": StreamedBackward, "reference": ReferenceBackward}

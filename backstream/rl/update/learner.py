@@ -53,19 +53,21 @@ class BeforeUpdate:
         self.kl_reference = update.kl_reference
 
     def logprobs(self, engine, model, ref, seqs: list[Tensor], mask: list[Tensor],
-                 sampler_lp: list[Tensor]) -> tuple[list | None, list | None]:
-        """(π_old, π_ref) of `seqs` where the objective needs them before the update, else None."""
+                 sampler_lp: list[Tensor], pictures: list | None = None) -> tuple[list | None, list | None]:
+        """(π_old, π_ref) of `seqs` (their prompts' images `pictures`) where the objective needs them
+        before the update, else None."""
         old = sampler_lp if self.old_is_current else None
         ref_lp = None
         if self.old_pass:
             with fsdp.gathered(model):
-                old = engine.logprobs(model, seqs, mask)
+                old = engine.logprobs(model, seqs, mask, pictures=pictures)
         if self.kl_reference:
-            if ref is not None:
-                ref_lp = engine.logprobs(ref, seqs, mask)
+            if ref is not None:  # (its own tower: the images encoded again, by it)
+                ref_lp = engine.logprobs(ref, seqs, mask, pictures=None if pictures is None else
+                                         [[p.fresh() for p in ps] for ps in pictures])
             else:
                 with model.disable_adapter(), fsdp.gathered(model):  # LoRA: the base model is the reference
-                    ref_lp = engine.logprobs(model, seqs, mask)
+                    ref_lp = engine.logprobs(model, seqs, mask, pictures=pictures)
         return old, ref_lp
 
     def learner_at_sampling(self, old: list | None, first_step: list) -> list:
@@ -124,10 +126,10 @@ class Learner:
         plan = self.dp.plan_update(len(batch) // batch.group_size, up.minibatches, batch.group_size, batch.kv)
         plan = plan.over(view.rows_of(len(batch)))
         mine = {"seqs": take(seqs, plan.mine), "mask": take(mask, plan.mine), "sampler": take(sampler_lp, plan.mine),
-                "kv": take(view.kv, plan.mine)}
+                "kv": take(view.kv, plan.mine), "pictures": take(view.pictures, plan.mine)}
         t = time.perf_counter()
         mine["old"], mine["ref"] = self.before.logprobs(self.engine, self.model, self.ref, mine["seqs"], mine["mask"],
-                                                        mine["sampler"])
+                                                        mine["sampler"], mine["pictures"])
         seconds["prefill"] += time.perf_counter() - t
         norms = [Normalisers.of(take(mask, rows), adv[rows]) for rows in plan.batch_rows]
         logged: dict[str, list[float]] = {}
@@ -158,7 +160,7 @@ class Learner:
                               old_logprobs=part["old"], ref_logprobs=part["ref"], rollout_logprobs=part["sampler"],
                               old_is_current=self.before.old_is_current, normalisers=norm)
         self.model.train(False)  # no dropout: the backward must be that of the sampled policy
-        res = self.engine.backward(self.model, part["seqs"], obj, kv=part["kv"],
+        res = self.engine.backward(self.model, part["seqs"], obj, kv=part["kv"], pictures=part["pictures"],
                                    progress=lambda phase, done, n: self.phase(f"{phase} {done}/{n} ({where})"))
         seconds["prefill"] += res.stats.prefill_s
         seconds["backward"] += res.stats.backward_s

@@ -99,13 +99,13 @@ class LocalBackend:
 
     # -- completions ----------------------------------------------------------------------------------
     def complete(self, prompts: list[Tensor], group_size: int, max_tokens: int, generators: list,
-                 return_kv: bool = False, progress=None) -> list[Completion]:
+                 return_kv: bool = False, progress=None, pictures: list[list] | None = None) -> list[Completion]:
         model, version = self.weights.current()
         config = dataclasses.replace(self.config, max_new_tokens=max_tokens)
         with fsdp.gathered(model):
             return generate(model, prompts, config, group_size=group_size, eos_token_id=sorted(self.eos),
                             tokenizer=self.tok, return_kv=return_kv, generator=generators, progress=progress,
-                            version=version)
+                            version=version, pictures=pictures)
 
     # -- episodes -------------------------------------------------------------------------------------
     def play(self, starts: list[list[int]], generators: list, turn, budget, max_turns: int,

@@ -226,13 +226,16 @@ class RowCache:
 
 
 def forward_last(model, ids_BL: Tensor, start: int | Tensor, cache: DynamicCache, keep_last: bool,
-                 mask_BT: Tensor | None = None) -> Tensor:
+                 mask_BT: Tensor | None = None, positions: Tensor | None = None) -> Tensor:
     """Logits [B, V] of the last position of `ids_BL`, which sit at positions start.. (an int shared by
-    every row, or one per row [B]); `mask_BT`: the 2-D mask of the cache's positions and these (None:
-    every position is real). A batch whose rows read shared prefixes attends through rl/backends/local/prefix.py."""
+    every row, or one per row [B]), or at `positions` (a family's own, [n, B, L]: an image prompt's
+    M-RoPE); `mask_BT`: the 2-D mask of the cache's positions and these (None: every position is
+    real). A batch whose rows read shared prefixes attends through rl/backends/local/prefix.py."""
     L = ids_BL.shape[1]
     arange_L = torch.arange(L, device=ids_BL.device)
     pos = arange_L[None] + start if isinstance(start, int) else start[:, None] + arange_L
+    if positions is not None:
+        pos = positions.to(ids_BL.device)
     extra = {"logits_to_keep": 1} if keep_last else {}  # no [L, V] logits for a long prompt
     extra[cache_arg(model) or "past_key_values"] = cache
     if mask_BT is not None:
@@ -242,12 +245,15 @@ def forward_last(model, ids_BL: Tensor, start: int | Tensor, cache: DynamicCache
     return out.logits[:, -1]
 
 
-def prefill(model, ids: list[list[int]], device, keep_last: bool, history: RowCache | None = None):
+def prefill(model, ids: list[list[int]], device, keep_last: bool, history: RowCache | None = None,
+            positions: Tensor | None = None):
     """The cache and next-token logits [n, V] of `ids` (sequences of one length, as one batch), after
-    `history` (one row's cache; its one sequence then continues it, its prefix read where it is)."""
+    `history` (one row's cache; its one sequence then continues it, its prefix read where it is);
+    `positions`: the family's own ([k, n, L]; None: 0..L-1)."""
     if history is None:
         cache = new_cache(model)
-        logits = forward_last(model, torch.tensor(ids, dtype=torch.long, device=device), 0, cache, keep_last)
+        logits = forward_last(model, torch.tensor(ids, dtype=torch.long, device=device), 0, cache, keep_last,
+                              positions=positions)
         cache.fed = len(ids[0])
         return cache, logits
     assert len(ids) == 1, "prefill(history=): one sequence continues a row's cache"
@@ -378,20 +384,23 @@ class Rows:
     logits: Tensor
 
     @staticmethod
-    def of_prompts(model, prompts: list[list[int]], keep_last: bool, room: int, share_min: float | None = None) -> Rows:
+    def of_prompts(model, prompts: list[list[int]], keep_last: bool, room: int, share_min: float | None = None,
+                   positions=None) -> Rows:
         """One row per prompt of `prompts`: one prefill per distinct prompt (a group's G rows share
         one), prompts of one length as one batch, each prompt's K/V then read by its rows from one copy
         (rl/backends/local/prefix.py); a prompt shorter than `share_min` tokens (default prefix.py's
         SHARE_MIN), or one of a model whose attention cannot read it so, is copied to its rows; `room`: the positions
-        the decode will add."""
+        the decode will add; `positions(prompt)`: a prompt's own positions [k, L] (`prefilled`)."""
         if share_min is None:
             share_min = SHARE_MIN if shares(model) else math.inf
-        return Rows.stack(Rows.prefilled(model, prompts, keep_last), len(prompts), room, share_min)
+        return Rows.stack(Rows.prefilled(model, prompts, keep_last, positions=positions), len(prompts), room, share_min)
 
     @staticmethod
-    def prefilled(model, prompts: list[list[int]], keep_last: bool, rows: list[int] | None = None) -> list:
+    def prefilled(model, prompts: list[list[int]], keep_last: bool, rows: list[int] | None = None,
+                  positions=None) -> list:
         """`stack`'s parts for `prompts` (one prefill per distinct prompt, prompts of one length as one
-        batch), prompt k filling row `rows[k]` (default k)."""
+        batch), prompt k filling row `rows[k]` (default k); `positions(prompt tuple)`: its rotary
+        positions [k, L] where the family has its own (an image prompt's M-RoPE), None: 0..L-1."""
         device = next(model.parameters()).device
         rows = list(range(len(prompts))) if rows is None else rows
         rows_of: dict[tuple, list[int]] = {}
@@ -402,7 +411,8 @@ class Rows:
             by_length.setdefault(len(p), []).append(p)
         parts = []
         for same in by_length.values():
-            cache, logits = prefill(model, [list(p) for p in same], device, keep_last)
+            pos = None if positions is None else torch.stack([positions(p) for p in same], 1)
+            cache, logits = prefill(model, [list(p) for p in same], device, keep_last, positions=pos)
             parts.append(([i for p in same for i in rows_of[p]], cache, logits,
                           [k for k, p in enumerate(same) for _ in rows_of[p]]))
         return parts
@@ -429,10 +439,13 @@ class Decoded:
 
 
 def decode(model, rows: Rows, config, eos: set[int], tokenizer, generators: list, keep_last: bool,
-           budgets: list[int], keep_kv: bool = False, finished=None, choose=None) -> Decoded:
+           budgets: list[int], keep_kv: bool = False, finished=None, choose=None, shift: list[int] | None = None
+           ) -> Decoded:
     """Sample every row of `rows` until it ends: an EOS token, a stop string of `config.stop`, or
     `budgets[i]` tokens. Row i draws with `generators[i]`. `finished(i)` is called as row i ends.
     `choose`: what draws the tokens from the logits (default `sample_tokens`; a test's forces them).
+    `shift[i]`: row i's first new position minus its length (an image prompt's M-RoPE: text after an
+    image continues at the image's max + 1; default 0).
 
     A finished row stays in the batch (fed, its outputs ignored) until a quarter of the batch has
     finished; then they all leave at once. Dropping each row as it ends would copy the whole cache at
@@ -444,6 +457,8 @@ def decode(model, rows: Rows, config, eos: set[int], tokenizer, generators: list
     device = logits_BV.device
     slots: list[int | None] = list(range(B))  # batch position -> its row, None once it finished
     pos_B = torch.tensor(rows.lengths, device=device)  # the next position of each batch row
+    if shift is not None:
+        pos_B = pos_B + torch.tensor(shift, device=device)
     mask_BT = None
     if any(pads):
         mask_BT = torch.ones((B, cache.fed), dtype=torch.long, device=device)

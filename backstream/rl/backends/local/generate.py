@@ -17,6 +17,7 @@ from backstream.checks import UserError
 from backstream.rl.backends.base import SamplingParams
 from backstream.rl.backends.local.decode import Rows, check_return_kv, decode
 from backstream.rl.records import Completion, at_version
+from backstream.stream import vision
 from backstream.stream.hf import takes_logits_to_keep
 
 
@@ -33,6 +34,7 @@ def generate(
     return_kv: bool = False,
     progress=None,
     version: int = 0,
+    pictures: list[list] | None = None,
 ) -> list[Completion]:
     """Sample `group_size` completions for every prompt (1-D token-id tensors), with `config`'s sampling
     parameters (`config.max_new_tokens` tokens at most).
@@ -47,6 +49,9 @@ def generate(
       streamed backward at the same weights (`stream_backward(..., kv=[c.kv for c in completions])`).
     version: the weight version every sampled token records (rl/records.py: the learner step that made
       the model's weights).
+    pictures: per prompt, the images its placeholder tokens stand for (stream/vision.py `Picture`), for
+      a vision-language model: each distinct image is encoded once (kept as its `embeds`), a group's
+      prompt with it prefilled once, at the family's positions.
     Returns the completions, the G of prompt j at j*G .. j*G+G-1 (`Samples.of_groups` makes them a record).
     The model runs as it is: call `model.eval()` first if it has dropout.
     """
@@ -65,12 +70,31 @@ def generate(
     eos = set() if eos_token_id is None else {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
     keep_last = takes_logits_to_keep(model)
 
-    G, n = group_size, len(prompts) * group_size
+    G = group_size
     prompts = [p.detach().to("cpu", torch.long) for p in prompts]
     check_return_kv(model, return_kv)
     if not prompts:  # a rank's share of a round too small to reach it
         return []
-    rows = Rows.of_prompts(model, [prompts[i // G].tolist() for i in range(n)], keep_last, config.max_new_tokens)
+    images = vision.images_for(model, prompts, pictures, grad=False) if pictures else None
+    if images is None:
+        return _generate(model, prompts, config, G, eos, tokenizer, gens, keep_last, return_kv, progress, version)
+    # image positions as virtual tokens (their rows of the tower's output): two images never share a prefill
+    virtual = [images.tree_inputs(i, p) for i, p in enumerate(prompts)]
+    positions, shift = None, None
+    if images.positions is not None:
+        at = {tuple(v.tolist()): q for v, q in zip(virtual, images.positions)}
+        positions = at.__getitem__
+        shift = [int(q.max()) + 1 - len(p) for q, p in zip(images.positions, prompts)]
+    with images.reading(model):
+        return _generate(model, virtual, config, G, eos, tokenizer, gens, keep_last, return_kv, progress, version,
+                         positions, shift)
+
+
+def _generate(model, prompts, config, G, eos, tokenizer, gens, keep_last, return_kv, progress, version,
+              positions=None, shift=None) -> list[Completion]:
+    n = len(prompts) * G
+    rows = Rows.of_prompts(model, [prompts[i // G].tolist() for i in range(n)], keep_last, config.max_new_tokens,
+                           positions=positions)
     left = [G] * len(prompts)  # rows of each group still sampling
 
     def finished(i: int) -> None:
@@ -79,7 +103,8 @@ def generate(
             progress(sum(x == 0 for x in left), len(prompts))
 
     out = decode(model, rows, config, eos, tokenizer, [gens[i // G] for i in range(n)], keep_last,
-                 [config.max_new_tokens] * n, keep_kv=return_kv, finished=finished)
+                 [config.max_new_tokens] * n, keep_kv=return_kv, finished=finished,
+                 shift=None if shift is None else [shift[i // G] for i in range(n)])
     kv = [c.as_kv() for c in out.caches] if return_kv else [None] * n
     return [at_version(ids, lp, version, reason, k)
             for ids, lp, reason, k in zip(out.tokens, out.logprobs, out.reasons, kv)]

@@ -91,8 +91,9 @@ class ServerBackend:
         self.requests.abort()
 
     def complete(self, prompts: list[Tensor], group_size: int, max_tokens: int, generators: list,
-                 return_kv: bool = False, progress=None) -> list[Completion]:
+                 return_kv: bool = False, progress=None, pictures: list[list] | None = None) -> list[Completion]:
         assert not return_kv, "a server hands no K/V (config.validate refuses engine.reuse_rollout_kv)"
+        assert not any(pictures or []), "images on a server: refused before the run (rollout/source.py check_backend)"
         seeds = [int(torch.randint(0, 2**31 - 1, (1,), generator=g)) for g in generators]
         params, done = self._params(max_tokens), [0]
 
