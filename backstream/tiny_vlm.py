@@ -7,8 +7,9 @@ folder, M-RoPE, a vision tower, image placeholder tokens). The folder `backstrea
 
 - the default model's character tokenizer (`build_tokenizer()`) with three more special tokens,
   `<|vision_start|>`, `<|image_pad|>`, `<|vision_end|>` (ids 100, 101, 102);
-- a Qwen2-VL image processor (the PIL one) that keeps a 56 × 56 picture at 56 × 56: 4 × 4 patches of
-  14 px, `image_grid_thw` (1, 4, 4), 4 `<|image_pad|>` tokens after the 2 × 2 merge;
+- a Qwen2-VL image processor (the PIL one) that keeps a 56 × 56 picture at 56 × 56: 8 × 8 patches of
+  7 px, `image_grid_thw` (1, 8, 8), 16 `<|image_pad|>` tokens after the 2 × 2 merge, one per 14-px cell
+  of the shapes grid;
 - a chat template (`CHAT_TEMPLATE`) that writes an image part as `<|vision_start|><|image_pad|>
   <|vision_end|>` and a text part as its text; an assistant turn is "=", its text and `<eos>`, and
   the generation prompt is "=": the shapes prompt reads `<|vision_start|><|image_pad|><|vision_end|>
@@ -31,6 +32,7 @@ the assets and tests/run/test_tiny_vlm.py checks the shipped files against them.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -41,6 +43,7 @@ TINY_VLM_DIR = Path(__file__).resolve().parent / "assets" / "vlm"
 
 VISION_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")  # ids 100, 101, 102
 IMAGE_PIXELS = 56 * 56  # every picture is resized to this many pixels: 56 × 56 stays as it is
+PATCH = 7  # the tower's patch: a merged 2 × 2 of patches is one 14-px cell of the shapes grid, one token
 
 # one image part: its placeholder (the processor expands <|image_pad|> to the image's token count)
 CHAT_TEMPLATE = (
@@ -92,7 +95,8 @@ def build_processor():
     pixels and `CHAT_TEMPLATE`, as an image-only `Qwen2VLProcessor`."""
     from transformers import Qwen2VLImageProcessorPil, Qwen2VLProcessor  # noqa: PLC0415  (transformers: on use)
 
-    image_processor = Qwen2VLImageProcessorPil(size={"shortest_edge": IMAGE_PIXELS, "longest_edge": IMAGE_PIXELS})
+    image_processor = Qwen2VLImageProcessorPil(size={"shortest_edge": IMAGE_PIXELS, "longest_edge": IMAGE_PIXELS},
+                                               patch_size=PATCH)
     return images_only(Qwen2VLProcessor)(
         image_processor=image_processor, tokenizer=build_tokenizer_vlm(), video_processor=None,
         chat_template=CHAT_TEMPLATE,
@@ -102,7 +106,7 @@ def build_processor():
 def vlm_config():
     """The documented architecture: the text part of `default_config()` (hidden 128, 4 layers, 4 query
     and 2 K/V heads of dimension 32, MLP 384, tied embeddings) with M-RoPE sections 4/6/6 of a head's
-    16 frequencies (time, height, width), 103 ids; a vision tower of 2 blocks, width 64, 4 heads, 14-px
+    16 frequencies (time, height, width), 103 ids; a vision tower of 2 blocks, width 64, 4 heads, 7-px
     patches over 2 frames, whose 2 × 2 merger projects to the text width. There is no video token:
     video_token_id keeps its default, outside the vocabulary, and never matches."""
     from transformers import Qwen2VLConfig  # noqa: PLC0415  (transformers: on use)
@@ -123,7 +127,7 @@ def vlm_config():
         ),
         vision_config=dict(
             depth=2, embed_dim=64, num_heads=4, mlp_ratio=4, hidden_size=128, in_channels=3,
-            patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
+            patch_size=PATCH, spatial_merge_size=2, temporal_patch_size=2,
         ),
         vision_start_token_id=100,
         image_token_id=101,
@@ -144,3 +148,34 @@ def load_tiny_vlm(dtype: torch.dtype = torch.float32):
         )
     model = AutoModelForImageTextToText.from_pretrained(TINY_VLM_DIR, dtype=dtype, local_files_only=True)
     return model, build_processor()
+
+
+def save_tiny_vlm(model, processor, out: Path) -> None:
+    """A normal HF model folder: weights, config, generation config, the tokenizer, the image
+    processor, the chat template and a processor_config.json naming the real processor class."""
+    from transformers import GenerationConfig  # noqa: PLC0415  (transformers: on use)
+
+    cfg = model.config.text_config
+    model.generation_config = GenerationConfig(
+        bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id, pad_token_id=cfg.pad_token_id,
+        # as for the default model: "temperature 1" is the model's own distribution, no top-k of 50
+        do_sample=True, top_k=0, top_p=1.0, temperature=1.0,
+    )
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    processor.tokenizer.save_pretrained(out)
+    processor.image_processor.save_pretrained(out)
+    (out / "chat_template.jinja").write_text(processor.chat_template)
+    (out / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen2VLProcessor"}, indent=2) + "\n")
+
+
+def random_tiny_vlm(out: Path, seed: int = 0) -> Path:
+    """The tiny VLM's architecture with random weights, saved to `out` as the shipped folder is (for tests
+    that need a VLM folder and not its training)."""
+    from transformers import AutoModelForImageTextToText  # noqa: PLC0415  (transformers: on use)
+
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(vlm_config(), dtype=torch.float32)
+    save_tiny_vlm(model, build_processor(), out)
+    return Path(out)

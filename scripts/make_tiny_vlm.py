@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from backstream.rl.data.shapes import shapes_row
 from backstream.rl.data.tasks import make_dataset
-from backstream.tiny_vlm import TINY_VLM_DIR, build_processor, vlm_config
+from backstream.tiny_vlm import TINY_VLM_DIR, VISION_TOKENS, build_processor, save_tiny_vlm, vlm_config
 
 
 def encode(processor, rows: list[dict], answers: bool) -> dict:
@@ -68,6 +68,7 @@ def answer(model, processor, rows: list[dict], greedy: bool, seed: int = 0, batc
     digit, then `<eos>`) and the answers."""
     tok = processor.tokenizer
     digits = {tok.convert_tokens_to_ids(d): d for d in "0123456789"}
+    vision_ids = tok.convert_tokens_to_ids(list(VISION_TOKENS))
     gen = torch.Generator().manual_seed(seed)
     was_training = model.training
     model.eval()
@@ -89,6 +90,9 @@ def answer(model, processor, rows: list[dict], greedy: bool, seed: int = 0, batc
             new = []
             for _ in range(2):
                 logits = model(input_ids=ids, mm_token_type_ids=types, **vision).logits[:, -1].float()
+                # a sampled <|image_pad|> would be read as a placeholder by the plain forward (the
+                # sampler of a run treats it as a token): the vision ids are never an answer anyway
+                logits[:, list(vision_ids)] = float("-inf")
                 nxt = logits.argmax(-1) if greedy else torch.multinomial(logits.softmax(-1), 1, generator=gen)[:, 0]
                 new.append(nxt)
                 ids = torch.cat([ids, nxt[:, None]], 1)
@@ -99,25 +103,6 @@ def answer(model, processor, rows: list[dict], greedy: bool, seed: int = 0, batc
     model.train(was_training)
     acc = sum(t == r["answer"] for t, r in zip(texts, rows)) / len(rows)
     return {"acc": acc, "format": sum(t != "?" for t in texts) / len(rows), "answers": texts}
-
-
-def save(model, processor, out: Path) -> None:
-    """A normal HF model folder: weights, config, generation config, the tokenizer, the image
-    processor, the chat template and a processor_config.json naming the real processor class."""
-    from transformers import GenerationConfig
-
-    cfg = model.config.text_config
-    model.generation_config = GenerationConfig(
-        bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id, pad_token_id=cfg.pad_token_id,
-        # as for the default model: "temperature 1" is the model's own distribution, no top-k of 50
-        do_sample=True, top_k=0, top_p=1.0, temperature=1.0,
-    )
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    processor.tokenizer.save_pretrained(out)
-    processor.image_processor.save_pretrained(out)
-    (out / "chat_template.jinja").write_text(processor.chat_template)
-    (out / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen2VLProcessor"}, indent=2) + "\n")
 
 
 def main() -> None:
@@ -171,7 +156,7 @@ def main() -> None:
     report["most_common_count"] = round(max(map(counts.count, set(counts))) / len(rows), 3)
     print(json.dumps(report, indent=1))
 
-    save(model, processor, args.out)
+    save_tiny_vlm(model, processor, args.out)
     size = sum(f.stat().st_size for f in args.out.iterdir() if f.is_file())
     print(f"saved to {args.out}: {size / 2**20:.2f} MiB")
 

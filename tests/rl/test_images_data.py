@@ -57,7 +57,7 @@ def test_every_convention_reads_the_same_prompt(tmp_path, processor):
     for i in range(1, len(rows)):
         assert torch.equal(ids[i], ids[0]) and texts[i] == texts[0]
         assert pics[i][0].digest == pics[0][0].digest
-    assert pics[0][0].tokens == int((ids[0] == IMAGE_ID).sum()) == 4  # 56 x 56: 4 x 4 patches, merged 2 x 2
+    assert pics[0][0].tokens == int((ids[0] == IMAGE_ID).sum()) == 16  # 56 x 56: 8 x 8 patches, merged 2 x 2
     # an image processed alone is what the processor gave the whole prompt
     whole = processor(text=texts[:1], images=[img], return_tensors="pt")
     assert torch.equal(whole["pixel_values"], pics[0][0].inputs["pixel_values"])

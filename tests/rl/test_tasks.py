@@ -356,3 +356,11 @@ def test_shapes_rows_are_right():
         assert str(regions) == row["answer"]
         answers.add(row["answer"])
     assert answers >= {"0", "1", "2", "3"}
+
+
+def test_shots_on_a_visual_task_are_refused_by_name():
+    from backstream.rl.data.prompts import check_shots
+
+    with pytest.raises(ValueError, match="data.shots = 2: task shapes's solved example would be a conversation with "
+                                         "pictures"):
+        check_shots("shapes", 2, "data.shots")

@@ -119,7 +119,8 @@ def check_shots(task: str, shots: int, key: str, path: str = "") -> None:
         raise UserError(f"{key} = {shots}: solved examples are drawn from a built-in task, and the run reads "
                          f"data.path ({path}); put them in your prompts, or set {key} = 0")
     if not TASKS[task].shots:
-        raise UserError(f"{key} = {shots}: task {task}'s solved example would be a whole episode with tool calls, "
+        what = ("a conversation with pictures" if TASKS[task].images else "a whole episode with tool calls")
+        raise UserError(f"{key} = {shots}: task {task}'s solved example would be {what}, "
                          f"which is not built in; set {key} = 0")
 
 

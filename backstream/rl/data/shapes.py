@@ -6,11 +6,11 @@ and a question naming one colour, "red?"; the answer is how many shapes have tha
 its chat template renders the row as `<|vision_start|><|image_pad|>…<|vision_end|>red?=` and the
 model answers "2<eos>".
 
-Why a tiny model can learn it: the picture is a 4 × 4 grid of 14-pixel cells, the vision tower's
-patch size, with at most one shape per cell (10 to 12 px, jittered inside it, so no two overlap or
-touch). Each patch then shows one colour or none, which a patch embedding reads linearly; the 2 × 2
-merge gives four tokens that each count the shapes of a quadrant, and the answer is a sum over
-those four for the asked colour. Only the count is asked, never a shape's kind or place.
+Why a tiny model can learn it: the picture is a 4 × 4 grid of 14-pixel cells with at most one shape
+per cell (10 to 12 px, jittered inside it, so no two overlap or touch), and the tiny VLM's tower reads
+7-px patches merged 2 × 2: one image token per cell, which shows one colour or none. The answer is
+then a count over the 16 tokens of those with the asked colour, which attention does as an average.
+Only the count is asked, never a shape's kind or place.
 
 Everything comes from the `random.Random` passed in (PIL draws without randomness of its own), so a
 seed gives the same rows, pixel for pixel, on any machine.
@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import random
 
-SIZE = 56  # pixels; the tiny VLM's processor keeps 56 × 56 as it is: 4 × 4 patches, 4 tokens
-CELL = 14  # one shape per cell of the 4 × 4 grid, aligned with the vision tower's patches
+SIZE = 56  # pixels; the tiny VLM's processor keeps 56 × 56 as it is: 8 × 8 patches, 16 tokens
+CELL = 14  # one shape per cell of the 4 × 4 grid, aligned with the tower's merged 2 × 2 patches
 PALETTE = {"red": (220, 30, 30), "green": (30, 160, 40), "blue": (40, 70, 220)}
 BACKGROUND = (255, 255, 255)
 MAX_SHAPES = 6
