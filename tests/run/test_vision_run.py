@@ -94,7 +94,8 @@ BAD = {
     "placeholder without an image": (lambda rows, d: rows[3]["prompt"][0]["content"].append({"type": "image"}),
                                      r"example 3: its prompt has more image placeholders than its `images` column"),
     "image over the limit": (lambda rows, d: None,
-                             r"prompt 0 has \d+ tokens \(16 of them its 1 image\(s\)\), more than data.max_prompt_tokens=6"),
+                             r"prompt 0 has \d+ tokens \(16 of them its 1 image\(s\)\), more than "
+                             r"data.max_prompt_tokens=6"),
 }
 
 
