@@ -51,9 +51,11 @@ def _one(model_type: str) -> None:
     print(json.dumps(rep.to_dict(), default=str))
 
 
-def run_family(model_type: str, timeout: float) -> dict:
+def run_family(model_type: str, timeout: float, script: str = "scripts.verify_families") -> dict:
+    """`python -m <script> --child <model_type>` with a time limit: its report (the JSON on the last
+    line of its stdout), or a row saying where it timed out or how it failed."""
     t0 = time.perf_counter()
-    cmd = [sys.executable, "-m", "scripts.verify_families", "--child", model_type]
+    cmd = [sys.executable, "-m", script, "--child", model_type]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)

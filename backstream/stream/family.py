@@ -317,3 +317,60 @@ def package_frame(exc: BaseException) -> bool:
             last = tb
         tb = tb.tb_next
     return last is not None and os.path.dirname(os.path.abspath(last.tb_frame.f_code.co_filename)) == here
+
+
+# -- images: the decoder sees an image only as its input rows (docs/design.md §2c) -----------------
+
+_IMAGE_ATTENTION_OK: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+_TOKEN_TYPE_KEYS = ("token_type_ids", "mm_token_type_ids")
+
+
+def check_image_attention(model: nn.Module) -> None:
+    """With the token types its processor gives an image (`token_type_ids` / `mm_token_type_ids`: 1 at the
+    image's placeholders), does a position still see only itself and the positions before it? Gemma 3
+    builds a bidirectional mask over each image's tokens from them, which the engine's causal blocks (fed
+    by token ids and rows of E, never the types) cannot compute. One probe per model: 4 forwards of 4
+    random input rows [text, image, image, text], each row after the first perturbed once, no earlier
+    output may move. A forward that cannot run the probe (it needs the image's grid) is left to the rest."""
+    import inspect  # noqa: PLC0415
+
+    from backstream.stream.hf import base_model  # noqa: PLC0415
+
+    if model in _IMAGE_ATTENTION_OK:
+        return
+    base = base_model(model)
+    takes = inspect.signature(base.forward).parameters
+    keys = [k for k in _TOKEN_TYPE_KEYS if k in takes]
+    emb = base.get_input_embeddings()
+    if keys and emb is not None:
+        p = next(base.parameters())
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(1, 4, emb.embedding_dim, generator=gen, dtype=torch.float64).to(p.device, p.dtype)
+        types = torch.tensor([[0, 1, 1, 0]], device=p.device)
+        # the earlier outputs of a causal model do not move at all; a leak moves them by O(1)
+        tol = 1e-6 if p.dtype == torch.float64 else 1e-3 if p.dtype == torch.float32 else 5e-2
+        was = base.training
+        base.eval()
+        try:
+            with torch.no_grad():
+                kw = {k: types for k in keys}
+                ref = base(inputs_embeds=x, input_ids=None, **kw).logits
+                for k in range(1, 4):
+                    y = x.clone()
+                    y[0, k] += 1.0
+                    out = base(inputs_embeds=y, input_ids=None, **kw).logits
+                    moved = (out[0, :k] - ref[0, :k]).abs().max()
+                    if float(moved) > tol * max(float(ref.abs().max()), 1.0):
+                        raise Unsupported(
+                            f"model: {type(base).__name__}: with the token types its processor gives an image "
+                            f"({'/'.join(keys)}), an earlier position sees position {k}: its image tokens attend to "
+                            "each other both ways (a bidirectional mask over each image, as Gemma 3's), which the "
+                            "engine's causal blocks cannot compute; the gradient would differ (docs/design.md §2c). "
+                            f"Train it without images, or {ENGINE_HINT}")
+        except Unsupported:
+            raise
+        except Exception:  # noqa: BLE001  (a probe this forward cannot run: the other checks decide)
+            return
+        finally:
+            base.train(was)
+    _IMAGE_ATTENTION_OK.add(model)

@@ -509,17 +509,44 @@ def vision_miniature(config, *, seed: int = 0, training: bool = False):
         if key.endswith(("token_id", "token_index")) and key not in _SPECIAL_IDS and _is_int(d[key]):
             k += 1
             d[key] = VOCAB - k
+    if _is_int(d.get("mm_tokens_per_image")):  # Gemma 3 pools the 4 × 4 patches to 2 × 2 tokens
+        d["mm_tokens_per_image"] = 4
     mini = _rebuild(config, d)
-    vc = mini.vision_config
-    for key in ("depth", "num_hidden_layers"):
-        if _is_int(getattr(vc, key, None)):
-            setattr(vc, key, min(getattr(vc, key), 2))
-    if _is_int(getattr(vc, "image_size", None)) and _is_int(getattr(vc, "patch_size", None)):
-        vc.image_size = 4 * vc.patch_size
+    _shrink_tower(mini.vision_config, mini.get_text_config())
     for c in (mini, mini.get_text_config()):
         c._experts_implementation = "eager"
     _shrink_mrope(mini.get_text_config(), _reads_mrope(mini))
     return _random_float64(AutoModelForImageTextToText, mini, seed, training)
+
+
+def _shrink_tower(vc, text) -> None:
+    """The vision config cut to 2 blocks: its per-block index lists (Qwen2.5-VL's full-attention
+    blocks, Qwen3-VL's deepstack taps) kept inside them (the last block where none would remain, so
+    that the feature stays on), a window of one merged token (Qwen2.5-VL's `window_size` is in pixels
+    and must hold patch × merge), a CLIP/SigLIP tower on 4 × 4 patches, and the tower's output width
+    the decoder's (the rows of E are decoder inputs; PaliGemma's `projection_dim` too)."""
+    D0 = next((getattr(vc, k) for k in ("depth", "num_hidden_layers") if _is_int(getattr(vc, k, None))), None)
+    if D0 is not None:
+        D = min(D0, 2)
+        for key in ("depth", "num_hidden_layers"):
+            if _is_int(getattr(vc, key, None)):
+                setattr(vc, key, D)
+        for key, v in vc.to_dict().items():
+            if (isinstance(v, (list, tuple)) and v and all(_is_int(x) and 0 <= x < D0 for x in v)
+                    and key.endswith(("indexes", "indices", "layers", "layer_ids"))):
+                kept = [x for x in v if x < D]
+                setattr(vc, key, type(v)(kept or [D - 1]))
+    patch, merge = getattr(vc, "patch_size", None), getattr(vc, "spatial_merge_size", None)
+    if _is_int(getattr(vc, "window_size", None)) and _is_int(patch) and _is_int(merge):
+        vc.window_size = patch * merge
+    size = getattr(vc, "image_size", None)
+    if _is_int(size) and _is_int(patch):
+        vc.image_size = 4 * patch
+    elif isinstance(size, (list, tuple)) and isinstance(patch, (list, tuple)) and len(size) == len(patch):
+        vc.image_size = type(size)(4 * p for p in patch)  # InternVL's [height, width]
+    for key in ("out_hidden_size", "projection_dim"):  # PaliGemma's projector maps to projection_dim
+        if _is_int(getattr(vc, key, None)) and _is_int(getattr(text, "hidden_size", None)):
+            setattr(vc, key, text.hidden_size)
 
 
 def _reads_mrope(config) -> bool:

@@ -182,6 +182,7 @@ class VerifyReport:
     tolerance: float = TOL
     image_tokens: int | None = None  # checked with an image of this many placeholder tokens (images=True)
     image_forward_error: float | None = None  # the reference with the image against the model's own forward
+    tower_trained: bool | None = None  # with an image: whether the vision tower (and projector) took a gradient
 
     def __post_init__(self):
         self.kind = Verdict(self.kind)
@@ -209,7 +210,7 @@ class VerifyReport:
                 "block_sizes": list(self.block_sizes), "errors": self.errors, "tensors": self.tensors,
                 "logprob_error": self.logprob_error, "worst_parameter": self.worst_parameter,
                 "seconds": round(self.seconds, 2), "tolerance": self.tolerance, "image_tokens": self.image_tokens,
-                "image_forward_error": self.image_forward_error}
+                "image_forward_error": self.image_forward_error, "tower_trained": self.tower_trained}
 
     def __str__(self) -> str:
         fmt = lambda x: "-" if x is None else f"{x:.1e}"  # noqa: E731
@@ -219,8 +220,9 @@ class VerifyReport:
         if self.image_tokens is not None:
             own = "" if self.image_forward_error is None else \
                 f"; the reference equals the model's own forward from pixels to {self.image_forward_error:.1e}"
+            tower = "trained" if self.tower_trained is not False else "frozen"
             lines.append(f"with an image: {self.image_tokens} image tokens in every prompt, the vision tower "
-                         f"trained{own}")
+                         f"{tower}{own}")
         if self.errors:
             lines.append("")
             head = f"{'parameters':<16}{'tensors':>8}" + "".join(f"{f'block {b}':>11}" for b in self.block_sizes)
@@ -315,21 +317,55 @@ def _short(e: BaseException, n: int = 300) -> str:
     return (msg[:n] + "…") if len(msg) > n else msg
 
 
-def image_inputs(mini: nn.Module) -> dict:
-    """Random inputs of one image for a miniature's tower: a Qwen-VL tower's 2m × 2m patches
-    (`image_grid_thw`: 4 tokens after its m × m merge), a CLIP/SigLIP tower's one square image."""
-    from backstream.stream.hf import base_model as unwrap  # noqa: PLC0415
+def _image_layouts(mini: nn.Module) -> list[dict]:
+    """Random inputs of one image for a miniature's tower, in the layouts towers take (the first that
+    `get_image_features` accepts is used): a Qwen-VL tower's 2m × 2m flattened patches
+    (`image_grid_thw`: 4 tokens after its m × m merge); a SigLIP-2 (NaFlex) tower's 4 × 4 flattened
+    patches with `spatial_shapes` and a patch mask; a CLIP/SigLIP tower's one square image [1, C, S, S]
+    (with `image_sizes` where the family asks for them), then the same as a batch of one [1, 1, C, S, S]
+    (Idefics)."""
+    import inspect  # noqa: PLC0415
 
-    vc = unwrap(mini).config.vision_config
+    base = base_model(mini)
+    vc = base.config.vision_config
+    takes = inspect.signature(base.get_image_features).parameters
     g = torch.Generator().manual_seed(1)
+    rand = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64)  # noqa: E731
     C = next((getattr(vc, k) for k in ("in_channels", "in_chans", "num_channels") if _is_int(getattr(vc, k, None))), 3)
+    P = getattr(vc, "patch_size", None)
+    P = P[0] if isinstance(P, (list, tuple)) and P else P
     if _is_int(getattr(vc, "spatial_merge_size", None)) and _is_int(getattr(vc, "temporal_patch_size", None)):
-        m, P, T = vc.spatial_merge_size, vc.patch_size, vc.temporal_patch_size
-        return {"pixel_values": torch.randn(4 * m * m, C * T * P * P, generator=g, dtype=torch.float64),
-                "image_grid_thw": torch.tensor([[1, 2 * m, 2 * m]])}
-    if _is_int(getattr(vc, "image_size", None)):
-        return {"pixel_values": torch.randn(1, C, vc.image_size, vc.image_size, generator=g, dtype=torch.float64)}
-    raise Unsupported(f"{type(vc).__name__}: no known way to make an image for this tower")
+        m, T = vc.spatial_merge_size, vc.temporal_patch_size
+        return [{"pixel_values": rand(4 * m * m, C * T * P * P), "image_grid_thw": torch.tensor([[1, 2 * m, 2 * m]])}]
+    if "spatial_shapes" in takes and _is_int(P):
+        return [{"pixel_values": rand(1, 16, C * P * P), "spatial_shapes": torch.tensor([[4, 4]]),
+                 "pixel_attention_mask": torch.ones(1, 16, dtype=torch.long)}]
+    S = getattr(vc, "image_size", None)
+    S = S[0] if isinstance(S, (list, tuple)) and S else S
+    if not _is_int(S):
+        raise ValueError(f"{type(vc).__name__}: no known way to make an image for this tower")
+    one = {"pixel_values": rand(1, C, S, S)}
+    if "image_sizes" in takes:
+        one["image_sizes"] = torch.tensor([[S, S]])
+    return [one, {**one, "pixel_values": one["pixel_values"][None]}]
+
+
+def image_inputs(mini: nn.Module) -> tuple[dict, list[Tensor]]:
+    """One image's inputs for the miniature's tower (`_image_layouts`, the first its
+    `get_image_features` takes) and the tower's output rows for it."""
+    from backstream.stream import vision  # noqa: PLC0415
+
+    first = None
+    for inputs in _image_layouts(mini):
+        try:
+            with keep_float64(), torch.no_grad():
+                rest = {k: v for k, v in inputs.items() if k != "pixel_values"}
+                return inputs, vision.encode(mini, inputs["pixel_values"], **rest)
+        except ModelContractError:
+            raise
+        except Exception as e:  # noqa: BLE001  (the next layout, or the first layout's error)
+            first = first or e
+    raise first
 
 
 def _with_image(mini: nn.Module, seqs: list[Tensor], weights: list[Tensor]):
@@ -337,10 +373,8 @@ def _with_image(mini: nn.Module, seqs: list[Tensor], weights: list[Tensor]):
     vision start and end tokens where it has them), weight 0 there, and its `Picture`."""
     from backstream.stream import vision  # noqa: PLC0415
 
-    inputs = image_inputs(mini)
-    with keep_float64(), torch.no_grad():
-        n = vision.encode(mini, inputs["pixel_values"], **{k: v for k, v in inputs.items() if k != "pixel_values"})
-    pic = vision.Picture("verify", inputs, n[0].shape[0])
+    inputs, n = image_inputs(mini)
+    pic = vision.Picture("verify", inputs, sum(f.reshape(-1, f.shape[-1]).shape[0] for f in n))
     cfg = base_model(mini).config
     span = [vision.image_token(mini)] * pic.tokens
     start, end = getattr(cfg, "vision_start_token_id", None), getattr(cfg, "vision_end_token_id", None)
@@ -375,7 +409,7 @@ def _own_forward_error(mini: nn.Module, seqs, weights, pic, lp_ref) -> float:
 
 
 def verify(model_or_config, *, seed: int = 0, block_sizes=BLOCK_SIZES, stage=None,
-           images: bool | None = None) -> VerifyReport:
+           images: bool | None = None, freeze_vision: bool = False) -> VerifyReport:
     """Check on a miniature of the architecture that `stream_backward` gives the gradient of
     `reference_backward` (see the module docstring). `model_or_config`: a model (its config; a PEFT
     LoRA model also gets the same LoRA config; a model in train mode is verified in train mode), a
@@ -383,7 +417,9 @@ def verify(model_or_config, *, seed: int = 0, block_sizes=BLOCK_SIZES, stage=Non
     `images`: check a vision-language model's image-text class with an image in every prompt, the
     tower trained (its gradient compared too), and the reference with the image against the model's
     own forward from pixels; None: for a model with a vision tower, or a composite config that
-    transformers loads as image-text-to-text. `stage`, if given, is called with the name of each step
+    transformers loads as image-text-to-text. `freeze_vision` (with images): the tower and projector
+    (`hf.image_path`) take no gradient, so the image rows are constants, as in a run that trains the
+    decoder only. `stage`, if given, is called with the name of each step
     (for progress and time limits)."""
     from backstream.stream.engine import stream_backward  # noqa: PLC0415
     from backstream.stream.reference import reference_backward  # noqa: PLC0415
@@ -417,6 +453,14 @@ def verify(model_or_config, *, seed: int = 0, block_sizes=BLOCK_SIZES, stage=Non
         if images:
             seqs, weights, pic = _with_image(mini, seqs, weights)
             rep.image_tokens = pic.tokens
+            rep.tower_trained = not freeze_vision
+            if freeze_vision:
+                outside = image_path(mini)
+                for m in base_model(mini).modules():
+                    if id(m) in outside:
+                        m.requires_grad_(False)
+    except ModelContractError as e:  # the engine's own refusal while encoding the image (stream/vision.py)
+        return done(Verdict.REFUSED, _short(e))
     except Exception as e:  # noqa: BLE001  (anything the config or transformers raise)
         return done(Verdict.COULD_NOT_BUILD, f"{type(e).__name__}: {_short(e)}")
 
@@ -427,10 +471,11 @@ def verify(model_or_config, *, seed: int = 0, block_sizes=BLOCK_SIZES, stage=Non
         torch.set_num_threads(1)
         try:
             with keep_float64():
-                if pic is not None:  # the tower trained: encoded with its graph for each call
+                if pic is not None:  # a trained tower is encoded with its graph for each call
                     from backstream.stream import vision  # noqa: PLC0415
 
-                    kw["images"] = vision.images_for(mini, seqs, [[pic.fresh()]] * len(seqs), grad=True)
+                    kw["images"] = vision.images_for(mini, seqs, [[pic.fresh()]] * len(seqs),
+                                                     grad=not freeze_vision)
                 res = fn(mini, seqs, weights, **kw)
         finally:
             torch.set_num_threads(threads)

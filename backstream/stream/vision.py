@@ -149,10 +149,20 @@ class Images:
 def encode(model: nn.Module, pixel_values: Tensor, **kwargs) -> list[Tensor]:
     """The vision tower's output rows of each image ([n_k, H] per image, after the projector): the
     model's own `get_image_features` (transformers' VLM API), run once."""
+    from backstream.stream.family import Unsupported, check_image_attention  # noqa: PLC0415
     from backstream.stream.hf import base_model  # noqa: PLC0415
 
     base = base_model(model)
+    check_image_attention(model)
     out = base.get_image_features(pixel_values=pixel_values, return_dict=True, **kwargs)
+    if getattr(out, "deepstack_features", None):
+        # Qwen3-VL: the tower's intermediate features are added to the hidden states of the first decoder
+        # layers at the image positions, a second use of the image the rows of E do not carry
+        raise Unsupported(
+            f"model: {type(base).__name__} adds the vision tower's deepstack features to the hidden states of its "
+            f"first {len(out.deepstack_features)} decoder layer(s) at the image positions; the engine feeds an image "
+            "only as the decoder's input rows, so its gradient would differ (docs/design.md §2c). Train it without "
+            "images, or compute its gradient with reference_backward (trainer: engine.backward = \"reference\")")
     feats = out.pooler_output if hasattr(out, "pooler_output") else out
     return list(feats) if isinstance(feats, (list, tuple)) else list(feats.unbind(0))
 
@@ -242,10 +252,16 @@ def encode_pictures(model: nn.Module, pictures: list[Picture], grad: bool) -> li
         pv = pv.to(next(model.parameters()).dtype)
     with torch.set_grad_enabled(grad):
         feats = encode(model, pv, **batch)
+    from backstream.stream.hf import base_model  # noqa: PLC0415
+
     if len(feats) != len(pictures):  # a family whose features come flat: split by the placeholder counts
         feats = list(torch.cat([f.reshape(-1, f.shape[-1]) for f in feats]).split([p.tokens for p in pictures]))
+    width = base_model(model).get_input_embeddings().embedding_dim
     for p, f in zip(pictures, feats):
         p.calls += 1
+        if f.shape[-1] != width:
+            raise UserError(f"images: the vision tower gave rows of width {f.shape[-1]}, but the decoder's input "
+                            f"embeddings are {width} wide; the model's vision config does not fit its text config")
         if f.shape[0] != p.tokens:
             raise UserError(f"images: the vision tower gave {f.shape[0]} rows for an image its processor expanded "
                             f"into {p.tokens} placeholder tokens; the processor and the model disagree (load both "

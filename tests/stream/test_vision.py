@@ -4,7 +4,12 @@ the model's own forward with pixels (log-probs and every gradient, the tower's i
 gradient equals the reference at block sizes that cut through an image and beside it, with the tower
 trained and frozen, on a group of G = 4 after a prompt with an image plus a second prompt whose image
 differs but whose placeholder ids are the same (the tree must not merge them); the engine never runs
-the tower, whose output is backpropagated once."""
+the tower, whose output is backpropagated once. Then `verify(model_type, images=True)` on a few of
+transformers' own families: exact where the contract covers the family, refused by name where it
+uses the image beyond the decoder's input rows (Gemma 3's bidirectional image attention, Qwen3-VL's
+deepstack)."""
+
+import re
 
 import pytest
 import torch
@@ -15,6 +20,7 @@ from backstream import reference_backward, stream_backward
 from backstream.checks import UserError
 from backstream.stream import vision
 from backstream.stream.miniature import keep_float64
+from backstream.stream.verify import Verdict, verify
 
 
 def group(seed: int = 0):
@@ -163,3 +169,31 @@ def test_mrope_positions_streamed_exactly_against_the_models_own_forward():
     bad[1][0, 3] += 1  # sequence 1 disagrees with the others inside the shared prompt
     with pytest.raises(UserError, match=r"^images.positions\[1\]: differs from another sequence's"):
         stream_backward(model, seqs, weights, images=vision.place(seqs, Q_IMAGE, feats, [[0]] * 4, positions=bad))
+
+
+# -- `verify` with an image on transformers' own families (scripts/verify_vlm_families.py sweeps them all)
+
+
+@pytest.mark.parametrize("model_type, frozen", [
+    ("qwen2_5_vl", False),  # windowed tower attention: window_size kept a multiple of patch × merge
+    ("qwen3_5", False),  # hybrid linear-attention decoder, M-RoPE
+    ("idefics3", False),  # a batch of one image [1, 1, C, S, S], pixel shuffle
+    ("internvl", True),  # [height, width] image and patch sizes; the tower frozen
+    ("lfm2_vl", False),  # a SigLIP-2 NaFlex tower: flattened patches, spatial_shapes
+])
+def test_verify_with_an_image_is_exact(model_type, frozen):
+    rep = verify(model_type, images=True, freeze_vision=frozen)
+    assert rep.kind is Verdict.EXACT, rep.verdict
+    assert rep.image_tokens and rep.image_forward_error is not None and rep.image_forward_error <= 1e-10
+    assert rep.tower_trained is (not frozen)
+    assert ("tower frozen" if frozen else "tower trained") in str(rep)
+
+
+@pytest.mark.parametrize("model_type, reason", [
+    ("gemma3", r"image tokens attend to each other both ways"),  # its bidirectional mask over each image
+    ("qwen3_vl", r"deepstack features to the hidden states of its first 1 decoder layer"),
+])
+def test_verify_refuses_a_family_that_uses_the_image_beyond_the_contract(model_type, reason):
+    rep = verify(model_type, images=True)
+    assert rep.kind is Verdict.REFUSED and rep.reason.startswith("model: ")
+    assert re.search(reason, rep.reason), rep.reason
