@@ -366,7 +366,7 @@ def check_image_attention(model: nn.Module) -> None:
                             f"({'/'.join(keys)}), an earlier position sees position {k}: its image tokens attend to "
                             "each other both ways (a bidirectional mask over each image, as Gemma 3's), which the "
                             "engine's causal blocks cannot compute; the gradient would differ (docs/design.md §2c). "
-                            f"Train it without images, or {ENGINE_HINT}")
+                            "The reference backward feeds the decoder the same way; train this model on text only")
         except Unsupported:
             raise
         except Exception:  # noqa: BLE001  (a probe this forward cannot run: the other checks decide)

@@ -161,8 +161,8 @@ def encode(model: nn.Module, pixel_values: Tensor, **kwargs) -> list[Tensor]:
         raise Unsupported(
             f"model: {type(base).__name__} adds the vision tower's deepstack features to the hidden states of its "
             f"first {len(out.deepstack_features)} decoder layer(s) at the image positions; the engine feeds an image "
-            "only as the decoder's input rows, so its gradient would differ (docs/design.md §2c). Train it without "
-            "images, or compute its gradient with reference_backward (trainer: engine.backward = \"reference\")")
+            "only as the decoder's input rows, so its gradient would differ (docs/design.md §2c); the reference "
+            "backward feeds it the same way. Train this model on text only")
     feats = out.pooler_output if hasattr(out, "pooler_output") else out
     return list(feats) if isinstance(feats, (list, tuple)) else list(feats.unbind(0))
 
