@@ -33,6 +33,7 @@ printed). Each side in a fresh process; the machine runs nothing else meanwhile.
 
     python -m bench.bench_vision [--tokens 2048,512] [--steps 3] [--sides backstream,trl,trl-ckpt]
     python -m bench.bench_vision --smoke        # 128 visual tokens, 16 new tokens, 2 steps: 1-2 minutes
+    python -m bench.bench_vision --many 8       # backstream: 8 pictures of 1000 visual tokens against 1, the peaks
 """
 
 from __future__ import annotations
@@ -113,18 +114,20 @@ def grid(n: int) -> tuple[int, int]:
     return h, n // h
 
 
-def picture(n: int):
-    """Seeded RGB noise of (28·h) × (28·w) pixels: n visual tokens, nothing for the processor to resize."""
+def picture(n: int, k: int = 0):
+    """Seeded RGB noise of (28·h) × (28·w) pixels: n visual tokens, nothing for the processor to resize
+    (the k-th of a prompt's pictures: each its own noise)."""
     import numpy as np
     from PIL import Image
 
     h, w = grid(n)
-    pixels = np.random.default_rng(SEED).integers(0, 256, size=(28 * h, 28 * w, 3), dtype=np.uint8)
+    gen = np.random.default_rng(SEED if k == 0 else [SEED, k])
+    pixels = gen.integers(0, 256, size=(28 * h, 28 * w, 3), dtype=np.uint8)
     return Image.fromarray(pixels)
 
 
-def prompt() -> list[dict]:
-    return [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}]
+def prompt(images: int = 1) -> list[dict]:
+    return [{"role": "user", "content": [{"type": "image"}] * images + [{"type": "text", "text": QUESTION}]}]
 
 
 def prompt_tokens(folder: str, n: int) -> tuple[int, int]:
@@ -139,18 +142,21 @@ def prompt_tokens(folder: str, n: int) -> tuple[int, int]:
     return int((ids == vlm_config().image_token_id).sum()), len(ids)
 
 
-def side_backstream(steps: int, out: str, n: int, new: int) -> dict:
+def side_backstream(steps: int, out: str, n: int, new: int, images: int = 1) -> dict:
     from backstream import config, trainer
 
     folder = model_dir(out, n)
-    picture(n).save(os.path.join(out, "picture.png"))
+    names = [f"picture{k}.png" for k in range(images)]
+    for k, name in enumerate(names):
+        picture(n, k).save(os.path.join(out, name))
     data = os.path.join(out, "vision.jsonl")
     with open(data, "w") as f:
-        f.write(json.dumps({"prompt": prompt(), "images": ["picture.png"]}) + "\n")
+        f.write(json.dumps({"prompt": prompt(images), "images": names}) + "\n")
     cfg = config.load(None, [f'model.name="{folder}"', "model.freeze_vision=true", f'data.path="{data}"',
                              "reward.functions=['bench/rewards.py:text_hash']", f"train.steps={steps}",
                              "train.prompts_per_step=1", f"rollout.group_size={G}", f"rollout.max_new_tokens={new}",
-                             f"data.max_prompt_tokens={n + 256}", "train.save_every_minutes=0", f"optim.lr={LR}",
+                             f"data.max_prompt_tokens={images * n + 256}", "train.save_every_minutes=0",
+                             f"optim.lr={LR}",
                              "optim.betas=[0.9, 0.99]", f"train.seed={SEED}", "train.progress=false",
                              "train.plots=false", f'train.output_dir="{os.path.join(out, "run")}"'])
     run = trainer.train(cfg)
@@ -207,23 +213,24 @@ def side_trl(steps: int, out: str, n: int, new: int, checkpointing: bool) -> dic
             "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad)}
 
 
-def child(side: str, steps: int, n: int, new: int) -> None:
+def child(side: str, steps: int, n: int, new: int, images: int = 1) -> None:
     import torch
 
     torch.set_num_threads(2)
     with tempfile.TemporaryDirectory() as out:
         if side == "backstream":
-            res = side_backstream(steps, out, n, new)
+            res = side_backstream(steps, out, n, new, images)
         else:
             res = side_trl(steps, out, n, new, TRL_SIDES[side])
     res["peak_rss_MiB"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     print("RESULT " + json.dumps(res), flush=True)
 
 
-def run_side(side: str, steps: int, n: int, new: int) -> dict:
+def run_side(side: str, steps: int, n: int, new: int, images: int = 1) -> dict:
     t = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "bench.bench_vision", "--child", side, "--steps", str(steps),
-                           "--tokens", str(n), "--new", str(new)], capture_output=True, text=True)
+                           "--tokens", str(n), "--new", str(new), "--images", str(images)],
+                          capture_output=True, text=True)
     line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
     if line is None:
         if proc.returncode == -9 or "MemoryError" in proc.stderr or "out of memory" in proc.stderr.lower():
@@ -244,6 +251,23 @@ def run_side(side: str, steps: int, n: int, new: int) -> dict:
     return res
 
 
+MANY_TOKENS = 1000  # a picture's visual tokens in --many: 8 of them and the question fit 8192 positions
+
+
+def many(k: int, n: int, steps: int, new: int) -> None:
+    """backstream's peak and step time with one picture of n visual tokens in the prompt, and with k."""
+    res = {"model": "random Qwen2-VL (bench_vision.vlm_config), float32", "G": G, "max_new_tokens": new,
+           "steps": steps, "visual_tokens_per_picture": n, "points": {}}
+    for images in (1, k):
+        print(f"{images} picture(s) of {n} visual tokens: {images * n} visual tokens", flush=True)
+        res["points"][images] = run_side("backstream", steps, n, new, images)
+    one, all_ = res["points"][1], res["points"][k]
+    res["peak_ratio"] = round(all_["peak_rss_MiB"] / one["peak_rss_MiB"], 3)
+    print(f"{k} pictures against 1: peak {all_['peak_rss_MiB']} / {one['peak_rss_MiB']} MiB = {res['peak_ratio']} "
+          f"(target <= 2), s/step {all_['s_per_step']} / {one['s_per_step']}")
+    print("saved", common.save("vision_many", res))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default=None, help="visual tokens of the picture, comma-separated (default 2048,512)")
@@ -251,13 +275,20 @@ def main():
     ap.add_argument("--new", type=int, default=None, help="most new tokens per sample (default 64)")
     ap.add_argument("--sides", default="backstream,trl,trl-ckpt")
     ap.add_argument("--smoke", action="store_true", help="128 visual tokens, 16 new tokens, 2 steps (1-2 minutes)")
+    ap.add_argument("--many", type=int, default=0, metavar="K",
+                    help="backstream only: one picture of --tokens (default 1000) visual tokens against K of them in "
+                         "one prompt, the peak of each (issue 53's memory target: K = 8)")
+    ap.add_argument("--images", type=int, default=1, help=argparse.SUPPRESS)  # a child's pictures per prompt
     ap.add_argument("--child")
     a = ap.parse_args()
+    if a.many and not a.child:
+        many(a.many, int(a.tokens or MANY_TOKENS), a.steps or STEPS, a.new or NEW)
+        return
     tokens = a.tokens or (SMOKE["tokens"] if a.smoke else ",".join(map(str, TOKENS)))
     steps = a.steps or (SMOKE["steps"] if a.smoke else STEPS)
     new = a.new or (SMOKE["new"] if a.smoke else NEW)
     if a.child:
-        child(a.child, steps, int(tokens), new)
+        child(a.child, steps, int(tokens), new, a.images)
         return
     sides_wanted = a.sides.split(",")
     res = {"model": "random Qwen2-VL (bench_vision.vlm_config), float32", "G": G, "max_new_tokens": new,
