@@ -140,3 +140,17 @@ def test_shipped_model_counts_better_than_chance():
     answers = _greedy(model, processor, rows)
     assert sum(a != "?" for a in answers) >= 0.98 * len(rows)  # "digit<eos>"
     assert sum(a == r["answer"] for a, r in zip(answers, rows)) / len(rows) > GREEDY_BOUND
+
+
+def test_the_shapes_demo_runs_on_the_shipped_model(tmp_path, capsys):
+    """`backstream demo --task shapes` loads the tiny VLM for model.name = "default" (the data has
+    images), trains, and reports its vision metrics."""
+    from backstream import metrics
+    from backstream.cli import main
+
+    out = tmp_path / "demo"
+    assert main(["demo", "--task", "shapes", "--steps", "2", "--output", str(out), "--set", "train.prompts_per_step=4",
+                 "--set", "train.plots=false"]) == 0
+    assert "Qwen2VLForConditionalGeneration (image-text), vision tower frozen" in capsys.readouterr().err
+    rows = metrics.read(str(out))
+    assert [r["vision/images"] for r in rows] == [4.0, 4.0] and [r["vision/encoder_calls"] for r in rows] == [4.0, 4.0]
