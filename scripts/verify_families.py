@@ -130,22 +130,26 @@ def write(rows: list[dict], out: str) -> dict:
     return counts
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def sweep(argv, *, doc: str, families, one, write, script: str, out: str, jobs: int, timeout: float, what: str,
+          note=lambda r: "") -> int:
+    """The command line both sweeps share: each of `families()` (or --only's) verified by `one` in a child
+    process of `script` under a time limit, --jobs at a time, the rows (merged into --out's JSON with
+    --only) written by `write`; `note(row)` adds to each progress line, `what` names the families."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", nargs="+", metavar="NAME", help="these model_types only (merged into --out)")
-    ap.add_argument("--out", default="docs/families", help="output path without extension (.md and .json)")
-    ap.add_argument("--jobs", type=int, default=2, help="families verified in parallel (2 at most on a 2-core machine)")
-    ap.add_argument("--timeout", type=float, default=300, help="seconds per family")
+    ap.add_argument("--out", default=out, help="output path without extension (.md and .json)")
+    ap.add_argument("--jobs", type=int, default=jobs, help="families verified in parallel (2 at most on 2 cores)")
+    ap.add_argument("--timeout", type=float, default=timeout, help="seconds per family")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
-        _one(args.child)
+        one(args.child)
         return 0
     names = families()
     if args.only:
         unknown = [n for n in args.only if n not in names]
         if unknown:
-            print(f"--only: not causal-LM model types of this transformers: {unknown}", file=sys.stderr)
+            print(f"--only: not {what} model types of this transformers: {unknown}", file=sys.stderr)
             return 2
         names = list(args.only)
     rows: dict[str, dict] = {}
@@ -154,17 +158,22 @@ def main(argv=None) -> int:
             rows = {r["model_type"]: r for r in json.load(f)["families"]}
     t0 = time.perf_counter()
     with cf.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-        futures = {pool.submit(run_family, n, args.timeout): n for n in names}
+        futures = {pool.submit(run_family, n, args.timeout, script): n for n in names}
         for i, fut in enumerate(cf.as_completed(futures), 1):
             r = fut.result()
             rows[r["model_type"]] = r
             worst = r.get("worst_error")
             print(f"[{i}/{len(names)} {time.perf_counter() - t0:.0f}s] {r['model_type']}: {r['verdict'][:160]}"
-                  + (f" (worst {worst:.1e})" if worst is not None else ""), flush=True)
+                  + (f" (worst {worst:.1e})" if worst is not None else "") + note(r), flush=True)
     counts = write(list(rows.values()), args.out)
     print(f"{len(rows)} families: " + ", ".join(f"{counts[k]} {k}" for k in KINDS))
     print(f"wrote {args.out}.md and {args.out}.json")
     return 0
+
+
+def main(argv=None) -> int:
+    return sweep(argv, doc=__doc__, families=families, one=_one, write=write, script="scripts.verify_families",
+                 out="docs/families", jobs=2, timeout=300, what="causal-LM")
 
 
 if __name__ == "__main__":

@@ -17,14 +17,12 @@ table says: rerun it after changing the engine, its guards or the miniature.
 
 from __future__ import annotations
 
-import argparse
-import concurrent.futures as cf
 import json
 import os
 import sys
 import time
 
-from scripts.verify_families import KINDS, _md_cell, run_family
+from scripts.verify_families import KINDS, _md_cell, sweep
 
 SCRIPT = "scripts.verify_vlm_families"
 
@@ -119,42 +117,14 @@ def write(rows: list[dict], out: str) -> dict:
     return counts
 
 
+def _frozen_note(r: dict) -> str:
+    fr = r.get("frozen")
+    return f"; frozen: {fr['verdict'][:80]}" if fr else ""
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", nargs="+", metavar="NAME", help="these model_types only (merged into --out)")
-    ap.add_argument("--out", default="docs/vision_families", help="output path without extension (.md and .json)")
-    ap.add_argument("--jobs", type=int, default=1, help="families verified in parallel")
-    ap.add_argument("--timeout", type=float, default=120, help="seconds per family (both runs)")
-    ap.add_argument("--child", help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
-    if args.child:
-        _one(args.child)
-        return 0
-    names = families()
-    if args.only:
-        unknown = [n for n in args.only if n not in names]
-        if unknown:
-            print(f"--only: not image-text-to-text model types of this transformers: {unknown}", file=sys.stderr)
-            return 2
-        names = list(args.only)
-    rows: dict[str, dict] = {}
-    if args.only and os.path.exists(args.out + ".json"):
-        with open(args.out + ".json") as f:
-            rows = {r["model_type"]: r for r in json.load(f)["families"]}
-    t0 = time.perf_counter()
-    with cf.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-        futures = {pool.submit(run_family, n, args.timeout, SCRIPT): n for n in names}
-        for i, fut in enumerate(cf.as_completed(futures), 1):
-            r = fut.result()
-            rows[r["model_type"]] = r
-            fr = r.get("frozen")
-            print(f"[{i}/{len(names)} {time.perf_counter() - t0:.0f}s] {r['model_type']}: {r['verdict'][:160]}"
-                  + (f" (worst {r['worst_error']:.1e})" if r.get("worst_error") is not None else "")
-                  + (f"; frozen: {fr['verdict'][:80]}" if fr else ""), flush=True)
-    counts = write(list(rows.values()), args.out)
-    print(f"{len(rows)} families: " + ", ".join(f"{counts[k]} {k}" for k in KINDS))
-    print(f"wrote {args.out}.md and {args.out}.json")
-    return 0
+    return sweep(argv, doc=__doc__, families=families, one=_one, write=write, script=SCRIPT, out="docs/vision_families",
+                 jobs=1, timeout=120, what="image-text-to-text", note=_frozen_note)
 
 
 if __name__ == "__main__":
