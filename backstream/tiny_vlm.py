@@ -72,8 +72,10 @@ def build_tokenizer_vlm():
 
 
 def images_only(cls):
-    """`cls` (a processor class with a video part) without its video processor: what torchvision
-    would build. It keeps `cls`'s name and saves as `cls`."""
+    """`cls` (a processor class with a video part) without its video processor, which torchvision would
+    build. It keeps `cls`'s name, so that it saves as `cls` (processor_class) and `AutoProcessor` builds
+    the real one where torchvision is installed. Used for every such processor (rl/policy.py
+    `load_processor`), not only the tiny VLM's."""
     attrs = [a for a in cls.get_attributes() if a != "video_processor"]
 
     class ImagesOnly(cls):
@@ -87,7 +89,7 @@ def images_only(cls):
             # character of the text would be marked as video in mm_token_type_ids
             self.video_token_id = None
 
-    ImagesOnly.__name__ = ImagesOnly.__qualname__ = cls.__name__ + "ImagesOnly"
+    ImagesOnly.__name__ = ImagesOnly.__qualname__ = cls.__name__
     return ImagesOnly
 
 

@@ -233,8 +233,8 @@ def _images_only(name: str, trust_remote_code: bool, error: Exception):
     if len(attrs) != len(cls.get_attributes()) - 1 or "video_processor" not in cls.get_attributes():
         raise UserError(f"model.name: cannot build {name}'s processor {cls_name} ({type(error).__name__}: {error})") \
             from None
-    images_only = type(cls.__name__, (cls,), {"get_attributes": classmethod(lambda c: attrs),
-                                              "__module__": __name__})
+    from backstream.tiny_vlm import images_only  # noqa: PLC0415  (the one image-only processor class)
+
     template = None
     for fname in ("chat_template.jinja", "chat_template.json"):
         path = os.path.join(name, fname)
@@ -244,7 +244,7 @@ def _images_only(name: str, trust_remote_code: bool, error: Exception):
             break
     tok = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
     ip = AutoImageProcessor.from_pretrained(name, trust_remote_code=trust_remote_code)
-    return images_only(image_processor=ip, tokenizer=tok, video_processor=None,
+    return images_only(cls)(image_processor=ip, tokenizer=tok, video_processor=None,
                        chat_template=template or getattr(tok, "chat_template", None))
 
 

@@ -154,3 +154,10 @@ def test_the_shapes_demo_runs_on_the_shipped_model(tmp_path, capsys):
     assert "Qwen2VLForConditionalGeneration (image-text), vision tower frozen" in capsys.readouterr().err
     rows = metrics.read(str(out))
     assert [r["vision/images"] for r in rows] == [4.0, 4.0] and [r["vision/encoder_calls"] for r in rows] == [4.0, 4.0]
+    # the checkpoint's processor names the real class, and loads
+    from backstream import checkpoint
+    from backstream.rl.policy import load_processor
+
+    saved = checkpoint.latest(str(out))
+    assert json.loads(open(f"{saved}/processor_config.json").read())["processor_class"] == "Qwen2VLProcessor"
+    assert load_processor(saved).tokenizer.convert_tokens_to_ids("<|image_pad|>") == 101
