@@ -43,3 +43,26 @@ def qwen2_vl(seed: int = 0):
     torch.manual_seed(seed)
     model = AutoModelForImageTextToText.from_config(cfg, attn_implementation="eager").to(torch.float64).eval()
     return exact_norms(model)
+
+
+Q3_THW = torch.tensor([[1, 4, 4]])  # 4 × 4 patches of 16 px, merged 2 × 2: 4 image tokens
+
+
+def qwen3_vl(seed: int = 0):
+    """A Qwen3-VL miniature: interleaved M-RoPE, a 3-block tower whose blocks 0 and 1 also give deepstack
+    features, added to the hidden states after decoder layers 0 and 1 at the image positions (of 3)."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.for_model(
+        "qwen3_vl",
+        text_config=dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
+                         rope_parameters={"rope_type": "default", "mrope_section": [2, 1, 1], "mrope_interleaved": True,
+                                          "rope_theta": 1e4}),
+        vision_config=dict(depth=3, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
+                           patch_size=16, spatial_merge_size=2, temporal_patch_size=2, in_channels=3,
+                           num_position_embeddings=16, deepstack_visual_indexes=[0, 1]),
+        image_token_id=Q_IMAGE, video_token_id=291, vision_start_token_id=Q_START, vision_end_token_id=Q_END)
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(cfg, attn_implementation="eager").to(torch.float64).eval()
+    return exact_norms(model)

@@ -32,6 +32,7 @@ reduced once at the end, also on a rank without sequences); see backstream/strea
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 import weakref
@@ -632,7 +633,7 @@ def _run_local(model, sequences, obj, *, block_size, batch_tokens, memory_budget
         eng.store.fill(kv, sequences, eng.num_layers, eng.device, eng.dtype)
     # the objective may read every log-prob in `setup` (sequence-level statistics, ...)
     all_lp = not backward or obj.needs_prefill_logprobs or obj.needs_router_logits
-    with use_backstream_attention(model):
+    with use_backstream_attention(model), images.feeding(model) if images is not None else contextlib.nullcontext():
         t = time.perf_counter()
         if kv is None:
             eng.prefill(obj, lps, stats, all_logprobs=all_lp)

@@ -83,7 +83,8 @@ def _reference(model, sequences, obj, across_ranks: bool = False, images=None) -
         pos = images.position_ids(i, device)
         if pos is not None:
             kw["position_ids"] = pos
-        return model(inputs_embeds=images.sequence_embeds(embed, i, seq.to(device)), use_cache=False, **kw)
+        with images.feeding(model):  # a deepstack family's second use of the image rows
+            return model(inputs_embeds=images.sequence_embeds(embed, i, seq.to(device)), use_cache=False, **kw)
 
     def views(grad: bool):
         for i, (seq, act) in enumerate(zip(sequences, active)):

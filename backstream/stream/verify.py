@@ -360,7 +360,7 @@ def image_inputs(mini: nn.Module) -> tuple[dict, list[Tensor]]:
         try:
             with keep_float64(), torch.no_grad():
                 rest = {k: v for k, v in inputs.items() if k != "pixel_values"}
-                return inputs, vision.encode(mini, inputs["pixel_values"], **rest)
+                return inputs, vision.tower(mini, inputs["pixel_values"], **rest)[0]
         except ModelContractError:
             raise
         except Exception as e:  # noqa: BLE001  (the next layout, or the first layout's error)

@@ -20,7 +20,13 @@ reaching them is added into gE [R, H] (float32 or wider), and when every block h
 sum the full forward takes, with the tower run and backpropagated once. With the tower frozen E is a
 constant and gE is never made.
 
-`encode` and `place` build an `Images` from pixels with the model's own `get_image_features` and the
+A family whose decoder reads the image again (Qwen3-VL's deepstack: the tower's intermediate features
+D_d [R, H] added to the hidden states after decoder layer d at the image positions) holds them in
+`deep`, indexed by the same rows: while `feeding` is open, each forward of the text model gets its
+positions' rows of every D_d (as leaves whose gradient goes into gD_d, like E's), so a block adds them
+where the full forward does, and the tower's one backward takes (gE, gD_1, ...) together.
+
+`tower` and `place` build an `Images` from pixels with the model's own `get_image_features` and the
 placeholder token; `sequence_embeds` is the naive reference's input (one sequence, E's graph kept).
 """
 
@@ -40,7 +46,10 @@ class Images:
     embeds: Tensor
     rows: list[Tensor]
     positions: list[Tensor] | None = None
-    gE: Tensor | None = field(default=None, repr=False)  # the engine's accumulator, while it runs
+    deep: list[Tensor] = field(default_factory=list)  # deepstack levels, each [R, H] (Qwen3-VL), else empty
+    gE: Tensor | None = field(default=None, repr=False)  # the engine's accumulators, while it runs
+    gD: list[Tensor] | None = field(default=None, repr=False)
+    _pending: tuple | None = field(default=None, repr=False)  # the next text-model forward's deepstack inputs
 
     def validate(self, sequences: list[Tensor]) -> None:
         """Shapes and ranges against the sequences; a clear error naming the argument otherwise."""
@@ -51,6 +60,10 @@ class Images:
             raise UserError(f"images.rows: expected one tensor per sequence ({len(sequences)}), got "
                             f"{len(self.rows) if isinstance(self.rows, (list, tuple)) else type(self.rows).__name__}")
         R = self.embeds.shape[0]
+        for d, D in enumerate(self.deep):
+            if not isinstance(D, Tensor) or D.shape != self.embeds.shape:
+                raise UserError(f"images.deep[{d}]: expected a tensor of images.embeds' shape "
+                                f"{tuple(self.embeds.shape)}, got {getattr(D, 'shape', type(D).__name__)}")
         for i, (r, s) in enumerate(zip(self.rows, sequences)):
             if not isinstance(r, Tensor) or r.shape != s.shape or r.dtype.is_floating_point:
                 raise UserError(f"images.rows[{i}]: expected an integer tensor of sequences[{i}]'s shape "
@@ -76,45 +89,83 @@ class Images:
 
     def block_embeds(self, embed: nn.Module, ids: Tensor, hooks: list) -> Tensor:
         """inputs_embeds [B, Q, H] of a block batch whose ids hold virtual image tokens: their rows of E
-        as a leaf (when a gradient is taken and the tower trains) whose gradient goes into gE."""
+        as a leaf (when a gradient is taken and the tower trains) whose gradient goes into gE; the rows
+        of each deepstack level likewise, for the text model's forward (`feeding`)."""
         img = ids < 0
         out = embed(ids.clamp_min(0))
+        self._pending = None
         if not bool(img.any()):
             return out
         rows = (-ids[img] - 1).to(self.embeds.device)
-        e = self.embeds.detach()[rows].to(out.dtype)
-        if self.gE is not None and torch.is_grad_enabled():
-            e.requires_grad_(True)
-            gE = self.gE
-
-            def deposit(x: Tensor) -> None:
-                gE.index_add_(0, rows, x.grad.to(gE.dtype))
-                x.grad = None
-
-            hooks.append(e.register_post_accumulate_grad_hook(deposit))
+        e = _leaf(self.embeds, rows, out.dtype, self.gE, hooks)
+        if self.deep:
+            gD = self.gD or [None] * len(self.deep)
+            self._pending = (img, [_leaf(D, rows, out.dtype, g, hooks) for D, g in zip(self.deep, gD)])
         return out.masked_scatter(img[..., None].to(out.device), e.to(out.device))
 
     def start(self) -> None:
-        """Before the backward: gE when the tower trains."""
+        """Before the backward: gE (and each gD_d) when the tower trains."""
+        def zeros(t: Tensor) -> Tensor:
+            return torch.zeros(t.shape, dtype=torch.promote_types(t.dtype, torch.float32), device=t.device)
+
         if self.embeds.requires_grad:
-            self.gE = torch.zeros(self.embeds.shape, dtype=torch.promote_types(self.embeds.dtype, torch.float32),
-                                  device=self.embeds.device)
+            self.gE = zeros(self.embeds)
+            self.gD = [zeros(D) for D in self.deep]
 
     def finish(self) -> None:
-        """After every block: the tower's backward, once."""
-        gE, self.gE = self.gE, None
-        if gE is not None and bool(gE.any()):
-            torch.autograd.backward(self.embeds, gE.to(self.embeds.dtype))
+        """After every block: the tower's backward, once, from E and every deepstack level together."""
+        gE, gD, self.gE, self.gD = self.gE, self.gD or [], None, None
+        outs = [(t, g) for t, g in zip([self.embeds, *self.deep], [gE, *gD]) if g is not None and t.requires_grad]
+        outs = [(t, g) for t, g in outs if bool(g.any())]
+        if outs:
+            torch.autograd.backward([t for t, _ in outs], [g.to(t.dtype) for t, g in outs])
 
     def sequence_embeds(self, embed: nn.Module, i: int, seq: Tensor) -> Tensor:
         """The naive reference's inputs_embeds [1, L, H] of sequence i: E's rows with their graph."""
         r = self.rows[i].to(seq.device)
         out = embed(seq[None])
         img = r >= 0
+        self._pending = None
         if not bool(img.any()):
             return out
-        e = self.embeds[r[img].to(self.embeds.device)].to(out.device, out.dtype)
-        return out.masked_scatter(img[None, :, None], e)
+        rows = r[img].to(self.embeds.device)
+        if self.deep:
+            self._pending = (img[None], [D[rows] for D in self.deep])
+        return out.masked_scatter(img[None, :, None], self.embeds[rows].to(out.device, out.dtype))
+
+    @contextlib.contextmanager
+    def feeding(self, model: nn.Module):
+        """While open, each forward of the text model takes the deepstack rows of the positions its input
+        embeddings were just made for (`block_embeds`, `sequence_embeds`, `reading`) as its
+        `visual_pos_masks` / `deepstack_visual_embeds`; nothing for a family without them."""
+        if not self.deep:
+            yield self
+            return
+        from backstream.stream.family import Unsupported  # noqa: PLC0415
+        from backstream.stream.hf import base_model  # noqa: PLC0415
+
+        text = getattr(getattr(base_model(model), "model", None), "language_model", None)
+        import inspect  # noqa: PLC0415
+
+        takes = inspect.signature(text.forward).parameters if isinstance(text, nn.Module) else {}
+        if "deepstack_visual_embeds" not in takes:
+            raise Unsupported(f"model: {type(base_model(model)).__name__}'s tower gives deepstack features, but its "
+                              "text model takes no deepstack_visual_embeds; the engine cannot place them")
+
+        def before(module, args, kwargs):
+            p, self._pending = self._pending, None
+            if p is not None:
+                h = kwargs.get("inputs_embeds")
+                kwargs["visual_pos_masks"] = p[0].to(h.device if h is not None else p[0].device)
+                kwargs["deepstack_visual_embeds"] = list(p[1])
+            return args, kwargs
+
+        hook = text.register_forward_pre_hook(before, with_kwargs=True)
+        try:
+            yield self
+        finally:
+            hook.remove()
+            self._pending = None
 
     @contextlib.contextmanager
     def reading(self, model: nn.Module):
@@ -129,14 +180,19 @@ class Images:
         def after(module, args, out):
             ids = fed.pop()
             img = ids < 0
+            self._pending = None
             if not bool(img.any()):
                 return out
-            e = self.embeds.detach()[(-ids[img] - 1).to(self.embeds.device)].to(out.device, out.dtype)
+            rows = (-ids[img] - 1).to(self.embeds.device)
+            if self.deep:
+                self._pending = (img, [D.detach()[rows] for D in self.deep])
+            e = self.embeds.detach()[rows].to(out.device, out.dtype)
             return out.masked_scatter(img[..., None].to(out.device), e)
 
         hooks = [embed.register_forward_pre_hook(before), embed.register_forward_hook(after)]
         try:
-            yield self
+            with self.feeding(model):
+                yield self
         finally:
             for h in hooks:
                 h.remove()
@@ -146,33 +202,61 @@ class Images:
         return None if self.positions is None else self.positions[i][:, None].to(device)
 
 
-def encode(model: nn.Module, pixel_values: Tensor, **kwargs) -> list[Tensor]:
-    """The vision tower's output rows of each image ([n_k, H] per image, after the projector): the
+def _leaf(src: Tensor, rows: Tensor, dtype, acc: Tensor | None, hooks: list) -> Tensor:
+    """`src`'s `rows` without their graph; a leaf whose gradient is added into `acc` at `rows` when
+    `acc` is given and a gradient is taken."""
+    e = src.detach()[rows].to(dtype)
+    if acc is not None and torch.is_grad_enabled():
+        e.requires_grad_(True)
+
+        def deposit(x: Tensor) -> None:
+            acc.index_add_(0, rows, x.grad.to(acc.dtype))
+            x.grad = None
+
+        hooks.append(e.register_post_accumulate_grad_hook(deposit))
+    return e
+
+
+def tower(model: nn.Module, pixel_values: Tensor, **kwargs) -> tuple[list[Tensor], list[Tensor] | None]:
+    """The vision tower's output rows of each image ([n_k, H] per image, after the projector) and, for a
+    deepstack family (Qwen3-VL), each image's deepstack features [levels, n_k, H] (else None): the
     model's own `get_image_features` (transformers' VLM API), run once."""
-    from backstream.stream.family import Unsupported, check_image_attention  # noqa: PLC0415
+    from backstream.stream.family import check_image_attention  # noqa: PLC0415
     from backstream.stream.hf import base_model  # noqa: PLC0415
 
-    base = base_model(model)
     check_image_attention(model)
-    out = base.get_image_features(pixel_values=pixel_values, return_dict=True, **kwargs)
-    if getattr(out, "deepstack_features", None):
-        # Qwen3-VL: the tower's intermediate features are added to the hidden states of the first decoder
-        # layers at the image positions, a second use of the image the rows of E do not carry
-        raise Unsupported(
-            f"model: {type(base).__name__} adds the vision tower's deepstack features to the hidden states of its "
-            f"first {len(out.deepstack_features)} decoder layer(s) at the image positions; the engine feeds an image "
-            "only as the decoder's input rows, so its gradient would differ (docs/design.md §2c); the reference "
-            "backward feeds it the same way. Train this model on text only")
+    out = base_model(model).get_image_features(pixel_values=pixel_values, return_dict=True, **kwargs)
     feats = out.pooler_output if hasattr(out, "pooler_output") else out
-    return list(feats) if isinstance(feats, (list, tuple)) else list(feats.unbind(0))
+    feats = list(feats) if isinstance(feats, (list, tuple)) else list(feats.unbind(0))
+    levels = getattr(out, "deepstack_features", None)
+    if not levels:
+        return feats, None
+    # per level, the images' rows (a tuple per image, or one flat tensor split as the features are)
+    sizes = [f.reshape(-1, f.shape[-1]).shape[0] for f in feats]
+    per_level = [list(lv) if isinstance(lv, (list, tuple)) else list(lv.split(sizes)) for lv in levels]
+    return feats, [torch.stack([lv[k].reshape(-1, lv[k].shape[-1]) for lv in per_level]) for k in range(len(feats))]
+
+
+def encode(model: nn.Module, pixel_values: Tensor, **kwargs) -> list[Tensor]:
+    """`tower`'s rows of each image, for a family without deepstack features (whose rows would be
+    dropped here: `tower` and `place(deep=)` carry them)."""
+    from backstream.stream.family import Unsupported  # noqa: PLC0415
+    from backstream.stream.hf import base_model  # noqa: PLC0415
+
+    feats, deep = tower(model, pixel_values, **kwargs)
+    if deep is not None:
+        raise Unsupported(f"model: {type(base_model(model)).__name__} adds the vision tower's deepstack features "
+                          "to its first decoder layers; take them with vision.tower and pass place(deep=)")
+    return feats
 
 
 def place(sequences: list[Tensor], image_token_id: int, features: list[Tensor], images_of: list[list[int]],
-          positions: list[Tensor] | None = None) -> Images:
+          positions: list[Tensor] | None = None, deep: list[Tensor] | None = None) -> Images:
     """`Images` for sequences whose image placeholders (`image_token_id`) read the rows of
     `features` (one [n_k, H] per unique image) in order: `images_of[i]` are the images of sequence i,
     in the order its placeholders appear (the first ones: a placeholder id the policy sampled after
-    them is a token). An image used by several sequences (a group's prompt) is one set of rows."""
+    them is a token). An image used by several sequences (a group's prompt) is one set of rows.
+    `deep`: each image's deepstack features [levels, n_k, H] (`tower`), for a family that has them."""
     if len(images_of) != len(sequences):
         raise UserError(f"images_of: expected one list per sequence ({len(sequences)}), got {len(images_of)}")
     starts, at = [], 0
@@ -193,7 +277,12 @@ def place(sequences: list[Tensor], image_token_id: int, features: list[Tensor], 
             r[slots.cpu()] = torch.cat([torch.arange(starts[k], starts[k] + features[k].shape[0]) for k in ks])
         rows.append(r)
     embeds = torch.cat(features) if features else torch.zeros(0, 1)
-    return Images(embeds, rows, positions)
+    levels = []
+    if deep is not None and features:
+        if len(deep) != len(features) or any(d.dim() != 3 or d.shape[1:] != f.shape for d, f in zip(deep, features)):
+            raise UserError("deep: expected one [levels, n_k, H] tensor per image, matching its features")
+        levels = list(torch.cat(deep, dim=1).unbind(0))
+    return Images(embeds, rows, positions, deep=levels)
 
 
 # -- pictures: images as a run holds them, encoded once per round -------------------------------------
@@ -211,6 +300,7 @@ class Picture:
     tokens: int
     embeds: Tensor | None = field(default=None, repr=False)
     calls: int = 0
+    deep: Tensor | None = field(default=None, repr=False)  # a deepstack family's [levels, tokens, H], with embeds
 
     def fresh(self) -> Picture:
         """The same image with nothing encoded: what a round starts from (one round's embeddings are
@@ -237,13 +327,14 @@ def tower_trains(model: nn.Module) -> bool:
                for p in m.parameters(recurse=False))
 
 
-def encode_pictures(model: nn.Module, pictures: list[Picture], grad: bool) -> list[Tensor]:
+def encode_pictures(model: nn.Module, pictures: list[Picture], grad: bool) -> tuple[list[Tensor], list[Tensor] | None]:
     """The tower's output rows of each picture, one forward over all of them (their inputs concatenated
-    along the first dimension, as a processor batches images): with its graph when `grad`, else
-    without one and kept as `Picture.embeds`. A picture whose rows do not match its placeholder count
-    is an error naming the family's mismatch, never a shifted image."""
+    along the first dimension, as a processor batches images), and their deepstack features where the
+    family has them (`tower`): with the graph when `grad`, else without one and kept as
+    `Picture.embeds` / `Picture.deep`. A picture whose rows do not match its placeholder count is an
+    error naming the family's mismatch, never a shifted image."""
     if not pictures:
-        return []
+        return [], None
     keys = list(pictures[0].inputs)
     device = next(model.parameters()).device
     batch = {k: torch.cat([p.inputs[k] for p in pictures]).to(device) for k in keys}
@@ -251,11 +342,14 @@ def encode_pictures(model: nn.Module, pictures: list[Picture], grad: bool) -> li
     if pv.is_floating_point():
         pv = pv.to(next(model.parameters()).dtype)
     with torch.set_grad_enabled(grad):
-        feats = encode(model, pv, **batch)
+        feats, deep = tower(model, pv, **batch)
     from backstream.stream.hf import base_model  # noqa: PLC0415
 
     if len(feats) != len(pictures):  # a family whose features come flat: split by the placeholder counts
-        feats = list(torch.cat([f.reshape(-1, f.shape[-1]) for f in feats]).split([p.tokens for p in pictures]))
+        sizes = [p.tokens for p in pictures]
+        feats = list(torch.cat([f.reshape(-1, f.shape[-1]) for f in feats]).split(sizes))
+        if deep is not None:
+            deep = list(torch.cat(deep, dim=1).split(sizes, dim=1))
     width = base_model(model).get_input_embeddings().embedding_dim
     for p, f in zip(pictures, feats):
         p.calls += 1
@@ -266,9 +360,10 @@ def encode_pictures(model: nn.Module, pictures: list[Picture], grad: bool) -> li
             raise UserError(f"images: the vision tower gave {f.shape[0]} rows for an image its processor expanded "
                             f"into {p.tokens} placeholder tokens; the processor and the model disagree (load both "
                             "from the same folder)")
-        if not grad:
-            p.embeds = f
-    return feats
+    if not grad:
+        for k, (p, f) in enumerate(zip(pictures, feats)):
+            p.embeds, p.deep = f, None if deep is None else deep[k]
+    return feats, deep
 
 
 def image_token(model: nn.Module) -> int:
@@ -328,14 +423,15 @@ def images_for(model: nn.Module, seqs: list[Tensor], pictures_of: list[list[Pict
     pics = unique(pictures_of)
     index = {p.digest: k for k, p in enumerate(pics)}
     if grad:
-        feats = encode_pictures(model, pics, grad=True)
+        feats, deep = encode_pictures(model, pics, grad=True)
     else:
         encode_pictures(model, [p for p in pics if p.embeds is None], grad=False)
         feats = [p.embeds for p in pics]
+        deep = [p.deep for p in pics] if pics[0].deep is not None else None
     positions = None
     if _rope_index(model) is not None:
         positions = [rope_positions(model, s, ps, tid) for s, ps in zip(seqs, pictures_of)]
-    return place(seqs, tid, feats, [[index[p.digest] for p in ps] for ps in pictures_of], positions)
+    return place(seqs, tid, feats, [[index[p.digest] for p in ps] for ps in pictures_of], positions, deep=deep)
 
 
 VISION_KEYS = ("vision/images", "vision/encoder_calls", "vision/image_tokens")

@@ -1,14 +1,14 @@
-"""Images through the RL loop's own parts (issue 53), in float64 on the LLaVA and Qwen2-VL miniatures:
-the local sampler prefills a group's prompt with its image once, at the family's positions, and its
-log-probs equal the learner's (the streamed engine's) on the same sequences; each distinct image is
-encoded once a round (the learner reuses a frozen tower's embeddings); the engine wrappers of the
-trainer (rl/update/backward.py) give the same gradient streamed and by the reference, the tower frozen
-and trained; a sampled placeholder id is a token, not an image."""
+"""Images through the RL loop's own parts (issue 53), in float64 on the LLaVA, Qwen2-VL and Qwen3-VL
+(deepstack) miniatures: the local sampler prefills a group's prompt with its image once, at the family's
+positions, and its log-probs equal the learner's (the streamed engine's) on the same sequences; each
+distinct image is encoded once a round (the learner reuses a frozen tower's embeddings); the engine
+wrappers of the trainer (rl/update/backward.py) give the same gradient streamed and by the reference,
+the tower frozen and trained; a sampled placeholder id is a token, not an image."""
 
 import pytest
 import torch
 from helpers import relative_errors
-from vlm_miniatures import IMAGE, N_IMG, Q_END, Q_IMAGE, Q_START, llava, qwen2_vl
+from vlm_miniatures import IMAGE, N_IMG, Q_END, Q_IMAGE, Q_START, llava, qwen2_vl, qwen3_vl
 
 from backstream.rl.backends.base import SamplingParams
 from backstream.rl.backends.local import decode as D
@@ -19,13 +19,14 @@ from backstream.stream import vision
 from backstream.stream.engine import logprobs
 from backstream.stream.miniature import keep_float64
 
-FAMILIES = {"llava": llava, "qwen2_vl": qwen2_vl}
+FAMILIES = {"llava": llava, "qwen2_vl": qwen2_vl, "qwen3_vl": qwen3_vl}  # qwen3_vl: deepstack
 
 
 def picture(family: str, seed: int) -> vision.Picture:
     g = torch.Generator().manual_seed(seed)
-    if family == "qwen2_vl":
-        return vision.Picture(f"img{seed}", {"pixel_values": torch.randn(16, 1176, generator=g, dtype=torch.float64),
+    if family != "llava":  # 16 patches of 2 frames x 3 channels x 14 (Qwen2-VL) or 16 (Qwen3-VL) px squared
+        width = 3 * 2 * (14 if family == "qwen2_vl" else 16) ** 2
+        return vision.Picture(f"img{seed}", {"pixel_values": torch.randn(16, width, generator=g, dtype=torch.float64),
                                              "image_grid_thw": torch.tensor([[1, 4, 4]])}, 4)
     return vision.Picture(f"img{seed}", {"pixel_values": torch.randn(1, 3, 56, 56, generator=g, dtype=torch.float64)},
                           N_IMG)
@@ -36,7 +37,7 @@ def prompts_of(family: str) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(3)
     ids = lambda n: torch.randint(5, 250, (n,), generator=g)  # noqa: E731
     img = (torch.cat([torch.tensor([Q_START]), torch.full((4,), Q_IMAGE), torch.tensor([Q_END])])
-           if family == "qwen2_vl" else torch.full((N_IMG,), IMAGE))
+           if family != "llava" else torch.full((N_IMG,), IMAGE))
     p = torch.cat([ids(5), img, ids(4)])
     return [p, p.clone()]
 

@@ -6,19 +6,21 @@ trained and frozen, on a group of G = 4 after a prompt with an image plus a seco
 differs but whose placeholder ids are the same (the tree must not merge them); the engine never runs
 the tower, whose output is backpropagated once. Then `verify(model_type, images=True)` on a few of
 transformers' own families: exact where the contract covers the family, refused by name where it
-uses the image beyond the decoder's input rows (Gemma 3's bidirectional image attention, Qwen3-VL's
-deepstack)."""
+uses the image beyond the decoder's input rows (Gemma 3's bidirectional image attention). Qwen3-VL's
+deepstack (the tower's features added again after its first decoder layers) is streamed exactly, and
+dropping it is caught."""
 
 import re
 
 import pytest
 import torch
 from helpers import relative_errors
-from vlm_miniatures import IMAGE, N_IMG, Q_END, Q_IMAGE, Q_START, Q_THW, llava, qwen2_vl
+from vlm_miniatures import IMAGE, N_IMG, Q3_THW, Q_END, Q_IMAGE, Q_START, Q_THW, llava, qwen2_vl, qwen3_vl
 
 from backstream import reference_backward, stream_backward
 from backstream.checks import UserError
 from backstream.stream import vision
+from backstream.stream.family import Unsupported
 from backstream.stream.miniature import keep_float64
 from backstream.stream.verify import Verdict, verify
 
@@ -129,11 +131,9 @@ def test_bad_images_are_refused_by_name():
         reference_backward(model, seqs, weights, images=images)
 
 
-def test_mrope_positions_streamed_exactly_against_the_models_own_forward():
-    """Qwen2-VL: the positions are the model's own `get_rope_index` (text after the image continues at
-    its max + 1); the stream with them equals the model's own forward from pixels at blocks 1, 3, 16."""
-    model = qwen2_vl()
-    g = torch.Generator().manual_seed(0)
+def qwen_group(g):
+    """A Qwen-VL prompt (text, vision start, 4 image placeholders, vision end, text) with G = 4 responses,
+    loss on the responses only."""
     ids = lambda n: torch.randint(5, 250, (n,), generator=g)  # noqa: E731
     prompt = torch.cat([ids(5), torch.tensor([Q_START]), torch.full((4,), Q_IMAGE), torch.tensor([Q_END]), ids(4)])
     seqs = [torch.cat([prompt, ids(n)]) for n in (7, 12, 3, 9)]
@@ -142,6 +142,15 @@ def test_mrope_positions_streamed_exactly_against_the_models_own_forward():
         w = torch.randn(len(s), generator=g, dtype=torch.float64)
         w[: len(prompt)] = 0
         weights.append(w)
+    return seqs, weights
+
+
+def test_mrope_positions_streamed_exactly_against_the_models_own_forward():
+    """Qwen2-VL: the positions are the model's own `get_rope_index` (text after the image continues at
+    its max + 1); the stream with them equals the model's own forward from pixels at blocks 1, 3, 16."""
+    model = qwen2_vl()
+    g = torch.Generator().manual_seed(0)
+    seqs, weights = qwen_group(g)
     pixels = torch.randn(16, 3 * 2 * 14 * 14, generator=g, dtype=torch.float64)
     with keep_float64():
         kinds = [(s == Q_IMAGE).int()[None] for s in seqs]
@@ -171,6 +180,54 @@ def test_mrope_positions_streamed_exactly_against_the_models_own_forward():
         stream_backward(model, seqs, weights, images=vision.place(seqs, Q_IMAGE, feats, [[0]] * 4, positions=bad))
 
 
+@pytest.mark.parametrize("tower", ["trained", "frozen"])
+def test_deepstack_streamed_exactly_against_the_models_own_forward(tower):
+    """Qwen3-VL: the tower's deepstack features go into the hidden states after decoder layers 0 and 1
+    at the image positions; the stream (through `images_for`, the tower run once) equals the model's own
+    forward from pixels at blocks 1, 3, 16, the tower's gradient included, and the same rows without
+    their deepstack levels do not (the check can fail)."""
+    model = qwen3_vl()
+    if tower == "frozen":
+        model.model.visual.requires_grad_(False)
+    g = torch.Generator().manual_seed(0)
+    seqs, weights = qwen_group(g)
+    pic = vision.Picture("p", {"pixel_values": torch.randn(16, 3 * 2 * 16 * 16, generator=g, dtype=torch.float64),
+                               "image_grid_thw": Q3_THW}, 4)
+    with keep_float64():
+        model.zero_grad(set_to_none=True)
+        total = 0
+        for s, w in zip(seqs, weights):
+            logits = model(input_ids=s[None], **pic.inputs, mm_token_type_ids=(s == Q_IMAGE).int()[None]).logits
+            total = total + (logits[0, :-1].log_softmax(-1).gather(-1, s[1:, None])[:, 0] * w[1:]).sum()
+        total.backward()
+        own = grads(model)
+        assert any("visual.deepstack_merger_list.1" in n for n in own) == (tower == "trained")
+        calls = []
+        handle = model.model.visual.register_forward_hook(lambda *a: calls.append(1))
+        for block in (1, 3, 16):
+            model.zero_grad(set_to_none=True)
+            calls.clear()
+            images = vision.images_for(model, seqs, [[pic.fresh()]] * 4, grad=tower == "trained")
+            assert len(images.deep) == 2 and images.deep[0].shape == (4, 32)
+            stream_backward(model, seqs, weights, block_size=block, images=images)
+            assert len(calls) == 1
+            g_stream = grads(model)
+            assert g_stream.keys() == own.keys()
+            for n, err in relative_errors(g_stream, own).items():
+                assert err <= 1e-10, f"block {block}: {n}: {err:.3g}"
+        handle.remove()
+        model.zero_grad(set_to_none=True)
+        images = vision.images_for(model, seqs, [[pic.fresh()]] * 4, grad=tower == "trained")
+        images.deep = []
+        stream_backward(model, seqs, weights, block_size=3, images=images)
+        assert max(relative_errors(grads(model), own).values()) > 1e-3
+    feats, deep = vision.tower(model, pic.inputs["pixel_values"], image_grid_thw=Q3_THW)
+    with pytest.raises(Unsupported, match=r"deepstack features .* vision.tower and pass place\(deep=\)"):
+        vision.encode(model, pic.inputs["pixel_values"], image_grid_thw=Q3_THW)
+    with pytest.raises(UserError, match=r"^deep: expected one \[levels, n_k, H\] tensor per image"):
+        vision.place(seqs, Q_IMAGE, feats, [[0]] * 4, deep=[deep[0][:, :2]])
+
+
 # -- `verify` with an image on transformers' own families (scripts/verify_vlm_families.py sweeps them all)
 
 
@@ -180,6 +237,7 @@ def test_mrope_positions_streamed_exactly_against_the_models_own_forward():
     ("idefics3", False),  # a batch of one image [1, 1, C, S, S], pixel shuffle
     ("internvl", True),  # [height, width] image and patch sizes; the tower frozen
     ("lfm2_vl", False),  # a SigLIP-2 NaFlex tower: flattened patches, spatial_shapes
+    ("qwen3_vl", False),  # deepstack: the tower's features added again after the first decoder layers
 ])
 def test_verify_with_an_image_is_exact(model_type, frozen):
     rep = verify(model_type, images=True, freeze_vision=frozen)
@@ -191,7 +249,6 @@ def test_verify_with_an_image_is_exact(model_type, frozen):
 
 @pytest.mark.parametrize("model_type, reason", [
     ("gemma3", r"image tokens attend to each other both ways"),  # its bidirectional mask over each image
-    ("qwen3_vl", r"deepstack features to the hidden states of its first 1 decoder layer"),
 ])
 def test_verify_refuses_a_family_that_uses_the_image_beyond_the_contract(model_type, reason):
     rep = verify(model_type, images=True)
