@@ -34,6 +34,7 @@ from backstream.metrics import Progress, check_backends
 from backstream.quant.linear import quant_linears, quantize_model
 from backstream.rl.backends import build_backend
 from backstream.rl.backends.base import Reporter, Sampling
+from backstream.rl.data.images import Pictures
 from backstream.rl.data.prompts import PromptStream, encode_and_render
 from backstream.rl.parallel import collectives, dataparallel
 from backstream.rl.policy import eos_ids, reference_policy, tokenizer_of
@@ -94,7 +95,7 @@ def build(cfg: RunConfig, run_dir: str, *, model=None, tokenizer=None, sampling:
     check_backends(tc.log_tensorboard, tc.log_wandb)
     dp = dataparallel.start(cfg.distributed, device=device, seed=tc.seed, minibatches=cfg.update.minibatches,
                         reuse_kv=cfg.engine.reuse_rollout_kv)
-    images = cfg.data.holds_images()
+    images = cfg.data.holds_images() or (cfg.env.enabled and cfg.env.images)
     if images:
         check_images(cfg)
     policy, tok = build_policy(cfg, model, tokenizer, images)
@@ -115,13 +116,14 @@ def check_images(cfg: RunConfig) -> None:
     """What a run with images in its prompts cannot do yet (docs/vision.md), refused by name before
     anything starts."""
     refused = {"rollout.backend = \"vllm\"": cfg.rollout.backend == "vllm",
-               "an environment (env.factory) or agent program (env.program)": bool(cfg.env.factory or cfg.env.program),
+               "an agent program (env.agent, env.agent_command)": cfg.env.program,
                "engine.reuse_rollout_kv = true": cfg.engine.reuse_rollout_kv,
                "[distributed] (torchrun)": collectives.requested_world() not in (None, 1)}
     for what, on in refused.items():
         if on:
-            raise UserError(f"data: the prompts hold images, and images are not yet supported with {what}; "
-                            "sample with rollout.backend = \"local\" in one process, single-turn (docs/vision.md)")
+            raise UserError(f"data: the prompts (or env.images' episodes) hold images, and images are not yet "
+                            f"supported with {what}; sample with rollout.backend = \"local\" in one process "
+                            "(docs/vision.md)")
 
 
 def build_policy(cfg: RunConfig, model=None, tokenizer=None, images: bool = False):
@@ -154,6 +156,7 @@ def _build(cfg: RunConfig, run_dir: str, dp, device, model, tok, processor, exam
     context = getattr(model.config, "max_position_embeddings", None)
     samplers: list[Sampler] = []
     image_id = image_token(model) if processor is not None else None
+    vision = None if processor is None else Pictures(processor, image_id, base_model(model).config)
 
     def sampler_for(rows: list[dict], k: int, return_kv: bool = False):
         """The run's kind of sampler over `rows` (the training data, or the evaluation's), k samples per
@@ -163,7 +166,7 @@ def _build(cfg: RunConfig, run_dir: str, dp, device, model, tok, processor, exam
         sampler, environment = build_sampler(cfg.env, ro.sampling(), k, tokenizer=tok, eos=eos, context=context,
                                              backend=sampling.backend, examples=rows, prompts=prompts,
                                              prompt_text=text, return_kv=return_kv, closing=closing,
-                                             pictures=pictures)
+                                             pictures=pictures, vision=vision)
         samplers.append(sampler)
         return sampler, environment
 

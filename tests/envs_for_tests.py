@@ -240,3 +240,60 @@ class OwnsItsData:
 
     def get_reward(self) -> float:
         return float(self.level)
+
+
+def _screen(k: int):
+    """Screen k: a seeded 56 x 56 picture (the tiny VLM's size: 4 image tokens)."""
+    import random
+
+    from backstream.rl.data.shapes import draw
+
+    return draw(random.Random(k))[0]
+
+
+class Screens:
+    """A screenshot environment (issue 54): tools that return images, alone, beside text, or broken."""
+
+    def reset(self, **row):
+        self.looked = 0
+        return None
+
+    def look(self, k: int):
+        """The screen k.
+
+        Args:
+            k: Which screen.
+        """
+        self.looked += 1
+        return _screen(k)
+
+    def peek(self, k: int) -> dict:
+        """Screen k and a caption.
+
+        Args:
+            k: Which screen.
+        """
+        return {"image": _screen(k), "text": f"screen {k}"}
+
+    def broken(self, k: int) -> dict:
+        """An image that does not decode.
+
+        Args:
+            k: Anything.
+        """
+        return {"image": b"not an image at all", "text": "x"}
+
+    def get_reward(self) -> float:
+        return float(self.looked)
+
+
+class ScreensTalk:
+    """A text environment whose next user message is a screenshot, twice (the text hook)."""
+
+    def reset(self, **row):
+        self.turns = 0
+        return None
+
+    def env_response(self, text: str):
+        self.turns += 1
+        return {"image": _screen(self.turns), "text": "again"} if self.turns <= 2 else None

@@ -216,7 +216,7 @@ class ScriptedBackend(LocalBackend):
         super().__init__(config, eos, tok)
         self.state = state
 
-    def decode_rows(self, model, rows, generators, keep_last, budgets):
+    def decode_rows(self, model, rows, generators, keep_last, budgets, shift=None):
         B, qs, state = len(rows.lengths), self.state["queues"], self.state
         if not any(q for q in qs[: state["next"]]):
             episodes = list(range(state["next"], state["next"] + B))  # first turns
@@ -234,7 +234,7 @@ class ScriptedBackend(LocalBackend):
             return toks, lp.gather(-1, toks[:, None])[:, 0]
 
         return D.decode(model, rows, self.config, self.eos, self.tok, generators, keep_last, budgets,
-                        keep_kv=True, finished=live.remove, choose=choose)
+                        keep_kv=True, finished=live.remove, choose=choose, shift=shift)
 
 
 def scripted_turns():

@@ -47,3 +47,12 @@ def count_digits_any(completions, **kwargs):
     """count_digits over a completion's text, or over the contents of an episode's messages."""
     texts = [c if isinstance(c, str) else "".join(str(m.get("content") or "") for m in c) for c in completions]
     return count_digits(texts)
+
+
+def hash_turns(completions, **kwargs):
+    """A hash of an episode's turns (its assistant messages) in [0, 1): different turns, different
+    rewards, so a group has advantages whatever the policy says."""
+    import zlib
+
+    return [zlib.crc32("".join(str(m.get("content") or "") for m in c if m["role"] == "assistant").encode()) / 2**32
+            for c in completions]

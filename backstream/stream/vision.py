@@ -137,18 +137,19 @@ class Images:
     def feeding(self, model: nn.Module):
         """While open, each forward of the text model takes the deepstack rows of the positions its input
         embeddings were just made for (`block_embeds`, `sequence_embeds`, `reading`) as its
-        `visual_pos_masks` / `deepstack_visual_embeds`; nothing for a family without them."""
-        if not self.deep:
-            yield self
-            return
+        `visual_pos_masks` / `deepstack_visual_embeds` (levels added to `deep` while it is open count:
+        an episode's images come as it goes); nothing for a family without them."""
+        import inspect  # noqa: PLC0415
+
         from backstream.stream.family import Unsupported  # noqa: PLC0415
         from backstream.stream.hf import base_model  # noqa: PLC0415
 
         text = getattr(getattr(base_model(model), "model", None), "language_model", None)
-        import inspect  # noqa: PLC0415
-
         takes = inspect.signature(text.forward).parameters if isinstance(text, nn.Module) else {}
-        if "deepstack_visual_embeds" not in takes:
+        if "deepstack_visual_embeds" not in takes:  # (a family without deepstack: nothing to feed)
+            if not self.deep:
+                yield self
+                return
             raise Unsupported(f"model: {type(base_model(model)).__name__}'s tower gives deepstack features, but its "
                               "text model takes no deepstack_visual_embeds; the engine cannot place them")
 
@@ -251,24 +252,25 @@ def encode(model: nn.Module, pixel_values: Tensor, **kwargs) -> list[Tensor]:
 
 
 def place(sequences: list[Tensor], image_token_id: int, features: list[Tensor], images_of: list[list[int]],
-          positions: list[Tensor] | None = None, deep: list[Tensor] | None = None) -> Images:
+          positions: list[Tensor] | None = None, deep: list[Tensor] | None = None,
+          at: list[Tensor] | None = None) -> Images:
     """`Images` for sequences whose image placeholders (`image_token_id`) read the rows of
     `features` (one [n_k, H] per unique image) in order: `images_of[i]` are the images of sequence i,
-    in the order its placeholders appear (the first ones: a placeholder id the policy sampled after
-    them is a token). An image used by several sequences (a group's prompt) is one set of rows.
-    `deep`: each image's deepstack features [levels, n_k, H] (`tower`), for a family that has them."""
+    in the order its placeholders appear. Which placeholders are images: `at[i]` (a bool mask over
+    sequence i: an episode's, where an image a tool returned comes after turns the policy sampled),
+    else the first ones (a placeholder id the policy sampled after them is a token). An image used by
+    several sequences (a group's prompt) is one set of rows. `deep`: each image's deepstack features
+    [levels, n_k, H] (`tower`), for a family that has them."""
     if len(images_of) != len(sequences):
         raise UserError(f"images_of: expected one list per sequence ({len(sequences)}), got {len(images_of)}")
-    starts, at = [], 0
+    starts, row = [], 0
     for f in features:
-        starts.append(at)
-        at += f.shape[0]
+        starts.append(row)
+        row += f.shape[0]
     rows = []
     for i, (s, ks) in enumerate(zip(sequences, images_of)):
-        slots = torch.nonzero(s == image_token_id).flatten()
         want = sum(features[k].shape[0] for k in ks)
-        # the prompt's placeholders come first; one the policy sampled later is a token like any other
-        slots = slots[:want]
+        slots = image_slots(s, image_token_id, want, None if at is None else at[i])
         if len(slots) != want:
             raise UserError(f"sequences[{i}]: {len(slots)} image placeholder tokens, but its images "
                             f"{list(ks)} have {want} rows")
@@ -283,6 +285,19 @@ def place(sequences: list[Tensor], image_token_id: int, features: list[Tensor], 
             raise UserError("deep: expected one [levels, n_k, H] tensor per image, matching its features")
         levels = list(torch.cat(deep, dim=1).unbind(0))
     return Images(embeds, rows, positions, deep=levels)
+
+
+def image_slots(seq: Tensor, image_token_id: int, want: int, at: Tensor | None = None) -> Tensor:
+    """The positions of `seq` that are images: its placeholders where `at` (a bool mask) says so, else
+    the first `want` of them (the prompt's come first; one the policy sampled later is a token). An
+    `at` that marks a position holding another id is an error, never a shifted image."""
+    if at is None:
+        return torch.nonzero(seq == image_token_id).flatten()[:want]
+    at = at.to(seq.device, torch.bool)
+    if at.shape != seq.shape or bool((seq[at] != image_token_id).any()):
+        raise UserError("at: an image mask must have the sequence's shape and mark only its image placeholder "
+                        f"tokens (id {image_token_id})")
+    return torch.nonzero(at).flatten()
 
 
 # -- pictures: images as a run holds them, encoded once per round -------------------------------------
@@ -306,6 +321,16 @@ class Picture:
         """The same image with nothing encoded: what a round starts from (one round's embeddings are
         never another's: the tower may have trained in between)."""
         return Picture(self.digest, self.inputs, self.tokens)
+
+
+class Placed(list):
+    """A sequence's pictures (a list of `Picture`, in the order of its images) with `at`, the bool mask
+    of its positions that are those images: what an episode's sampler knows, whose images a tool
+    returned after turns in which the policy may have sampled a placeholder id (`place`)."""
+
+    def __init__(self, pictures, at: Tensor):
+        super().__init__(pictures)
+        self.at = at
 
 
 def unique(pictures_of: list[list[Picture]]) -> list[Picture]:
@@ -392,9 +417,11 @@ def _rope_index(model: nn.Module):
     return None
 
 
-def rope_positions(model: nn.Module, seq: Tensor, pictures: list[Picture], image_token_id: int) -> Tensor | None:
+def rope_positions(model: nn.Module, seq: Tensor, pictures: list[Picture], image_token_id: int,
+                   at: Tensor | None = None) -> Tensor | None:
     """Sequence `seq`'s rotary positions [n, len] as the model's own `get_rope_index` computes them from
-    its placeholders and its pictures' grids (Qwen's M-RoPE); None for a family of 1-D positions."""
+    its placeholders (`image_slots`, `at`) and its pictures' grids (Qwen's M-RoPE); None for a family
+    of 1-D positions."""
     fn = _rope_index(model)
     if fn is None:
         return None
@@ -406,17 +433,18 @@ def rope_positions(model: nn.Module, seq: Tensor, pictures: list[Picture], image
         kw["image_grid_thw"] = torch.cat([p.inputs["image_grid_thw"] for p in pictures]).to(seq.device)
     if "mm_token_type_ids" in takes:  # the images' placeholders: the first ones (a sampled one is text)
         kinds = torch.zeros(len(seq), dtype=torch.int)
-        kinds[torch.nonzero(seq == image_token_id).flatten()[:sum(p.tokens for p in pictures)]] = 1
+        kinds[image_slots(seq.cpu(), image_token_id, sum(p.tokens for p in pictures), at)] = 1
         kw["mm_token_type_ids"] = kinds[None]
     pos = fn(seq[None].to("cpu", torch.long), **{k: v.cpu() for k, v in kw.items()})[0]
     return pos[:, 0].long()
 
 
-def images_for(model: nn.Module, seqs: list[Tensor], pictures_of: list[list[Picture]], grad: bool) -> Images | None:
-    """`Images` of sequences whose placeholders read `pictures_of[i]` in order (None when no sequence
-    holds an image): each distinct image encoded once, with its graph when `grad` (the tower trains),
-    else its round's embeddings reused (`Picture.embeds`, encoded now where none are); positions the
-    family's (`rope_positions`)."""
+def images_for(model: nn.Module, seqs: list[Tensor], pictures_of: list[list[Picture]], grad: bool,
+               at: list[Tensor] | None = None) -> Images | None:
+    """`Images` of sequences whose placeholders (`at`: `place`) read `pictures_of[i]` in order (None
+    when no sequence holds an image): each distinct image encoded once, with its graph when `grad` (the
+    tower trains), else its round's embeddings reused (`Picture.embeds`, encoded now where none are);
+    positions the family's (`rope_positions`)."""
     if not any(pictures_of):
         return None
     tid = image_token(model)
@@ -428,10 +456,14 @@ def images_for(model: nn.Module, seqs: list[Tensor], pictures_of: list[list[Pict
         encode_pictures(model, [p for p in pics if p.embeds is None], grad=False)
         feats = [p.embeds for p in pics]
         deep = [p.deep for p in pics] if pics[0].deep is not None else None
+    if at is None:
+        at = [getattr(ps, "at", None) for ps in pictures_of]
     positions = None
     if _rope_index(model) is not None:
-        positions = [rope_positions(model, s, ps, tid) for s, ps in zip(seqs, pictures_of)]
-    return place(seqs, tid, feats, [[index[p.digest] for p in ps] for ps in pictures_of], positions, deep=deep)
+        positions = [rope_positions(model, s, ps, tid, at[i])
+                     for i, (s, ps) in enumerate(zip(seqs, pictures_of))]
+    return place(seqs, tid, feats, [[index[p.digest] for p in ps] for ps in pictures_of], positions, deep=deep,
+                 at=at)
 
 
 VISION_KEYS = ("vision/images", "vision/encoder_calls", "vision/image_tokens")

@@ -57,20 +57,21 @@ def test_sampler_logprobs_are_the_learners(smol):
     assert gap <= 1e-4, gap
 
 
-def test_three_steps_of_chat_arith_score_above_zero(smol, tmp_path):
+def test_two_steps_of_chat_arith_score_above_zero(smol, tmp_path):
     """The built-in arith task with no file of the user's: rendered through SmolLM2's chat template
-    (data.format auto → chat) and scored by the answer in its reply (reward "answer")."""
+    (data.format auto → chat) and scored by the answer in its reply (reward "answer"); 32 samples
+    (bench/bench_real.py trains it for longer)."""
     from backstream import config
 
-    cfg = config.load(None, [f'model.name="{smol[0]}"', "train.steps=3", "train.prompts_per_step=4",
-                             "rollout.group_size=8", "rollout.max_new_tokens=32", "rollout.temperature=0.5",
+    cfg = config.load(None, [f'model.name="{smol[0]}"', "train.steps=2", "train.prompts_per_step=4",
+                             "rollout.group_size=4", "rollout.max_new_tokens=32", "rollout.temperature=0.5",
                              "loss.temperature=0.5", "optim.lr=2e-5", "train.progress=false", "train.plots=false",
                              f'train.output_dir="{tmp_path / "run"}"'])
     run = trainer.train(cfg)
     import json
 
     lines = [json.loads(x) for x in open(os.path.join(run, "metrics.jsonl")) if x.strip()]
-    assert len(lines) == 3 and sum(x["reward/mean"] for x in lines) > 0
+    assert len(lines) == 2 and sum(x["reward/mean"] for x in lines) > 0
     assert "reward/answer" in lines[0]
     saved = config.load(os.path.join(run, "config.toml"))
     assert saved.data.format == "chat" and saved.reward.functions == ["answer"]

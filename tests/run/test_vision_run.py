@@ -118,7 +118,7 @@ def test_bad_image_data_is_exit_2_naming_the_row_and_writes_no_run(tmp_path, vlm
 @pytest.mark.parametrize("setting, named", [
     ('rollout.backend="vllm"', 'rollout.backend = "vllm"'),
     ("engine.reuse_rollout_kv=true", "engine.reuse_rollout_kv = true"),
-    ('env.factory="backstream.rl.data.tasks:Calculator"', "an environment (env.factory)"),
+    ('env.agent="examples/toolcalc_agent.py:agent"', "an agent program (env.agent, env.agent_command)"),
 ])
 def test_what_images_cannot_do_yet_is_refused_by_name(tmp_path, vlm, setting, named, capsys):
     from helpers import no_run_written
@@ -126,7 +126,8 @@ def test_what_images_cannot_do_yet_is_refused_by_name(tmp_path, vlm, setting, na
     data = write(tmp_path, image_rows(tmp_path, 2))
     assert train(vlm, data, tmp_path / "run", setting) == 2
     err = capsys.readouterr().err
-    assert "the prompts hold images, and images are not yet supported with " + named in err, err
+    assert "the prompts (or env.images' episodes) hold images, and images are not yet supported with " + named \
+        in err, err
     assert no_run_written(tmp_path / "run")
 
 

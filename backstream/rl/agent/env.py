@@ -7,7 +7,8 @@ this:
   task's last user message (TRL's place), or is the whole prompt of a row without a `prompt` column
   (an environment that owns its data). Every other public method is a tool: its JSON schema comes
   from transformers' `get_json_schema` (type hints and a docstring with an Args section), its return
-  value is the tool result (text as it is, JSON where JSON encodes it, `str()` otherwise); `async def`
+  value is the tool result (text as it is, JSON where JSON encodes it, `str()` otherwise; an image, or
+  a dict with "image" and "text", is an image the policy sees: `env.images`); `async def`
   tools are awaited. An optional `get_reward() -> float` (or `async def`) is the built-in reward
   `env`, added with weight 1 when `reward.functions` does not name it. An optional
   `env_response(text) -> str | None` is no tool but the text environment's hook: called with a turn
@@ -36,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
 from backstream.checks import UserError, at_least, literals
-from backstream.rl.agent.process import EnvHandle, EnvTimeout, RemoteError, WorkerPool
+from backstream.rl.agent.process import EnvHandle, EnvTimeout, RemoteError, WorkerPool, as_result
 from backstream.usercode import load_object, where_in
 
 TEXT_HOOK = "env_response"  # the text environment's hook: not a tool
@@ -72,6 +73,11 @@ class EnvConfig:
     a family whose stock template renders earlier turns differently once a conversation goes on
     (Qwen3's drops earlier reasoning), which the start-up check refuses (an agent program's episodes
     take any template: a rewritten history is a branch). "" = the tokenizer's."""
+    images: bool = False
+    """The environment's tools (or its env_response) return images, a screenshot each turn: the policy
+    is loaded as a vision-language model (its image-text class and processor) even where the data holds
+    none. A tool result is an image when it is a PIL image, a dict with "image" (or "images") beside
+    its "text", or a list of images and text parts; with images in the data this is implied."""
     agent: str = ""
     """An agent program to train, "file.py:function" or "module:function": called per episode as
     function(base_url, api_key, model, row) (sync or async) against the run's OpenAI-compatible
@@ -142,6 +148,7 @@ class ToolResult(NamedTuple):
     seconds: float
     length: int  # characters of the whole result (more than len(content) when the worker cut it)
     timed_out: bool = False  # the environment was discarded: its episode ends here
+    images: tuple = ()  # the images it returned, encoded (process.py `as_result`): a screenshot
 
 
 class Environment:
@@ -207,17 +214,18 @@ class Environment:
             return ToolResult(f"error: unknown tool {call.name!r}; the tools are {self.tool_names}", True, 0.0, 0)
         t = time.perf_counter()
         try:
-            text, length = env.tool(call.name, call.arguments, self.cfg.max_result_tokens * CHARS_PER_TOKEN)
+            text, length, images = env.tool(call.name, call.arguments, self.cfg.max_result_tokens * CHARS_PER_TOKEN)
         except EnvTimeout:
             return ToolResult(f"error: {call.name} did not return within env.tool_timeout_s={self.cfg.tool_timeout_s}",
                               True, time.perf_counter() - t, 0, timed_out=True)
         except RemoteError as e:
             return ToolResult(f"error: {call.name} raised {e.short}", True, time.perf_counter() - t, 0)
-        return ToolResult(text, False, time.perf_counter() - t, length)
+        return ToolResult(text, False, time.perf_counter() - t, length, images=tuple(images))
 
     def respond(self, env: EnvHandle, text: str) -> tuple[str | None, bool]:
         """The text environment's next user message after a turn without a tool call (None: the end),
-        and whether the hook overran its time (the environment is then discarded)."""
+        and whether the hook overran its time (the environment is then discarded). A message with
+        images comes as (its text, its images encoded) in place of the text (process.py `as_result`)."""
         if not self.has_response:
             return None, False
         try:
@@ -226,10 +234,17 @@ class Environment:
             return None, True
         except RemoteError as e:
             raise EnvError(f"env.factory: {self.name}.{TEXT_HOOK} raised: {e}") from None
-        if out is not None and not isinstance(out, str):
+        if out is None or isinstance(out, str):
+            return out, False
+        try:
+            text, images = as_result(out)
+        except TypeError as e:
+            raise EnvError(f"env.factory: {self.name}.{TEXT_HOOK}: {e}") from None
+        if not images:
             raise EnvError(f"env.factory: {self.name}.{TEXT_HOOK} returned a {type(out).__name__}; expected the "
-                           "next user message (text) or None to end the episode")
-        return out, False
+                           "next user message (text, or an image or a dict with \"image\" and \"text\") or None "
+                           "to end the episode")
+        return (text, images), False
 
     def close(self) -> None:
         self.pool.close()

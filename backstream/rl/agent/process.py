@@ -23,6 +23,7 @@ function reads of an environment. `async def` tools and methods are awaited in t
 from __future__ import annotations
 
 import inspect
+import io
 import json
 import os
 import signal
@@ -72,6 +73,54 @@ def as_text(value: Any) -> str:
         return str(value)
 
 
+def _image_bytes(value: Any) -> bytes | None:
+    """An image a tool returned, as encoded bytes (a PIL image as PNG; bytes as they are, read by the
+    trainer, which refuses what does not decode); None for anything else."""
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value)
+    image_mod = sys.modules.get("PIL.Image")  # a PIL image only where the tool's code imported PIL
+    if image_mod is not None and isinstance(value, image_mod.Image):
+        buf = io.BytesIO()
+        value.save(buf, format="PNG")
+        return buf.getvalue()
+    return None
+
+
+def as_result(value: Any) -> tuple[str, list[bytes]]:
+    """A tool's result as (the text the policy reads, the images it sees, encoded): a PIL image (or
+    encoded image bytes) is an image; a dict with "image" or "images" holds them beside its "text" (or
+    "content"); a list of such values and OpenAI-style parts ({"type": "image", "image": ...},
+    {"type": "text", "text": ...}) is their text joined and their images in order; anything else is
+    text (`as_text`)."""
+    one = _image_bytes(value)
+    if one is not None:
+        return "", [one]
+    if isinstance(value, dict) and ("image" in value or "images" in value):
+        found = [value["image"]] if "image" in value else list(value["images"] or [])
+        images = [_image_bytes(v) for v in found]
+        if any(b is None for b in images):
+            bad = next(type(v).__name__ for v, b in zip(found, images) if b is None)
+            raise TypeError(f"a tool result's image must be a PIL image or encoded image bytes, got {bad}")
+        text = value.get("text", value.get("content", ""))
+        return as_text(text) if text is not None else "", images
+    if isinstance(value, list) and value and any(
+            _image_bytes(v) is not None or (isinstance(v, dict) and v.get("type") == "image") for v in value):
+        texts, images = [], []
+        for v in value:
+            if isinstance(v, dict) and v.get("type") == "image":
+                v = v.get("image")
+            elif isinstance(v, dict) and v.get("type") == "text":
+                texts.append(as_text(v.get("text", "")))
+                continue
+            b = _image_bytes(v)
+            if b is None:
+                texts.append(as_text(v))
+            else:
+                images.append(b)
+        return "".join(texts), images
+    return as_text(value), []
+
+
 def _serve(conn, factory_spec: str, tool_specs: list[str]) -> None:
     """The worker's loop: one environment at a time (`new` builds it and resets it), requests on it
     until `release`; answers ("ok", value) or ("error", message, type name)."""
@@ -101,8 +150,8 @@ def _serve(conn, factory_spec: str, tool_specs: list[str]) -> None:
                     _, _, name, args, max_chars = msg
                     fn = functions.get(name) or getattr(env, name)
                     positional = isinstance(args, list)  # the plain format's calls are positional
-                    text = as_text(usercode.call(fn, args) if positional else usercode.call(fn, kwargs=args))
-                    out = (text[:max_chars], len(text))
+                    text, images = as_result(usercode.call(fn, args) if positional else usercode.call(fn, kwargs=args))
+                    out = (text[:max_chars], len(text), images)
                 elif op == "getattr":
                     value = getattr(env, msg[2])
                     out = ("method",) if inspect.ismethod(value) or inspect.isfunction(value) else ("value", value)
@@ -329,8 +378,9 @@ class EnvHandle:
     def reset(self, row: dict) -> Any:
         return self._request(("new", self._state["id"], row))
 
-    def tool(self, name: str, arguments: dict | list, max_chars: int) -> tuple[str, int]:
-        """(the result as text, cut at `max_chars`; the length of the whole text)."""
+    def tool(self, name: str, arguments: dict | list, max_chars: int) -> tuple[str, int, list[bytes]]:
+        """(the result as text, cut at `max_chars`; the length of the whole text; its images, encoded:
+        `as_result`)."""
         return self._request(("tool", self._state["id"], name, arguments, max_chars))
 
     def call_method(self, name: str, *args, **kwargs) -> Any:

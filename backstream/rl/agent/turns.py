@@ -18,6 +18,11 @@ what the policy actually saw.)
   tool call when its text is `[name arg arg …]` (arguments in the order of the tool's parameters,
   JSON values where they parse); its result is inserted as "\n=result\n", a user message as
   "\n" + message + "\n"; any other turn is an answer.
+
+A tool result or a user message may hold images (a screenshot): its content is then parts
+(`{"type": "image"}`, `{"type": "text", ...}`), which the chat template renders (an image token per
+image) or the plain format writes as `image_marker`; the episode's sampler then expands each image
+token over its placeholders (rl/data/images.py `Pictures.expand`).
 """
 
 from __future__ import annotations
@@ -77,11 +82,19 @@ class PlainFormat:
         message = {"role": "assistant", "content": "", "tool_calls": [_as_message_call(call)]}
         return message, [call]
 
-    def tool_results(self, results: list[tuple[str, str]]) -> list[int]:
-        return self.encode("".join(f"\n={content}\n" for _, content in results))
+    image_marker = ""  # the text of one image (data/images.py `Pictures.marker`), set for a vision-language policy
 
-    def user(self, text: str) -> list[int]:
-        return self.encode(f"\n{text}\n")
+    def _content(self, content) -> str:
+        """A message's content as this format writes it: text, or parts whose images are `image_marker`."""
+        if isinstance(content, str):
+            return content
+        return "".join(self.image_marker if p.get("type") == "image" else p.get("text", "") for p in content)
+
+    def tool_results(self, results: list[tuple[str, str]]) -> list[int]:
+        return self.encode("".join(f"\n={self._content(content)}\n" for _, content in results))
+
+    def user(self, text) -> list[int]:
+        return self.encode(f"\n{self._content(text)}\n")
 
     def conversation(self, messages: list[dict], eos: int) -> list[int]:
         """A whole conversation (an endpoint request: rl/agent/endpoint.py) as this format writes an

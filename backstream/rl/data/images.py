@@ -151,8 +151,9 @@ class Pictures:
     """A processor's images: each one processed alone (the tower's inputs for it, its placeholder
     count), the same image once (by its pixels' digest)."""
 
-    def __init__(self, processor, image_token_id: int):
-        self.processor, self.image_token_id = processor, image_token_id
+    def __init__(self, processor, image_token_id: int, config=None):
+        """`config`: the model's, whose vision start and end tokens frame an image in `marker`."""
+        self.processor, self.image_token_id, self.config = processor, image_token_id, config
         self.token = getattr(processor, "image_token", None)
         if self.token is None:
             self.token = tokenizer_of(processor).convert_ids_to_tokens(image_token_id)
@@ -169,6 +170,62 @@ class Pictures:
             ids = self.processor(text=[self.token], images=[img], return_tensors="pt")["input_ids"][0]
             self._tokens[img.size] = int((ids == self.image_token_id).sum())
         return Picture(h.hexdigest(), inputs, self._tokens[img.size])
+
+    def expand(self, ids: list[int], pictures: list[Picture], where: str) -> tuple[list[int], list[bool]]:
+        """`ids` as a template renders them (one image token per image, in order) with each image token
+        repeated over its picture's placeholders, as the processor expands it; and which of the
+        results are images. A count that does not match, or a family whose processor expands an image
+        into more than repeated image tokens (rows and columns of tiles: Idefics3's), is an error
+        naming `where`."""
+        at = [i for i, t in enumerate(ids) if t == self.image_token_id]
+        if len(at) != len(pictures):
+            raise UserError(f"{where}: the template rendered {len(at)} image token(s) for {len(pictures)} image(s); "
+                            "it must render an image part (or the plain format's image) as the image token once "
+                            "(a chat template that renders no image parts in that role drops them)")
+        if pictures and not self._repeats():
+            raise UserError(f"{where}: {type(self.processor).__name__} expands an image into more than its image "
+                            "token repeated, which images inside an episode do not follow yet (a prompt's images "
+                            "do); use a family whose processor repeats it (Qwen-VL, LLaVA, ...)")
+        out, mask, pics = [], [], iter(pictures)
+        for t in ids:
+            n = next(pics).tokens if t == self.image_token_id else 1
+            out += [t] * n
+            mask += [t == self.image_token_id] * n
+        return out, mask
+
+    def _repeats(self) -> bool:
+        """Whether the processor expands its image token into nothing but that token repeated."""
+        if not hasattr(self, "_repeat"):
+            from PIL import Image  # noqa: PLC0415
+
+            img = Image.new("RGB", (64, 64))
+            tok = tokenizer_of(self.processor)
+            base = tok(self.token, add_special_tokens=True)["input_ids"]
+            got = self.processor(text=[self.token], images=[img], return_tensors="pt")["input_ids"][0].tolist()
+            n = got.count(self.image_token_id)
+            want = [x for t in base for x in ([t] * n if t == self.image_token_id else [t])]
+            self._repeat = got == want
+        return self._repeat
+
+    def marker(self) -> str:
+        """The text of one image as a format without a template writes it: the image token, between
+        the family's vision start and end tokens where it has them."""
+        tok = tokenizer_of(self.processor)
+        around = [getattr(self.config, k, None) for k in ("vision_start_token_id", "vision_end_token_id")]
+        start, end = (tok.convert_ids_to_tokens(int(t)) if isinstance(t, int) else "" for t in around)
+        return f"{start}{self.token}{end}"
+
+
+def placeholders_only(messages: list) -> list:
+    """Chat messages with every image part (inline, path, data URL) a bare `{"type": "image"}`, as a
+    template renders one; the images themselves come from `row_images`."""
+    out = []
+    for m in messages:
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list):
+            m = {**m, "content": [{"type": "image"} if _is_image(p) else p for p in content]}
+        out.append(m)
+    return out
 
 
 def encode_visual(examples: list[dict], processor, image_token_id: int, max_tokens: int, base_dir: str = "."):

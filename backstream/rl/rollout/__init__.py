@@ -10,9 +10,10 @@ import contextlib
 
 def build_sampler(env, params, group_size: int, *, tokenizer, eos: list[int], context: int | None,
                   backend, examples: list[dict], prompts: list, prompt_text: list[str], return_kv: bool,
-                  closing: contextlib.ExitStack, pictures: list | None = None):
+                  closing: contextlib.ExitStack, pictures: list | None = None, vision=None):
     """The run's kind of sampler for `[env]` `env` over `backend`, `group_size` samples per example of
-    `examples` (their token ids `prompts`, text `prompt_text` and images `pictures`); what it starts is stopped by
+    `examples` (their token ids `prompts`, text `prompt_text` and images `pictures`; `vision`: a
+    vision-language policy's `Pictures`, rl/data/images.py, for its episodes); what it starts is stopped by
     `closing`. Returns (the sampler, what the reward 'env' reads: an environment's get_reward or an
     agent program's reward, None for completions)."""
     if env.program:
@@ -28,7 +29,7 @@ def build_sampler(env, params, group_size: int, *, tokenizer, eos: list[int], co
         environment = Environment.load(env)
         closing.callback(environment.close)
         sampler = EpisodeSampler(params, group_size, env, environment, tokenizer, eos, return_kv, context, backend,
-                                 examples)
+                                 examples, vision=vision, pictures=pictures)
         closing.callback(sampler.close)
         return sampler, environment
     from backstream.rl.rollout.completions import CompletionSampler  # noqa: PLC0415

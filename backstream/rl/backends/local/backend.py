@@ -37,6 +37,7 @@ from torch import Tensor
 
 from backstream.rl.backends.base import SamplingParams
 from backstream.rl.backends.local.decode import Rows, check_return_kv, decode, prefill, shares
+from backstream.rl.backends.local.gallery import Gallery
 from backstream.rl.backends.local.generate import generate
 from backstream.rl.backends.local.prefix import SHARE_MIN
 from backstream.rl.records import Completion, Played, at_version
@@ -109,14 +110,18 @@ class LocalBackend:
 
     # -- episodes -------------------------------------------------------------------------------------
     def play(self, starts: list[list[int]], generators: list, turn, budget, max_turns: int,
-             return_kv: bool = False) -> list[Played]:
+             return_kv: bool = False, pictures: list[list] | None = None) -> list[Played]:
         model, version = self.weights.current()
         with fsdp.gathered(model):
-            return self._play(model, version, starts, generators, turn, budget, return_kv)
+            gallery = None if pictures is None else Gallery(model, len(starts))
+            return self._play(model, version, starts, generators, turn, budget, return_kv, gallery, pictures)
 
     @torch.no_grad()
     def _play(self, model, version: int, starts: list[list[int]], generators: list, turn, budget,
-              return_kv: bool) -> list[Played]:
+              return_kv: bool, gallery: Gallery | None = None, pictures: list[list] | None = None) -> list[Played]:
+        """Without `gallery`, text only; with it, `pictures[k]` are episode k's images in the order of its
+        image placeholders: its prompt's at the start, and `turn` appends those of what it inserts (every
+        placeholder of an inserted run is an image), fed as virtual ids (gallery.py)."""
         config = self.config
         keep_last = takes_logits_to_keep(model)
         check_return_kv(model, return_kv)
@@ -126,37 +131,58 @@ class LocalBackend:
         caches: list = [None] * len(starts)
         lengths = [len(s) for s in starts]
         feed: list[list[int]] = [[] for _ in starts]  # what each live episode feeds before its next turn
-        batch = Rows.of_prompts(model, [list(s) for s in starts], keep_last, config.max_new_tokens)
-        live = list(range(len(starts)))
-        budgets = [budget(n) for n in lengths]
-        while live:
-            out = self.decode_rows(model, batch, [generators[k] for k in live], keep_last, budgets)
-            still = []
-            for r, k in enumerate(live):
-                tokens = out.tokens[r]
-                caches[k] = out.caches[r]
-                played[k].fed += tokens[:-1]
-                lengths[k] += len(tokens)
-                inserted = turn(k, at_version(tokens, out.logprobs[r], version, out.reasons[r]))
-                if inserted is not None:
-                    feed[k] = tokens[-1:] + list(inserted)
-                    lengths[k] += len(inserted)
-                    still.append(k)
-            del out, batch
-            live = still
-            if not live:
-                break
-            # each live episode feeds its turn's last token and what was inserted, after its own K/V
-            device = next(model.parameters()).device
-            parts = []
-            for r, k in enumerate(live):
-                cache, logits = prefill(model, [feed[k]], device, keep_last, history=caches[k])
-                caches[k] = None  # the batch's cache holds it now
-                played[k].fed += feed[k]
-                parts.append(([r], cache, logits, None))
-            batch = Rows.stack(parts, len(live), config.max_new_tokens)
-            del parts
-            budgets = [budget(lengths[k]) for k in live]
+        reading, positions = contextlib.nullcontext(), None
+        firsts = [list(s) for s in starts]
+        if gallery is not None:
+            by_ids = {}
+            for k, s in enumerate(starts):
+                image_at = [t == gallery.tid for t in s]
+                firsts[k], pos = gallery.feed(k, list(s), list(pictures[k]), image_at, f"episode {k}'s prompt")
+                by_ids[tuple(firsts[k])] = pos
+            positions = by_ids.__getitem__ if gallery.mrope else None
+            reading = gallery.reading()
+        seen = [len(pictures[k]) if pictures else 0 for k in range(len(starts))]
+        with reading:
+            batch = Rows.of_prompts(model, firsts, keep_last, config.max_new_tokens, positions=positions)
+            live = list(range(len(starts)))
+            budgets = [budget(n) for n in lengths]
+            while live:
+                shift = None if gallery is None or not gallery.mrope else [gallery.shift(k) for k in live]
+                out = self.decode_rows(model, batch, [generators[k] for k in live], keep_last, budgets, shift)
+                still = []
+                for r, k in enumerate(live):
+                    tokens = out.tokens[r]
+                    caches[k] = out.caches[r]
+                    played[k].fed += tokens[:-1]
+                    lengths[k] += len(tokens)
+                    inserted = turn(k, at_version(tokens, out.logprobs[r], version, out.reasons[r]))
+                    if inserted is not None:
+                        feed[k] = tokens[-1:] + list(inserted)
+                        lengths[k] += len(inserted)
+                        still.append(k)
+                    if gallery is not None:
+                        gallery.sampled(k, tokens[:-1])
+                del out, batch
+                live = still
+                if not live:
+                    break
+                # each live episode feeds its turn's last token and what was inserted, after its own K/V
+                device = next(model.parameters()).device
+                parts = []
+                for r, k in enumerate(live):
+                    ids, pos = feed[k], None
+                    if gallery is not None:
+                        new, seen[k] = pictures[k][seen[k]:], len(pictures[k])
+                        image_at = [False] + [t == gallery.tid for t in feed[k][1:]]
+                        ids, pos = gallery.feed(k, feed[k], new, image_at, f"episode {k}'s inserted tokens")
+                        pos = None if pos is None else pos[:, None, :]
+                    cache, logits = prefill(model, [ids], device, keep_last, history=caches[k], positions=pos)
+                    caches[k] = None  # the batch's cache holds it now
+                    played[k].fed += feed[k]
+                    parts.append(([r], cache, logits, None))
+                batch = Rows.stack(parts, len(live), config.max_new_tokens)
+                del parts
+                budgets = [budget(lengths[k]) for k in live]
         for k, p in enumerate(played):
             p.kv = caches[k].as_kv() if return_kv else None
         return played
@@ -223,10 +249,13 @@ class LocalBackend:
             if len(self.queue) == n:
                 return
 
-    def decode_rows(self, model, rows: Rows, generators: list, keep_last: bool, budgets: list[int]):
+    def decode_rows(self, model, rows: Rows, generators: list, keep_last: bool, budgets: list[int],
+                    shift: list[int] | None = None):
         """Every row of `rows` decoded as one batch, keeping each row's cache (rl/backends/local/decode.py
-        `decode`): the one place the backend's episodes and requests draw their tokens."""
-        return decode(model, rows, self.config, self.eos, self.tok, generators, keep_last, budgets, keep_kv=True)
+        `decode`; `shift`: an image episode's M-RoPE offsets): the one place the backend's episodes and
+        requests draw their tokens."""
+        return decode(model, rows, self.config, self.eos, self.tok, generators, keep_last, budgets, keep_kv=True,
+                      shift=shift)
 
     @torch.no_grad()
     def _answer(self, model, version: int, batch: list[_Request]) -> None:

@@ -259,7 +259,7 @@ def prefill(model, ids: list[list[int]], device, keep_last: bool, history: RowCa
     assert len(ids) == 1, "prefill(history=): one sequence continues a row's cache"
     rows = stack([([0], history, None, None)], 1, len(ids[0]))
     logits = forward_last(model, torch.tensor(ids, dtype=torch.long, device=device), history.length, rows.cache,
-                          keep_last)
+                          keep_last, positions=positions)
     rows.cache.fed = history.length + len(ids[0])
     return rows.cache, logits
 
