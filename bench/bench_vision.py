@@ -1,19 +1,17 @@
 """backstream against TRL's GRPOTrainer on a vision-language model (issue 53, "Against TRL"), back to back.
 
-The model: a tiny random Qwen2-VL composite (`Qwen2VLForConditionalGeneration`), float32, built from a
-config (`vlm_config()`, no download) and saved with its processor to a folder both sides load:
-the text part hidden 384, 6 layers, GQA 6:2 of dimension 64, MLP 1024, M-RoPE sections 8/12/12 (the
-proportions of bench/common.py's model); a vision tower of 2 blocks, width 128, 4 heads, 14-px
-patches, the 2 × 2 merger projecting to 384. The tokenizer and chat template are the tiny VLM's
-(backstream/tiny_vlm.py: 103 ids, so the LM head is cheap and the ratios are the decoder's and the
-tower's), its processor an image-only `Qwen2VLProcessor` (torchvision is absent on a CPU machine)
-whose size limits keep the bench's picture as it is: an image of (28·h) × (28·w) pixels is h·w
-visual tokens after the merge.
-
-Why Qwen2-VL and not Qwen3-VL: `backstream verify qwen3_vl` (images) does not pass yet (Qwen3-VL adds
-deepstack features inside the decoder layers; at the time of writing its miniature's own forward
-fails, "Image features and image tokens do not match"), and Qwen2.5-VL's miniature does not build
-(ZeroDivisionError); Qwen2-VL is verified exact with an image in every prompt.
+The model (`--family`): a tiny random composite, float32, built from a config (`vlm_config()`, no
+download) and saved with its processor to a folder both sides load. The text part: hidden 384, 6
+layers, GQA 6:2 of dimension 64, MLP 1024, M-RoPE sections 8/12/12 (the proportions of
+bench/common.py's model). `qwen3_vl` (the default): `Qwen3VLForConditionalGeneration`, interleaved
+M-RoPE, a vision tower of 3 blocks, width 128, 4 heads, 16-px patches, whose blocks 0 and 1 also give
+deepstack features (added after decoder layers 0 and 1 at the image positions), the 2 × 2 merger
+projecting to 384; `qwen2_vl`: `Qwen2VLForConditionalGeneration`, a tower of 2 blocks, width 128,
+14-px patches. The tokenizer and chat template are the tiny VLM's (backstream/tiny_vlm.py: 103 ids,
+so the LM head is cheap and the ratios are the decoder's and the tower's), its processor the family's
+image-only processor (torchvision is absent on a CPU machine) whose size limits keep the bench's
+picture as it is: an image of (2p·h) × (2p·w) pixels (p the patch size) is h·w visual tokens after
+the merge.
 
 The work, the same on both sides: one prompt, a noise picture of N visual tokens (N = 2048 and 512)
 and a short question, G = 8 samples at temperature 1, at most 64 new tokens, rewarded by
@@ -31,7 +29,7 @@ peak resident set of the side's process (ru_maxrss, model loading included), the
 length (the random model stops at <eos> by chance, so the two sides' work differs a little; it is
 printed). Each side in a fresh process; the machine runs nothing else meanwhile.
 
-    python -m bench.bench_vision [--tokens 2048,512] [--steps 3] [--sides backstream,trl,trl-ckpt]
+    python -m bench.bench_vision [--family qwen3_vl] [--tokens 2048,512] [--steps 3] [--sides backstream,trl,trl-ckpt]
     python -m bench.bench_vision --smoke        # 128 visual tokens, 16 new tokens, 2 steps: 1-2 minutes
     python -m bench.bench_vision --many 8       # backstream: 8 pictures of 1000 visual tokens against 1, the peaks
 """
@@ -58,40 +56,58 @@ PHASES = ("time/rollout", "time/prefill", "time/backward", "time/optim")  # back
 TRL_SIDES = {"trl": False, "trl-ckpt": True}  # TRL's variants, float32 both: gradient checkpointing off / on
 
 
-def vlm_config():
-    """The bench's Qwen2-VL: tiny_vlm.vlm_config()'s vocabulary and special ids, at bench/common.py's
-    width (hidden 384, 6 layers, 6 query / 2 K/V heads of 64, MLP 1024) and a 2-block tower of width 128."""
-    from transformers import Qwen2VLConfig
+FAMILIES = ("qwen3_vl", "qwen2_vl")
+FAMILY = os.environ.get("BENCH_VISION_FAMILY", "qwen3_vl")  # main() sets it from --family; children inherit it
+PATCH = {"qwen3_vl": 16, "qwen2_vl": 14}
+
+
+def vlm_config(family: str | None = None):
+    """The bench's composite (the module docstring): tiny_vlm.vlm_config()'s vocabulary and special
+    ids at bench/common.py's width (hidden 384, 6 layers, 6 query / 2 K/V heads of 64, MLP 1024)."""
+    from transformers import AutoConfig
 
     from backstream.tiny_vlm import vlm_config as tiny
 
+    family = family or FAMILY
     base = tiny()
     text = base.text_config
-    return Qwen2VLConfig(
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [8, 12, 12]}
+    if family == "qwen3_vl":
+        rope["mrope_interleaved"] = True
+        vision = dict(depth=3, hidden_size=128, intermediate_size=512, num_heads=4, out_hidden_size=384,
+                      in_channels=3, patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
+                      num_position_embeddings=1024, deepstack_visual_indexes=[0, 1])
+    else:
+        vision = dict(depth=2, embed_dim=128, num_heads=4, mlp_ratio=4, hidden_size=384, in_channels=3,
+                      patch_size=14, spatial_merge_size=2, temporal_patch_size=2)
+    return AutoConfig.for_model(
+        family,
         text_config=dict(
             vocab_size=text.vocab_size, hidden_size=384, num_hidden_layers=6, num_attention_heads=6,
-            num_key_value_heads=2, intermediate_size=1024, max_position_embeddings=8192,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [8, 12, 12]},
+            num_key_value_heads=2, head_dim=64, intermediate_size=1024, max_position_embeddings=8192,
+            rope_parameters=rope, tie_word_embeddings=True,
             pad_token_id=text.pad_token_id, bos_token_id=text.bos_token_id, eos_token_id=text.eos_token_id,
         ),
-        vision_config=dict(depth=2, embed_dim=128, num_heads=4, mlp_ratio=4, hidden_size=384, in_channels=3,
-                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2),
-        vision_start_token_id=base.vision_start_token_id, image_token_id=base.image_token_id,
-        vision_end_token_id=base.vision_end_token_id, tie_word_embeddings=True,
+        vision_config=vision, vision_start_token_id=base.vision_start_token_id, image_token_id=base.image_token_id,
+        video_token_id=base.video_token_id, vision_end_token_id=base.vision_end_token_id, tie_word_embeddings=True,
     )
 
 
-def build_processor(max_tokens: int):
-    """The tiny VLM's image-only processor with size limits that keep a picture of up to `max_tokens`
-    visual tokens (28 px a side each, after the 2 × 2 merge) at its own size."""
-    from transformers import Qwen2VLImageProcessorPil, Qwen2VLProcessor
+def build_processor(max_tokens: int, family: str | None = None):
+    """The tiny VLM's image-only processor of the family, with size limits that keep a picture of up to
+    `max_tokens` visual tokens (2p px a side each, after the 2 × 2 merge) at its own size."""
+    import transformers
+    from transformers import Qwen2VLImageProcessorPil
 
     from backstream.tiny_vlm import CHAT_TEMPLATE, build_tokenizer_vlm, images_only
 
-    image_processor = Qwen2VLImageProcessorPil(size={"shortest_edge": 28 * 28, "longest_edge": 28 * 28 * max_tokens},
-                                               patch_size=14, merge_size=2)  # the bench's tower, not the tiny VLM's
-    return images_only(Qwen2VLProcessor)(image_processor=image_processor, tokenizer=build_tokenizer_vlm(),
-                                         video_processor=None, chat_template=CHAT_TEMPLATE)
+    family = family or FAMILY
+    side = 2 * PATCH[family]
+    size = {"shortest_edge": side * side, "longest_edge": side * side * max_tokens}
+    image_processor = Qwen2VLImageProcessorPil(size=size, patch_size=PATCH[family], merge_size=2)  # the bench's tower
+    cls = transformers.Qwen3VLProcessor if family == "qwen3_vl" else transformers.Qwen2VLProcessor
+    return images_only(cls)(image_processor=image_processor, tokenizer=build_tokenizer_vlm(),
+                            video_processor=None, chat_template=CHAT_TEMPLATE)
 
 
 def model_dir(out: str, max_tokens: int) -> str:
@@ -115,14 +131,15 @@ def grid(n: int) -> tuple[int, int]:
 
 
 def picture(n: int, k: int = 0):
-    """Seeded RGB noise of (28·h) × (28·w) pixels: n visual tokens, nothing for the processor to resize
-    (the k-th of a prompt's pictures: each its own noise)."""
+    """Seeded RGB noise of (2p·h) × (2p·w) pixels (p: the family's patch): n visual tokens, nothing for
+    the processor to resize (the k-th of a prompt's pictures: each its own noise)."""
     import numpy as np
     from PIL import Image
 
     h, w = grid(n)
+    side = 2 * PATCH[FAMILY]
     gen = np.random.default_rng(SEED if k == 0 else [SEED, k])
-    pixels = gen.integers(0, 256, size=(28 * h, 28 * w, 3), dtype=np.uint8)
+    pixels = gen.integers(0, 256, size=(side * h, side * w, 3), dtype=np.uint8)
     return Image.fromarray(pixels)
 
 
@@ -256,7 +273,7 @@ MANY_TOKENS = 1000  # a picture's visual tokens in --many: 8 of them and the que
 
 def many(k: int, n: int, steps: int, new: int) -> None:
     """backstream's peak and step time with one picture of n visual tokens in the prompt, and with k."""
-    res = {"model": "random Qwen2-VL (bench_vision.vlm_config), float32", "G": G, "max_new_tokens": new,
+    res = {"model": f"random {FAMILY} (bench_vision.vlm_config), float32", "G": G, "max_new_tokens": new,
            "steps": steps, "visual_tokens_per_picture": n, "points": {}}
     for images in (1, k):
         print(f"{images} picture(s) of {n} visual tokens: {images * n} visual tokens", flush=True)
@@ -265,7 +282,7 @@ def many(k: int, n: int, steps: int, new: int) -> None:
     res["peak_ratio"] = round(all_["peak_rss_MiB"] / one["peak_rss_MiB"], 3)
     print(f"{k} pictures against 1: peak {all_['peak_rss_MiB']} / {one['peak_rss_MiB']} MiB = {res['peak_ratio']} "
           f"(target <= 2), s/step {all_['s_per_step']} / {one['s_per_step']}")
-    print("saved", common.save("vision_many", res))
+    print("saved", common.save("vision_many" + ("" if FAMILY == "qwen3_vl" else f"_{FAMILY}"), res))
 
 
 def main():
@@ -278,9 +295,13 @@ def main():
     ap.add_argument("--many", type=int, default=0, metavar="K",
                     help="backstream only: one picture of --tokens (default 1000) visual tokens against K of them in "
                          "one prompt, the peak of each (issue 53's memory target: K = 8)")
+    ap.add_argument("--family", choices=FAMILIES, default=None, help="the random composite (default qwen3_vl)")
     ap.add_argument("--images", type=int, default=1, help=argparse.SUPPRESS)  # a child's pictures per prompt
     ap.add_argument("--child")
     a = ap.parse_args()
+    global FAMILY
+    if a.family:
+        FAMILY = os.environ["BENCH_VISION_FAMILY"] = a.family
     if a.many and not a.child:
         many(a.many, int(a.tokens or MANY_TOKENS), a.steps or STEPS, a.new or NEW)
         return
@@ -291,7 +312,7 @@ def main():
         child(a.child, steps, int(tokens), new, a.images)
         return
     sides_wanted = a.sides.split(",")
-    res = {"model": "random Qwen2-VL (bench_vision.vlm_config), float32", "G": G, "max_new_tokens": new,
+    res = {"model": f"random {FAMILY} (bench_vision.vlm_config), float32", "G": G, "max_new_tokens": new,
            "steps": steps, "lr": LR, "tower": "frozen on both sides",
            "trl": "float32 both (bf16=False); trl: gradient_checkpointing=False, trl-ckpt: True", "points": []}
     with tempfile.TemporaryDirectory() as out:
@@ -300,7 +321,8 @@ def main():
     for n in (int(x) for x in tokens.split(",")):
         visual, total = counts[n]
         h, w = grid(n)
-        print(f"picture {28 * w} x {28 * h} px: {visual} visual tokens, {total} prompt tokens", flush=True)
+        side = 2 * PATCH[FAMILY]
+        print(f"picture {side * w} x {side * h} px: {visual} visual tokens, {total} prompt tokens", flush=True)
         point = {"visual_tokens": visual, "prompt_tokens": total, "sides": {}}
         for side in sides_wanted:
             point["sides"][side] = run_side(side, steps, n, new)
@@ -318,7 +340,8 @@ def main():
     for p in res["points"]:  # the targets (issue 53): speed-up >= 4, peak ratio <= 0.25, against both TRL sides
         ratios = {k: v for k, v in p.items() if k.startswith(("speedup", "peak_ratio"))}
         print(p["visual_tokens"], "visual tokens:", ratios)
-    print("saved", common.save("vision_smoke" if a.smoke else "vision", res))
+    tail = "" if FAMILY == "qwen3_vl" else f"_{FAMILY}"
+    print("saved", common.save(("vision_smoke" if a.smoke else "vision") + tail, res))
 
 
 if __name__ == "__main__":
