@@ -144,7 +144,8 @@ DEMO = {
 # the demo's settings per task beyond the task's own defaults (rl/data/tasks.py)
 DEMO_TASKS: dict[str, dict] = {"toolcalc": {"train": {"prompts_per_step": 8}},
                                # the tiny VLM: a 0/1 reward on 5 answers is noisy, more prompts a step
-                               "shapes": {"train": {"prompts_per_step": 64}, "optim": {"lr": 1e-3}}}
+                               "shapes": {"train": {"prompts_per_step": 64}, "optim": {"lr": 1e-3}},
+                               "shapes_turns": {"train": {"prompts_per_step": 32}, "optim": {"lr": 1e-3}}}
 
 
 class _TrainHelp(argparse.Action):

@@ -26,7 +26,8 @@ def test_dataset_is_deterministic_and_has_the_columns(name):
 def test_registry():
     for name, task in TASKS.items():
         assert isinstance(task, Task) and task.name == name
-        assert task.reward == "exact_match"
+        # the answer of the row's last turn, or (shapes_turns) the environment's share of its turns answered right
+        assert task.reward == ("env" if name == "shapes_turns" else "exact_match")
         assert task.max_new_tokens >= 4  # 3 answer digits + <eos>
     assert get_task(TASKS["arith"]) is TASKS["arith"]
     with pytest.raises(ValueError, match="unknown task"):

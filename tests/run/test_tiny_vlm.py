@@ -161,3 +161,49 @@ def test_the_shapes_demo_runs_on_the_shipped_model(tmp_path, capsys):
     saved = checkpoint.latest(str(out))
     assert json.loads(open(f"{saved}/processor_config.json").read())["processor_class"] == "Qwen2VLProcessor"
     assert load_processor(saved).tokenizer.convert_tokens_to_ids("<|image_pad|>") == 101
+
+
+def test_shapes_turns_rows_and_environment():
+    """`shapes_turns`: deterministic rows; the environment shows two more pictures (with their
+    questions) after the first answer, then ends; the reward is the share of the turns answered right."""
+    from PIL import Image
+
+    from backstream.rl.data.shapes import TURNS, ShapesTurns, draw
+
+    rows = make_dataset("shapes_turns", 6, seed=3)
+    again = make_dataset("shapes_turns", 6, seed=3)
+    assert [r["answers"] for r in rows] == [r["answers"] for r in again] and rows[0]["images"][0].tobytes() == \
+        again[0]["images"][0].tobytes()
+    row = rows[0]
+    answers = row["answers"].split(",")
+    assert len(answers) == TURNS and answers[0] == row["answer"]
+    env = ShapesTurns()
+    env.reset(**row)
+    shown = []
+    for a in answers[:-1]:
+        out = env.env_response(f" {a}")
+        assert isinstance(out["image"], Image.Image) and out["text"].endswith("?")
+        shown.append(out["image"].tobytes())
+    assert env.env_response("9") is None and env.get_reward() == (TURNS - 1) / TURNS
+    import random
+
+    later = random.Random(int(row["seed"]))
+    assert shown == [draw(later)[0].tobytes() for _ in range(TURNS - 1)]  # the pictures the answers count
+
+
+def test_the_shapes_turns_demo_runs_episodes_with_screenshots(tmp_path, capsys):
+    """`backstream demo --task shapes_turns`: three-turn episodes on the tiny VLM, the later pictures
+    shown by the environment and fed into the episode, each encoded once a step."""
+    from backstream import metrics
+    from backstream.cli import main
+
+    out = tmp_path / "demo"
+    assert main(["demo", "--task", "shapes_turns", "--steps", "2", "--output", str(out), "--set",
+                 "train.prompts_per_step=2", "--set", "train.plots=false"]) == 0
+    assert "(image-text), vision tower frozen" in capsys.readouterr().err
+    rows = metrics.read(str(out))
+    for r in rows:
+        assert r["episode/turns/mean"] == 3.0 and "reward/env" in r
+        # 2 prompt pictures, and 2 pictures per episode from the environment (the same 2 for a group)
+        assert r["vision/images"] == 2 + 2 * 2 and r["vision/encoder_calls"] == r["vision/images"]
+        assert r["vision/image_tokens"] == 16 * r["vision/images"]

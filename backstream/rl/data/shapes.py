@@ -66,3 +66,39 @@ def shapes_row(rng: random.Random) -> dict:
     img, color, count = draw(rng)
     content = [{"type": "image"}, {"type": "text", "text": QUESTION.format(color=color)}]
     return {"prompt": [{"role": "user", "content": content}], "images": [img], "answer": str(count), "task": "shapes"}
+
+
+# -- shapes_turns: three pictures in one episode, the later two shown by the environment -------------
+
+TURNS = 3  # pictures per episode: the prompt's, then two the environment shows after each answer
+
+
+def turns_row(rng: random.Random) -> dict:
+    """A `shapes_turns` row: a `shapes` row whose episode goes on (`ShapesTurns`): `seed` draws the
+    later pictures, `answers` holds every turn's count."""
+    row = shapes_row(rng)
+    seed = rng.randrange(2**31)
+    later = random.Random(seed)
+    answers = [row["answer"]] + [str(draw(later)[2]) for _ in range(TURNS - 1)]
+    return {**row, "seed": seed, "answers": ",".join(answers), "task": "shapes_turns"}
+
+
+class ShapesTurns:
+    """`shapes_turns`' environment (the TRL contract, docs/agentic.md): after each answer it shows the
+    next picture with its question (the text hook, a screenshot a turn) until TURNS pictures were
+    asked; the reward (`env`) is the share of the turns answered right."""
+
+    def reset(self, **row) -> None:
+        self.later = random.Random(int(row["seed"]))
+        self.answers = row["answers"].split(",")
+        self.given: list[str] = []
+
+    def env_response(self, text: str):
+        self.given.append(text.strip())
+        if len(self.given) >= TURNS:
+            return None
+        img, color, _ = draw(self.later)
+        return {"image": img, "text": QUESTION.format(color=color)}
+
+    def get_reward(self) -> float:
+        return sum(g == a for g, a in zip(self.given, self.answers)) / TURNS

@@ -237,6 +237,24 @@ TASKS["shapes"] = Task(
 )
 
 
+def shapes_turns_row(rng: random.Random) -> Row:
+    from backstream.rl.data.shapes import turns_row  # noqa: PLC0415  (PIL: on use)
+
+    return turns_row(rng)
+
+
+TASKS["shapes_turns"] = Task(
+    name="shapes_turns",
+    make_row=shapes_turns_row,
+    reward="env", chat_reward="env",  # the share of the three turns answered right
+    max_new_tokens=4,
+    description="shapes over three turns: after each answer the environment shows the next picture "
+                "(images in an episode: the tiny VLM)",
+    images=True,
+    defaults={"env.factory": "backstream.rl.data.shapes:ShapesTurns", "env.max_turns": 3, "env.images": True},
+)
+
+
 def get_task(task: str | Task) -> Task:
     if isinstance(task, Task):
         return task
