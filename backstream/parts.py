@@ -95,7 +95,7 @@ def build(cfg: RunConfig, run_dir: str, *, model=None, tokenizer=None, sampling:
     check_backends(tc.log_tensorboard, tc.log_wandb)
     dp = dataparallel.start(cfg.distributed, device=device, seed=tc.seed, minibatches=cfg.update.minibatches,
                         reuse_kv=cfg.engine.reuse_rollout_kv)
-    images = cfg.data.holds_images() or (cfg.env.enabled and cfg.env.images)
+    images = cfg.data.holds_images() or ((cfg.env.enabled or cfg.env.program) and cfg.env.images)
     if images:
         check_images(cfg)
     policy, tok = build_policy(cfg, model, tokenizer, images)
@@ -116,7 +116,6 @@ def check_images(cfg: RunConfig) -> None:
     """What a run with images in its prompts cannot do yet (docs/vision.md), refused by name before
     anything starts."""
     refused = {"rollout.backend = \"vllm\"": cfg.rollout.backend == "vllm",
-               "an agent program (env.agent, env.agent_command)": cfg.env.program,
                "engine.reuse_rollout_kv = true": cfg.engine.reuse_rollout_kv,
                "[distributed] (torchrun)": collectives.requested_world() not in (None, 1)}
     for what, on in refused.items():

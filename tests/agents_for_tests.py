@@ -135,3 +135,54 @@ def appending_agent(base_url, api_key, model, row):
         messages += [{"role": "assistant", "content": answer.message.content or ""},
                      {"role": "user", "content": "go on"}]
     return 0.0
+
+
+def _screen_url(k: int) -> str:
+    """Screen k (envs_for_tests._screen) as a PNG data URL."""
+    import base64
+    import io
+
+    from envs_for_tests import _screen
+
+    buf = io.BytesIO()
+    _screen(k).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def _shot(k: int, text: str) -> dict:
+    return {"role": "user", "content": [{"type": "image_url", "image_url": {"url": _screen_url(k)}},
+                                        {"type": "text", "text": text}]}
+
+
+def screenshot_agent(base_url, api_key, model, row):
+    """Screenshots as `image_url` parts, as a GUI agent sends them: screen 1, then the answer and screen
+    2; then a rewritten history that re-sends screen 1 and its answer with screen 3 instead. Reward: the
+    last answer's length (any number will do)."""
+    import openai
+
+    client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+
+    def ask(messages):
+        return client.chat.completions.create(model=model, messages=messages, max_tokens=4).choices[0].message.content
+
+    first = [_shot(1, "red?")]
+    a1 = ask(first) or ""
+    ask([*first, {"role": "assistant", "content": a1}, _shot(2, "blue?")])
+    a3 = ask([*first, {"role": "assistant", "content": a1}, _shot(3, "green?")]) or ""
+    return float(len(a3))
+
+
+REFUSED: list = []  # what network_image_agent was told
+
+
+def network_image_agent(base_url, api_key, model, row):
+    """An http(s) image URL: the endpoint answers 400 naming the part (recorded in REFUSED)."""
+    import openai
+
+    client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    try:
+        client.chat.completions.create(model=model, max_tokens=2, messages=[{"role": "user", "content": [
+            {"type": "text", "text": "look"}, {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}])
+    except openai.BadRequestError as e:
+        REFUSED.append((e.status_code, e.body))
+    return 0.0

@@ -90,6 +90,7 @@ class Fork:
     sampled: Tensor  # bool, per token
     logprobs: Tensor  # per token
     versions: Tensor | None = None
+    pictures: list | None = None  # a VLM's: its images in order (stream/vision.py `Placed`, with their positions)
 
 
 def versions_behind(versions: Tensor, version: int) -> Tensor:
@@ -204,7 +205,7 @@ class Samples:
         with their loss masks, sampler log-probs and versions behind `version` (`behind`)."""
         rows = TrainingRows(seqs=self.sequences(), mask=self.completion_mask(), logprobs=self.aligned_logprobs(),
                             behind=self.behind(version), owner=list(range(len(self))), kv=self.kv,
-                            pictures=self.pictures)
+                            pictures=None if self.pictures is None else list(self.pictures))
         for i, fs in enumerate(self.forks or []):
             for f in fs:
                 behind = (torch.zeros(len(f.ids), dtype=torch.long) if f.versions is None else
@@ -214,8 +215,9 @@ class Samples:
                 rows.logprobs.append(f.logprobs)
                 rows.behind.append(behind)
                 rows.owner.append(i)
+                if rows.pictures is not None:
+                    rows.pictures.append(f.pictures if f.pictures is not None else [])
         assert self.kv is None or len(rows.seqs) == len(self), "Samples.training: K/V with forks"
-        assert self.pictures is None or len(rows.seqs) == len(self), "Samples.training: images with forks"
         return rows
 
     def completion_mask(self) -> list[Tensor]:

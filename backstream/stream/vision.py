@@ -391,6 +391,17 @@ def encode_pictures(model: nn.Module, pictures: list[Picture], grad: bool) -> tu
     return feats, deep
 
 
+def holds_images(model: nn.Module) -> bool:
+    """Whether `model` is a vision-language model this module feeds: its own `get_image_features`
+    and an image token id in its config."""
+    from backstream.stream.hf import base_model  # noqa: PLC0415
+
+    base = base_model(model)
+    cfg = base.config
+    named = getattr(cfg, "image_token_id", None) is not None or getattr(cfg, "image_token_index", None) is not None
+    return callable(getattr(base, "get_image_features", None)) and named
+
+
 def image_token(model: nn.Module) -> int:
     """The placeholder token id of a vision-language model's images (its config's `image_token_id`)."""
     from backstream.stream.hf import base_model  # noqa: PLC0415

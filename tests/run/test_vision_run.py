@@ -118,7 +118,6 @@ def test_bad_image_data_is_exit_2_naming_the_row_and_writes_no_run(tmp_path, vlm
 @pytest.mark.parametrize("setting, named", [
     ('rollout.backend="vllm"', 'rollout.backend = "vllm"'),
     ("engine.reuse_rollout_kv=true", "engine.reuse_rollout_kv = true"),
-    ('env.agent="examples/toolcalc_agent.py:agent"', "an agent program (env.agent, env.agent_command)"),
 ])
 def test_what_images_cannot_do_yet_is_refused_by_name(tmp_path, vlm, setting, named, capsys):
     from helpers import no_run_written

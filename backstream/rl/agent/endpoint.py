@@ -21,6 +21,13 @@ malformed JSON or fields (400), another key
 `temperature` / `top_p` other than the run's (the policy is trained at its own sampling settings),
 more requests than `max_requests` (400). A conversation that leaves no room in the model's context
 answers nothing with `finish_reason` "length".
+
+Images (a vision-language policy, `vision`): a message's `image_url` parts with data URLs
+("data:image/png;base64,...") are the policy's images: each is read and processed (rl/data/images.py
+`Pictures`), rendered as the template's image part and expanded over its placeholders, and the ids
+handed on hold its positions as the round's virtual ids (rl/backends/local/gallery.py), so a history
+that re-sends an earlier screenshot extends the branch that holds it. An http(s) URL is refused (400
+naming the part: the run fetches nothing from the network), so is an image part for a text policy.
 """
 
 import asyncio
@@ -63,6 +70,7 @@ class EpisodeSession:
     base_url: str
     seed: int = 0  # a request without `seed` draws with seed (this, its number in the episode)
     generate: Callable | None = None  # (ids, max_tokens, seed, session) -> Completion: what samples its requests
+    images: Any = None  # its round's `Gallery` (a VLM on the in-process sampler): its requests' images
     transcript: Transcript = field(default_factory=Transcript)
     finished: bool = False
     errors: int = 0  # requests refused
@@ -121,12 +129,14 @@ class Endpoint:
     (rl/agent/turns.py) for a request's tools, which renders a conversation (`conversation`) and parses
     an answer (`parse`); `generate(ids, max_tokens, seed)`: the backend's sample after `ids`;
     `eos`: the token that ends a turn; `temperature` / `top_p` / `max_new_tokens`: the run's sampling;
-    `context`: the model's; `max_requests`: per episode (env.max_turns)."""
+    `context`: the model's; `max_requests`: per episode (env.max_turns); `vision`: a VLM policy's
+    `Pictures` (its requests' image parts, the module docstring)."""
 
     def __init__(self, format_for: Callable, generate: Callable[..., Completion], eos: int,
                  served_name: str = "policy", temperature: float = 1.0, top_p: float = 1.0,
-                 max_new_tokens: int = 64, context: int | None = None, max_requests: int = 16):
+                 max_new_tokens: int = 64, context: int | None = None, max_requests: int = 16, vision=None):
         self.format_for, self.generate, self.eos, self.served_name = format_for, generate, eos, served_name
+        self.vision = vision  # a vision-language policy's `Pictures` (rl/data/images.py): image parts taken
         self.temperature, self.top_p, self.max_new_tokens = temperature, top_p, max_new_tokens
         self.context, self.max_requests = context, max_requests
         self.episodes: dict[str, EpisodeSession] = {}
@@ -169,12 +179,13 @@ class Endpoint:
             self.server = None
         self.workers.shutdown(wait=False, cancel_futures=True)
 
-    def open(self, seed: int = 0, generate: Callable | None = None) -> EpisodeSession:
+    def open(self, seed: int = 0, generate: Callable | None = None, images=None) -> EpisodeSession:
         """A new episode: its base URL and key (what its agent is given); `seed`: its requests' draws;
-        `generate`: what samples its requests (default: the endpoint's)."""
+        `generate`: what samples its requests (default: the endpoint's); `images`: its round's
+        `Gallery`, where a VLM's requests may hold images."""
         eid = uuid.uuid4().hex[:16]
         ep = EpisodeSession(id=eid, key=f"bs-{secrets.token_urlsafe(24)}", base_url=f"{self.url}/episodes/{eid}/v1",
-                            seed=seed, generate=generate or self.generate)
+                            seed=seed, generate=generate or self.generate, images=images)
         with self.lock:
             self.episodes[eid] = ep
         return ep
@@ -251,16 +262,22 @@ class Endpoint:
         """One chat completion (in a worker thread: the backend's `generate` blocks)."""
         try:
             self._check(ep, req)
-            messages = [_for_template(m.model_dump(exclude_none=True), i) for i, m in enumerate(req.messages)]
+            messages, pictures = [], []
+            for i, m in enumerate(req.messages):
+                message, pics = _for_template(m.model_dump(exclude_none=True), i, self.vision)
+                messages.append(message)
+                pictures += pics
             fmt = self.format_for((req.tools or []) if req.tool_choice != "none" else [])
             if fmt.renders_tools and fmt.drops_tools(messages):
                 self.dropped = tools_dropped(fmt)
                 raise APIError(400, self.dropped, param="tools", code=TOOLS_DROPPED)
+            ids = fmt.conversation(messages, self.eos)
+            if self.vision is not None:
+                ids = self._images(ep, ids, pictures)
         except APIError as e:
             ep.errors += 1
             ep.refused[e.code] = ep.refused.get(e.code, 0) + 1
             raise
-        ids = fmt.conversation(messages, self.eos)
         number = ep.transcript.requests
         branch = ep.transcript.request(ids)
         room = (self.context - len(ids)) if self.context else self.max_new_tokens
@@ -292,6 +309,21 @@ class Endpoint:
                 "usage": {"prompt_tokens": len(ids), "completion_tokens": len(out.ids),
                           "total_tokens": len(ids) + len(out.ids)}}
 
+    def _images(self, ep: EpisodeSession, ids: list[int], pictures: list) -> list[int]:
+        """A VLM's rendered conversation with each image token over its placeholders, its images'
+        positions as the round's virtual ids (the module docstring)."""
+        from backstream.checks import UserError  # noqa: PLC0415
+
+        try:
+            ids, at = self.vision.expand(ids, pictures, "messages")
+            if not pictures:
+                return ids
+            if ep.images is None:
+                raise UserError("messages: images need the in-process sampler (rollout.backend = \"local\")")
+            return ep.images.virtual(ids, pictures, at, "messages")
+        except UserError as e:
+            raise APIError(400, str(e), param="messages") from None
+
     def _check(self, ep: EpisodeSession, req) -> None:
         if req.model != self.served_name:
             raise APIError(404, f"The model {req.model!r} does not exist: this endpoint serves {self.served_name!r} "
@@ -309,17 +341,35 @@ class Endpoint:
                            code="max_turns")
 
 
-def _for_template(message: dict, index: int) -> dict:
-    """An OpenAI message as chat templates take it: content parts ([{"type": "text", "text": …}]) as one
-    string, a call's arguments as an object. Any other content (an image, a message nested as content)
-    is refused: a text template would render it as Python's repr of the list."""
+def _for_template(message: dict, index: int, vision=None) -> tuple[dict, list]:
+    """An OpenAI message as chat templates take it, and the images it holds: content parts
+    ([{"type": "text", "text": …}]) as one string, a call's arguments as an object. For a
+    vision-language policy (`vision`), `image_url` parts with data URLs are images (the parts kept,
+    each image a `{"type": "image"}` the template renders); any other content (an image for a text
+    policy, a message nested as content) is refused: a text template would render it as Python's repr
+    of the list."""
     content = message.get("content")
-    if isinstance(content, list):
+    pictures = []
+    if isinstance(content, list) and vision is not None and any(
+            isinstance(p, dict) and p.get("type") == "image_url" for p in content):
+        parts = []
+        for j, p in enumerate(content):
+            if isinstance(p, dict) and p.get("type") == "image_url":
+                pictures.append(_picture(p, vision, f"messages[{index}].content[{j}]"))
+                parts.append({"type": "image"})
+            elif isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str):
+                parts.append({"type": "text", "text": p["text"]})
+            else:
+                raise APIError(400, f"messages[{index}].content[{j}]: a part {str(p)[:80]} is neither a text nor an "
+                                    "image_url part", param=f"messages[{index}].content[{j}]")
+        message = {**message, "content": parts}
+    elif isinstance(content, list):
         bad = [p for p in content
                if not (isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str))]
         if bad:
             raise APIError(400, f"messages[{index}].content: a part {str(bad[0])[:80]} is not a text part "
-                                "({\"type\": \"text\", \"text\": ...}); this endpoint serves a text model: send the "
+                                "({\"type\": \"text\", \"text\": ...}); this endpoint serves a text model (images "
+                                "need a vision-language policy and env.images = true): send the "
                                 "content as a string or as text parts (a row's chat prompt is a list of messages: "
                                 "pass it as `messages`, not as one message's content)",
                            param=f"messages[{index}].content")
@@ -336,7 +386,19 @@ def _for_template(message: dict, index: int) -> dict:
                     pass  # kept as sent: the template renders what the agent wrote
             fixed.append({**c, "function": fn})
         message = {**message, "tool_calls": fixed}
-    return message
+    return message, pictures
+
+
+def _picture(part: dict, vision, where: str):
+    """An `image_url` part's image as the policy's processor makes it (a data URL only)."""
+    from backstream.checks import UserError  # noqa: PLC0415
+
+    url = part.get("image_url")
+    url = url.get("url", "") if isinstance(url, dict) else str(url or "")
+    try:
+        return vision.from_url(url, where)
+    except UserError as e:
+        raise APIError(400, str(e).removeprefix("data: "), param=where) from None
 
 
 def _chunks(answer: dict):

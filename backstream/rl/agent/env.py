@@ -74,10 +74,11 @@ class EnvConfig:
     (Qwen3's drops earlier reasoning), which the start-up check refuses (an agent program's episodes
     take any template: a rewritten history is a branch). "" = the tokenizer's."""
     images: bool = False
-    """The environment's tools (or its env_response) return images, a screenshot each turn: the policy
-    is loaded as a vision-language model (its image-text class and processor) even where the data holds
-    none. A tool result is an image when it is a PIL image, a dict with "image" (or "images") beside
-    its "text", or a list of images and text parts; with images in the data this is implied."""
+    """The environment's tools (or its env_response), or an agent program's requests (`image_url`
+    parts with data URLs), hold images, a screenshot each turn: the policy is loaded as a
+    vision-language model (its image-text class and processor) even where the data holds none. A tool
+    result is an image when it is a PIL image, a dict with "image" (or "images") beside its "text",
+    or a list of images and text parts; with images in the data this is implied."""
     agent: str = ""
     """An agent program to train, "file.py:function" or "module:function": called per episode as
     function(base_url, api_key, model, row) (sync or async) against the run's OpenAI-compatible

@@ -171,6 +171,11 @@ class Pictures:
             self._tokens[img.size] = int((ids == self.image_token_id).sum())
         return Picture(h.hexdigest(), inputs, self._tokens[img.size])
 
+    def from_url(self, url: str, where: str) -> Picture:
+        """An `image_url` part's image (a data URL only: a run fetches nothing) as `picture` makes it;
+        anything else is an error naming `where`."""
+        return self.picture(open_image(_data_url(url, where), where, "."))
+
     def expand(self, ids: list[int], pictures: list[Picture], where: str) -> tuple[list[int], list[bool]]:
         """`ids` as a template renders them (one image token per image, in order) with each image token
         repeated over its picture's placeholders, as the processor expands it; and which of the

@@ -19,7 +19,7 @@ def build_sampler(env, params, group_size: int, *, tokenizer, eos: list[int], co
     if env.program:
         from backstream.rl.rollout.programs import AgentSampler  # noqa: PLC0415  (the agent room)
 
-        sampler = AgentSampler(params, group_size, env, tokenizer, eos, context, backend)
+        sampler = AgentSampler(params, group_size, env, tokenizer, eos, context, backend, vision=vision)
         closing.callback(sampler.close)
         return sampler, sampler.environment
     if env.enabled:

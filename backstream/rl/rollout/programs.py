@@ -38,6 +38,8 @@ from backstream.rl.agent.turns import make_format, prompt_head
 from backstream.rl.backends.base import SamplingParams
 from backstream.rl.records import Completion, EpisodeInfo, Fork, Round, Samples
 from backstream.rl.rollout.sampler import episode_metric_keys, episode_metrics, episode_reward_inputs
+from backstream.stream import vision
+from backstream.stream.vision import VISION_KEYS
 from backstream.usercode import load_object
 
 MEANS = {  # the step's line: the mean over its episodes of each
@@ -91,8 +93,13 @@ class AgentSampler:
     metric_keys = episode_metric_keys(MEANS)
 
     def __init__(self, config: SamplingParams, group_size: int, env_cfg, tokenizer, eos: list[int], context: int | None,
-                 backend):
+                 backend, vision=None):
+        """`vision`: a vision-language policy's `Pictures` (rl/data/images.py): its agents' `image_url` parts
+        are images (rl/agent/endpoint.py)."""
         self.config, self.env_cfg, self.tok, self.eos, self.backend = config, env_cfg, tokenizer, eos, backend
+        self.vision = vision
+        if vision is not None:
+            self.metric_keys = (*self.metric_keys, *VISION_KEYS)
         self.group_size = group_size
         if env_cfg.agent:
             self.fn = load_object(env_cfg.agent, "env.agent")
@@ -123,7 +130,7 @@ class AgentSampler:
                 c = self.config
                 self.endpoint = Endpoint(self.format_for, _outside_a_round, self.eos[0] if self.eos else None,
                                          self.served_name, c.temperature, c.top_p, c.max_new_tokens, self.context,
-                                         self.env_cfg.max_turns)
+                                         self.env_cfg.max_turns, vision=self.vision)
                 url = self.endpoint.start()
                 log.info(f"env: agent episodes at {url}/episodes/<id>/v1 (127.0.0.1 only), one base URL and key "
                          "each")
@@ -136,7 +143,8 @@ class AgentSampler:
         done = [0] * len(rows)
         with self.backend.round(len(seeds)) as requests:
             round_ = _Round(requests)
-            sessions = [endpoint.open(seed, round_.generate) for seed in seeds]
+            gallery = getattr(requests, "gallery", None) if self.vision is not None else None  # the round's images
+            sessions = [endpoint.open(seed, round_.generate, gallery) for seed in seeds]
             try:
                 with concurrent.futures.ThreadPoolExecutor(max_workers=min(256, max(1, len(sessions)))) as pool:
                     futures = {pool.submit(self._play, s, rows[k // G]): k for k, s in enumerate(sessions)}
@@ -154,7 +162,7 @@ class AgentSampler:
         if round_.failure is not None:  # the backend failed, not the agent: the step stops
             raise round_.failure
         self._tools_dropped(sessions, results)
-        return Round(self._rollout(sessions, results, rows, indices, round_.dtype))
+        return Round(self._rollout(sessions, results, rows, indices, round_.dtype, gallery))
 
     def _tools_dropped(self, sessions: list[EpisodeSession], results: list[AgentResult]) -> None:
         """Episodes whose requests' tools the chat template dropped (the endpoint refused them, code
@@ -177,10 +185,21 @@ class AgentSampler:
         return run_command(self.env_cfg.agent_command, session.base_url, session.key, self.served_name, row, timeout)
 
     def _rollout(self, sessions: list[EpisodeSession], results: list[AgentResult], rows: list[dict],
-                 indices: list[int], dtype: torch.dtype) -> Samples:
+                 indices: list[int], dtype: torch.dtype, gallery=None) -> Samples:
+        """The round's samples; with `gallery` (a VLM's round), each sequence's virtual image ids as the
+        real ids and its pictures (`Gallery.real`)."""
         G = self.group_size
         out = Samples(prompt_index=[], prompt_ids=[], completion_ids=[], logprobs=[], finish_reason=[],
-                      group_size=G, sampled=[], episodes=[], weight_version=[], forks=[])
+                      group_size=G, sampled=[], episodes=[], weight_version=[], forks=[],
+                      pictures=[] if self.vision is not None else None)
+
+        def real(ids: list[int]) -> tuple[list[int], list | None]:
+            if self.vision is None:
+                return ids, None
+            if gallery is None or min(ids, default=0) >= 0:
+                return ids, vision.Placed([], torch.zeros(len(ids), dtype=torch.bool))
+            return gallery.real(ids)
+
         for k, (s, res) in enumerate(zip(sessions, results)):
             t = s.transcript
             trained = [i for i, b in enumerate(t.branches) if any(b.sampled)]
@@ -189,15 +208,23 @@ class AgentSampler:
                                                                    sampled=[False], logprobs=[math.nan],
                                                                    versions=[-1])
             first = own.sampled.index(True) if any(own.sampled) else len(own.ids)
+            own_ids, own_pictures = real(own.ids)
+            if out.pictures is not None:
+                out.pictures.append(own_pictures)
             out.prompt_index.append(indices[k // G])
-            out.prompt_ids.append(torch.tensor(own.ids[:first], dtype=torch.long))
-            out.completion_ids.append(torch.tensor(own.ids[first:], dtype=torch.long))
+            out.prompt_ids.append(torch.tensor(own_ids[:first], dtype=torch.long))
+            out.completion_ids.append(torch.tensor(own_ids[first:], dtype=torch.long))
             out.logprobs.append(torch.tensor(own.logprobs[first:], dtype=dtype))
             out.sampled.append(torch.tensor(own.sampled[first:], dtype=torch.bool))
             out.weight_version.append(torch.tensor(own.versions[first:], dtype=torch.long))
-            out.forks.append([Fork(torch.tensor(b.ids, dtype=torch.long), torch.tensor(b.sampled, dtype=torch.bool),
-                                   torch.tensor(b.logprobs, dtype=dtype), torch.tensor(b.versions, dtype=torch.long))
-                              for i, b in enumerate(t.branches) if i in trained and i != main])
+            forks = []
+            for i, b in enumerate(t.branches):
+                if i in trained and i != main:
+                    ids, pictures = real(b.ids)
+                    forks.append(Fork(torch.tensor(ids, dtype=torch.long), torch.tensor(b.sampled, dtype=torch.bool),
+                                      torch.tensor(b.logprobs, dtype=dtype), torch.tensor(b.versions, dtype=torch.long),
+                                      pictures=pictures))
+            out.forks.append(forks)
             reason = ("timeout" if res.timed_out else "error" if res.error else
                       s.conversation[-1]["finish_reason"] if s.conversation else "stop")
             out.finish_reason.append({"stop": "eos", "tool_calls": "eos"}.get(reason, reason))
@@ -219,7 +246,10 @@ class AgentSampler:
         return episode_reward_inputs(r)
 
     def metrics(self, r: Samples) -> dict[str, float]:
-        return episode_metrics(r, MEANS, ended=("length",))
+        out = episode_metrics(r, MEANS, ended=("length",))
+        if r.pictures is not None:  # every sequence's images, forks' included, each image once
+            out.update(vision.vision_metrics([*r.pictures, *[f.pictures or [] for fs in r.forks or [] for f in fs]]))
+        return out
 
     def close(self) -> None:
         with self.serving:

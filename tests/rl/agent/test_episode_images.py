@@ -184,3 +184,73 @@ def test_trainer_with_screenshot_episodes_stream_equals_reference(tmp_path):
                 assert row["tree/tokens_unique"] < row["tree/tokens_total"]
     assert rel(results["stream"], vlm()[0].state_dict()) > 1e-6
     assert rel(results["stream"], results["reference"]) <= 1e-10
+
+
+# -- agent programs: screenshots as image_url parts through the run's endpoint -------------------------
+
+
+def agent_sampler(model, processor, agent: str, G: int = 2):
+    from backstream.rl.backends.local.backend import LocalBackend
+    from backstream.rl.rollout.programs import AgentSampler
+
+    tok = processor.tokenizer
+    config = SamplingParams(max_new_tokens=4)
+    backend = LocalBackend(config, [tok.eos_token_id], tok)
+    backend.weights.sync(model, 0)
+    backend.reuse_min = 1
+    pics = Pictures(processor, vision.image_token(model), base_model(model).config)
+    return AgentSampler(config, G, EnvConfig(agent=agent, format="chat", images=True), tok, [tok.eos_token_id], 512,
+                        backend, vision=pics), backend
+
+
+def test_an_agent_programs_screenshots_train_and_a_resent_one_is_shared(tiny_vlm, monkeypatch):
+    """Two episodes of an agent that sends screenshots as data URLs and then rewrites its history (screen
+    1 re-sent, screen 3 instead of 2): every trained sequence's sampled log-probs equal the model's own
+    forward from pixels; the re-sent screen is one picture, encoded once for the round with the others
+    (3 distinct screens); the rewritten history is a branch."""
+    from backstream.rl.backends.local.backend import LocalBackend
+
+    model, processor = tiny_vlm
+    answer = LocalBackend._answer
+
+    def in_float64(self, *a, **kw):  # the requests decode in the endpoint's threads: keep_float64 (a
+        with keep_float64():  # thread-local torch function mode) on there too
+            return answer(self, *a, **kw)
+
+    monkeypatch.setattr(LocalBackend, "_answer", in_float64)
+    sampler, backend = agent_sampler(model, processor, "agents_for_tests:screenshot_agent")
+    try:
+        with keep_float64():
+            r = sampler.sample([{"prompt": "look"}], [0], [torch.Generator().manual_seed(2)]).samples
+    finally:
+        sampler.close()
+    assert all(e.turns == 3 and e.branches == 1 for e in r.episodes) and backend.reused > 0
+    view = r.training(0)
+    assert len(view.seqs) == 4 and len(view.pictures) == 4  # each episode: its last history and one fork
+    m = sampler.metrics(r)
+    assert m["vision/images"] == 3.0 and m["vision/encoder_calls"] == 3.0 and m["vision/image_tokens"] == 3 * N
+    firsts = {id(ps[0]) for ps in view.pictures}
+    assert len(firsts) == 1  # screen 1, in every sequence, one object
+    for seq, mask, lp, ps in zip(view.seqs, view.mask, view.logprobs, view.pictures):
+        assert int(ps.at.sum()) == N * len(ps) == int((seq == IMAGE).sum())
+        torch.testing.assert_close(lp[mask], own_logprobs(model, seq, ps)[mask[1:]], atol=1e-12, rtol=0)
+    with keep_float64():
+        images = vision.images_for(model, view.seqs, view.pictures, grad=False)
+        w = [mk.double() / 10 for mk in view.mask]
+        res = stream_backward(model, view.seqs, w, images=images, block_size=4)
+    assert res.stats.tree_tokens < sum(len(s) - 1 for s in view.seqs) - 3 * (N + 2)
+
+
+def test_an_http_image_url_is_refused_naming_the_part(tiny_vlm):
+    import agents_for_tests
+
+    model, processor = tiny_vlm
+    agents_for_tests.REFUSED.clear()
+    sampler, _ = agent_sampler(model, processor, "agents_for_tests:network_image_agent", G=1)
+    try:
+        sampler.sample([{"prompt": "look"}], [0], [torch.Generator().manual_seed(0)])
+    finally:
+        sampler.close()
+    (status, body), = agents_for_tests.REFUSED
+    assert status == 400 and body["param"] == "messages[0].content[1]"
+    assert "is on the network, and a run fetches nothing" in body["message"]

@@ -41,7 +41,7 @@ from backstream.rl.backends.local.gallery import Gallery
 from backstream.rl.backends.local.generate import generate
 from backstream.rl.backends.local.prefix import SHARE_MIN
 from backstream.rl.records import Completion, Played, at_version
-from backstream.stream import fsdp
+from backstream.stream import fsdp, vision
 from backstream.stream.hf import takes_logits_to_keep
 
 # how long a batch waits for the requests of episodes still playing: until every one has sent its
@@ -97,6 +97,7 @@ class LocalBackend:
         self.prefixes: list[tuple[list[int], object]] = []  # this round's (ids fed, their K/V), each taken once
         self.reused = 0  # tokens of this round's requests not prefilled again
         self.reuse_min = REUSE_MIN
+        self.gallery: Gallery | None = None  # this round's images (an agent's image parts), for a VLM
 
     # -- completions ----------------------------------------------------------------------------------
     def complete(self, prompts: list[Tensor], group_size: int, max_tokens: int, generators: list,
@@ -147,7 +148,7 @@ class LocalBackend:
             live = list(range(len(starts)))
             budgets = [budget(n) for n in lengths]
             while live:
-                shift = None if gallery is None or not gallery.mrope else [gallery.shift(k) for k in live]
+                shift = None if gallery is None or not gallery.mrope else [gallery.shift_of(k) for k in live]
                 out = self.decode_rows(model, batch, [generators[k] for k in live], keep_last, budgets, shift)
                 still = []
                 for r, k in enumerate(live):
@@ -197,6 +198,7 @@ class LocalBackend:
         with self.cond:
             self.open, self.batches, self.prefixes, self.reused = True, [], [], 0
             self.live, self.finished = episodes, set()
+            self.gallery = Gallery(model) if vision.holds_images(model) else None  # a VLM's requests' images
         try:
             with fsdp.gathered(model):
                 yield _LocalRound(self, model, version)
@@ -204,7 +206,7 @@ class LocalBackend:
             with self.cond:
                 while self.decoding:
                     self.cond.wait()
-                self.open, self.live, self.prefixes = False, 0, []
+                self.open, self.live, self.prefixes, self.gallery = False, 0, [], None
                 for r in self.queue:
                     r.error = RuntimeError("the episode's round is over")
                 self.queue = []
@@ -260,8 +262,19 @@ class LocalBackend:
     @torch.no_grad()
     def _answer(self, model, version: int, batch: list[_Request]) -> None:
         self.batches.append(len(batch))
+        gallery = self.gallery if self.gallery is not None and any(min(r.ids) < 0 for r in batch) else None
+        if gallery is None:
+            return self._answer_batch(model, version, batch, None)
+        gallery.encode()  # the images its requests registered, in the thread that decodes
+        with gallery.reading():
+            return self._answer_batch(model, version, batch, gallery)
+
+    def _answer_batch(self, model, version: int, batch: list[_Request], gallery: Gallery | None) -> None:
+        """`batch` decoded; with `gallery`, requests whose ids hold images (virtual ids), at the
+        family's positions."""
         keep_last = takes_logits_to_keep(model)
         device = next(model.parameters()).device
+        mrope = gallery is not None and gallery.mrope
         parts, fresh = [], []
         for i, r in enumerate(batch):
             fed, kv = self._prefix(r.ids)
@@ -269,14 +282,17 @@ class LocalBackend:
                 fresh.append(i)
                 continue
             self.reused += len(fed)
-            cache, logits = prefill(model, [r.ids[len(fed):]], device, keep_last, history=kv)
+            pos = gallery.positions(r.ids)[:, None, len(fed):] if mrope else None
+            cache, logits = prefill(model, [r.ids[len(fed):]], device, keep_last, history=kv, positions=pos)
             parts.append(([i], cache, logits, None))
         if fresh:
-            parts += Rows.prefilled(model, [batch[i].ids for i in fresh], keep_last, fresh)
+            positions = (lambda ids: gallery.positions(list(ids))) if mrope else None
+            parts += Rows.prefilled(model, [batch[i].ids for i in fresh], keep_last, fresh, positions=positions)
         rows = Rows.stack(parts, len(batch), max(r.max_tokens for r in batch), SHARE_MIN if shares(model) else math.inf)
         del parts
         gens = [torch.Generator().manual_seed(r.seed) for r in batch]
-        out = self.decode_rows(model, rows, gens, keep_last, [r.max_tokens for r in batch])
+        shift = [gallery.shift(r.ids) for r in batch] if mrope else None
+        out = self.decode_rows(model, rows, gens, keep_last, [r.max_tokens for r in batch], shift)
         for r, ids, lp, reason, kv in zip(batch, out.tokens, out.logprobs, out.reasons, out.caches):
             r.answer = at_version(ids, lp, version, reason)
             with self.cond:
@@ -301,6 +317,12 @@ class _LocalRound:
 
     def generate(self, ids: list[int], max_tokens: int, seed: int, key: str) -> Completion:
         return self.backend._request(self.model, self.version, ids, max_tokens, seed)
+
+    @property
+    def gallery(self) -> Gallery | None:
+        """The round's images (a VLM's): what turns a request's image positions into virtual ids
+        (`Gallery.virtual`) and back (`Gallery.real`); None for a text model."""
+        return self.backend.gallery
 
     def finish(self, key: str) -> None:
         b = self.backend
