@@ -115,7 +115,9 @@ def build(cfg: RunConfig, run_dir: str, *, model=None, tokenizer=None, sampling:
 def check_images(cfg: RunConfig) -> None:
     """What a run with images in its prompts cannot do yet (docs/vision.md), refused by name before
     anything starts."""
-    refused = {"rollout.backend = \"vllm\"": cfg.rollout.backend == "vllm",
+    episodes = (cfg.env.enabled or cfg.env.program) and cfg.env.images
+    refused = {"rollout.backend = \"vllm\" (a prompt's images go to the servers; an episode's do not yet)":
+               cfg.rollout.backend == "vllm" and episodes,
                "engine.reuse_rollout_kv = true": cfg.engine.reuse_rollout_kv,
                "[distributed] (torchrun)": collectives.requested_world() not in (None, 1)}
     for what, on in refused.items():
@@ -148,7 +150,8 @@ def _build(cfg: RunConfig, run_dir: str, dp, device, model, tok, processor, exam
     tc, ro = cfg.train, cfg.rollout
     eos, quantized = eos_ids(model, tok), list(quant_linears(model).values())  # (before sharding)
     sampling = sampling or build_backend(ro, cfg.vllm, policy=cfg.model, quant=cfg.quant, seed=tc.seed,
-                                         tokenizer=tok, eos=eos, run_dir=run_dir, model=model, dp=dp)
+                                         tokenizer=tok, eos=eos, run_dir=run_dir, model=model, dp=dp,
+                                         processor=processor)
     closing.enter_context(sampling.closing)
     check_backend(ro, sampling.backend)
     progress = Progress(enabled=tc.progress and dp.main, total_steps=tc.steps)

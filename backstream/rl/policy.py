@@ -126,11 +126,11 @@ class ModelConfig:
             return model
         from peft import LoraConfig, get_peft_model  # noqa: PLC0415
 
-        from backstream.stream.hf import image_path  # noqa: PLC0415
+        from backstream.stream.hf import text_part  # noqa: PLC0415
 
-        targets = self.lora_targets
-        if image_path(model):  # a VLM: the names in the language model only (a CLIP tower has q_proj too)
-            targets = rf".*language_model.*\.({'|'.join(map(re.escape, targets))})"
+        targets, text = self.lora_targets, text_part(model)
+        if text is not None:  # a VLM: the names in the language model only (a CLIP tower has q_proj too)
+            targets = rf".*{text[0]}.*\.({'|'.join(map(re.escape, targets))})"
         try:
             peft = get_peft_model(model, LoraConfig(r=self.lora_r, lora_alpha=self.lora_alpha,
                                                     target_modules=targets))

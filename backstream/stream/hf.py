@@ -98,15 +98,27 @@ def experts_per_token(config) -> int | None:
     return next((v for v in (_int(config, k) for k in TOP_K_KEYS) if v is not None), None)
 
 
+def text_part(model: nn.Module) -> tuple[str, nn.Module] | None:
+    """A vision-language model's text decoder, a child of its inner model, with that child's name
+    (`language_model` in most families, Idefics3's `text_model`); None for a text model."""
+    inner = getattr(base_model(model), "model", None)
+    if not isinstance(inner, nn.Module):
+        return None
+    for name, child in inner.named_children():
+        if name in ("language_model", "text_model"):
+            return name, child
+    return None
+
+
 def image_path(model: nn.Module) -> set[int]:
     """The ids of a vision-language model's modules outside its text decoder (the vision tower, the
-    projector: every child of the inner model but `language_model`), which the engine never runs
+    projector: every child of the inner model but `text_part`'s), which the engine never runs
     (stream/vision.py gets their output); empty for a text model."""
-    base = base_model(model)
-    inner = getattr(base, "model", None)
-    if not isinstance(inner, nn.Module) or not isinstance(getattr(inner, "language_model", None), nn.Module):
+    text = text_part(model)
+    if text is None:
         return set()
-    return {id(m) for name, child in inner.named_children() if name != "language_model" for m in child.modules()}
+    inner = base_model(model).model
+    return {id(m) for name, child in inner.named_children() if name != text[0] for m in child.modules()}
 
 
 def decoder_layers(model: nn.Module) -> dict[str, nn.Module]:

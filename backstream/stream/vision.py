@@ -142,9 +142,9 @@ class Images:
         import inspect  # noqa: PLC0415
 
         from backstream.stream.family import Unsupported  # noqa: PLC0415
-        from backstream.stream.hf import base_model  # noqa: PLC0415
+        from backstream.stream.hf import base_model, text_part  # noqa: PLC0415
 
-        text = getattr(getattr(base_model(model), "model", None), "language_model", None)
+        text = (text_part(model) or (None, None))[1]
         takes = inspect.signature(text.forward).parameters if isinstance(text, nn.Module) else {}
         if "deepstack_visual_embeds" not in takes:  # (a family without deepstack: nothing to feed)
             if not self.deep:
@@ -316,11 +316,16 @@ class Picture:
     embeds: Tensor | None = field(default=None, repr=False)
     calls: int = 0
     deep: Tensor | None = field(default=None, repr=False)  # a deepstack family's [levels, tokens, H], with embeds
+    # for a server that runs the processor itself (a vLLM server): the image (PNG bytes), the token a
+    # template renders for it, and the ids the processor expands that token into for this image alone
+    source: bytes | None = field(default=None, repr=False)
+    token: int | None = None
+    span: tuple[int, ...] | None = field(default=None, repr=False)
 
     def fresh(self) -> Picture:
         """The same image with nothing encoded: what a round starts from (one round's embeddings are
         never another's: the tower may have trained in between)."""
-        return Picture(self.digest, self.inputs, self.tokens)
+        return Picture(self.digest, self.inputs, self.tokens, source=self.source, token=self.token, span=self.span)
 
 
 class Placed(list):

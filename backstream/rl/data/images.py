@@ -157,9 +157,11 @@ class Pictures:
         self.token = getattr(processor, "image_token", None)
         if self.token is None:
             self.token = tokenizer_of(processor).convert_ids_to_tokens(image_token_id)
-        self._tokens: dict = {}  # image size -> its placeholder count
+        self._tokens: dict = {}  # image size -> (its placeholder count, the ids its image token expands into)
 
     def picture(self, img) -> Picture:
+        """`img` (a PIL image) as the processor makes it alone; it keeps the image as PNG bytes and its
+        expansion, for a server that runs the processor itself (rl/backends/vllm/requests.py)."""
         out = self.processor.image_processor(images=[img], return_tensors="pt")
         inputs = {k: v for k, v in out.items() if isinstance(v, torch.Tensor)}
         h = hashlib.sha256()
@@ -167,9 +169,12 @@ class Pictures:
             h.update(k.encode())
             h.update(inputs[k].contiguous().numpy().tobytes())
         if img.size not in self._tokens:  # its placeholders, as the processor expands one image alone
-            ids = self.processor(text=[self.token], images=[img], return_tensors="pt")["input_ids"][0]
-            self._tokens[img.size] = int((ids == self.image_token_id).sum())
-        return Picture(h.hexdigest(), inputs, self._tokens[img.size])
+            ids = self.processor(text=[self.token], images=[img], add_special_tokens=False)["input_ids"][0]
+            self._tokens[img.size] = (sum(t == self.image_token_id for t in ids), tuple(int(t) for t in ids))
+        png = io.BytesIO()
+        img.save(png, format="PNG")
+        count, span = self._tokens[img.size]
+        return Picture(h.hexdigest(), inputs, count, source=png.getvalue(), token=self.image_token_id, span=span)
 
     def from_url(self, url: str, where: str) -> Picture:
         """An `image_url` part's image (a data URL only: a run fetches nothing) as `picture` makes it;

@@ -263,7 +263,7 @@ def test_a_phase_that_overruns_names_the_phase_the_server_and_the_timeout(tmp_pa
 
     server = Joining(hang)
     shm = str(tmp_path / "weights")
-    group = Group([server], "127.0.0.1", 1.0, "gloo", shm)
+    group = Group([server], "127.0.0.1", 1.0, "gloo", shm, names=[server.name])
     t = time.monotonic()
     try:
         with pytest.raises(TransferError, match=words):

@@ -2,10 +2,10 @@
 `build`, what a run holds of it (rl/backends/base.py `Sampling`).
 
 The sampling side, `ServerBackend` (rl/backends/base.py `Backend`):
-- `complete`: one request per group (`n = G`, one server: its prefix cache holds the prompt), all of a
-  call's groups in flight at once so the servers batch them, each group to the server with the least
-  in flight. A group's request carries a seed drawn from its generator (the one the local backend
-  would use), so a resumed run samples what it would have.
+- `complete`: one request per group (`n = G`, one server: its prefix cache holds the prompt and its
+  images, encoded once there), all of a call's groups in flight at once so the servers batch them,
+  each group to the server with the least in flight. A group's request carries a seed drawn from
+  its generator (the one the local backend would use), so a resumed run samples what it would have.
 - `play`: every episode in a thread of its own, each turn a request whose prompt is exactly the
   episode's ids so far (sampled and inserted tokens, never re-rendered text: the server echoes them
   and they are checked), every turn of one episode on one server (its prefix cache keeps the episode's
@@ -80,8 +80,10 @@ class ServerBackend:
         c = self.config
         return {"max_tokens": max_tokens, "temperature": c.temperature, "stop_token_ids": self.eos, **sampling_args(c)}
 
-    def _generate(self, ids: list[int], params: dict, n: int, seed: int, key=None) -> list[Completion]:
-        return self.pool.request(lambda m: self.requests.generate(m, ids, params, n, seed, self.eos), key)
+    def _generate(self, ids: list[int], params: dict, n: int, seed: int, key=None, pictures=(),
+                  where: str = "the prompt") -> list[Completion]:
+        return self.pool.request(lambda m: self.requests.generate(m, ids, params, n, seed, self.eos, pictures, where),
+                                 key)
 
     def metrics(self, samples: Samples) -> dict[str, float]:
         return {"vllm/weight_version": oldest(samples.weight_version), **self.pool.metrics()}
@@ -93,12 +95,12 @@ class ServerBackend:
     def complete(self, prompts: list[Tensor], group_size: int, max_tokens: int, generators: list,
                  return_kv: bool = False, progress=None, pictures: list[list] | None = None) -> list[Completion]:
         assert not return_kv, "a server hands no K/V (config.validate refuses engine.reuse_rollout_kv)"
-        assert not any(pictures or []), "images on a server: refused before the run (rollout/source.py check_backend)"
         seeds = [int(torch.randint(0, 2**31 - 1, (1,), generator=g)) for g in generators]
         params, done = self._params(max_tokens), [0]
 
         def request(j: int) -> list[Completion]:
-            out = self._generate(prompts[j].tolist(), params, group_size, seeds[j])
+            out = self._generate(prompts[j].tolist(), params, group_size, seeds[j],
+                                 pictures=pictures[j] if pictures else (), where=f"prompt {j} of the step")
             done[0] += 1
             if progress is not None:
                 progress(done[0], len(prompts))
@@ -281,7 +283,7 @@ def weight_path(v: VLLMConfig, quant, model, infos: list[dict] | None) -> tuple[
 
 
 def build(params: SamplingParams, v: VLLMConfig, *, in_flight: str, max_staleness: int, policy, quant, seed: int,
-          tokenizer, eos: list[int], run_dir: str, model, dp=None) -> Sampling:
+          tokenizer, eos: list[int], run_dir: str, model, dp=None, processor=None) -> Sampling:
     """What the run samples with on a pool of vLLM servers (`rollout.backend = "vllm"`): its servers
     (started at the first sync, or yours, checked now), the weights the policy and `vllm.weights` call
     for (said), and what they need: `params` the sampling parameters, `v` the run's [vllm],
@@ -300,7 +302,8 @@ def build(params: SamplingParams, v: VLLMConfig, *, in_flight: str, max_stalenes
         raise UserError("vllm.colocate = true under torchrun: one server shares one learner's GPU; run one "
                         "process, or start servers of their own (vllm.servers, vllm.devices)")
     context = ServerContext(v)
-    needs = Needs(model=policy.name, mode=mode, dtype=policy.dtype, lora_rank=policy.lora_r)
+    needs = Needs(model=policy.name, mode=mode, dtype=policy.dtype, lora_rank=policy.lora_r,
+                  architecture=type(base_model(model)).__name__ if model is not None else "")
     infos = None
 
     def check(files: bool) -> list[dict]:  # yours: checked now, before the run folder (a wrong one refused by name)
@@ -318,7 +321,7 @@ def build(params: SamplingParams, v: VLLMConfig, *, in_flight: str, max_stalenes
     low_bit = quant if quant.enabled else None
     way = {"transfer": TransferSync, "colocated": ColocatedSync, "disk": DiskSync, "adapter": AdapterSync}[kind]
     launcher = Launcher(v, run_dir, context, way.server_args(v), way.server_env(), kind in ("disk", "adapter"), needs,
-                        tokenizer, seed, dp, low_bit)
+                        processor or tokenizer, seed, dp, low_bit)  # a VLM's processor: the server's runs it
     pool = ServerPool(v.servers, dp, start=launcher.start, connect=launcher.connect, urls=v.addresses(),
                       client_timeout=v.request_timeout_s, client_key=v.key())
     common = dict(pool=pool, launcher=launcher, dp=dp, folder=launcher.dir, in_flight=in_flight,

@@ -1,7 +1,8 @@
 """The context and K/V cache of the vLLM server a run starts: the run's longest sequence, as its
 samplers tell it, checked against vllm.max_model_len and the CPU server's K/V cache before the run
 folder is written (vLLM would refuse the requests, or exit during a minute of start-up); a model
-whose layers keep recurrent or convolution state is refused on a CPU server."""
+whose layers keep recurrent or convolution state is refused on a CPU server, and so is a
+vision-language model of a type vLLM-CPU cannot serve here (`VLM_ON_CPU`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import math
 import torch
 
 from backstream.checks import UserError
+from backstream.stream import vision
 from backstream.stream.adapter import probe_layout
 from backstream.stream.hf import base_model
 
@@ -48,6 +50,13 @@ HYBRID_ON_CPU = ("which the vLLM CPU server does not run here (vllm-cpu 0.32: Qw
                  "the server on a GPU")
 
 
+# the image-text model types whose vLLM model code imports and serves on vllm-cpu 0.32 here (2026-12-07,
+# docs/vllm.md): the others tried (qwen3_5, qwen3_vl, qwen2_5_vl, gemma3, llava) import image or video
+# processing that needs torchvision, which has no build beside the CPU torch; a type not tried here
+# (qwen2_vl, the tiny VLM's, among them) is refused as well: only what served here is let through
+VLM_ON_CPU = ("idefics3",)
+
+
 class ServerContext:
     """What the run's server must hold: `cfg` its [vllm]; the run's longest sequence (`need_context`)."""
 
@@ -73,6 +82,13 @@ class ServerContext:
             if layout.states and not torch.cuda.is_available():
                 raise UserError(f"rollout.backend = \"vllm\": {type(base).__name__} keeps recurrent or convolution "
                                 f"state in layers {sorted(layout.state_layers)}, {HYBRID_ON_CPU}")
+            kind = getattr(base.config, "model_type", "")
+            if vision.holds_images(model) and kind not in VLM_ON_CPU and not torch.cuda.is_available():
+                raise UserError(f"rollout.backend = \"vllm\": a {kind} vision-language model, which a CPU server "
+                                "does not serve here (the vLLM model code of the image-text types tried needs "
+                                "torchvision, which has no build beside the CPU torch of the server's environment; "
+                                f"vllm-cpu 0.32 serves {', '.join(VLM_ON_CPU)} here; docs/vllm.md); "
+                                "sample with rollout.backend = \"local\", or run the server on a GPU")
             self.length(base.config, float_dtype(base.parameters()))
 
     def length(self, config, dtype: torch.dtype) -> int:

@@ -1,17 +1,22 @@
 """The generate calls of a run on its vLLM servers: token ids in and out (/inference/v1/generate,
 `return_token_ids`), per-token log-probs and weight versions, a request a publish aborted resumed from
-its tokens so far (rollout.in_flight = "resume"). Which server takes a request is the pool's
-(rl/backends/vllm/pool.py), the weights on it the weight sync's (rl/backends/vllm/weights/);
-rl/backends/vllm/backend.py puts them behind the backend protocol."""
+its tokens so far (rollout.in_flight = "resume"). A prompt's images go as `content_parts` (PNG data
+URLs) after ids with each image as the one token its template renders: the server's processor expands
+it (vLLM expands a token prompt's image tokens itself, and would expand an already-expanded prompt
+again), and the ids it answers are checked to be the learner's, image tokens included. Which server
+takes a request is the pool's (rl/backends/vllm/pool.py), the weights on it the weight sync's
+(rl/backends/vllm/weights/); rl/backends/vllm/backend.py puts them behind the backend protocol."""
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import math
 import uuid
 
 import torch
 
+from backstream.checks import UserError
 from backstream.rl.backends.base import SamplingParams
 from backstream.rl.records import Completion
 
@@ -51,6 +56,26 @@ def choice_of(ch: dict, eos: list[int]) -> Completion:
                    reason)
 
 
+def collapsed(ids: list[int], pictures, where: str) -> tuple[list[int], list[dict]]:
+    """`ids` with each picture's expansion (`Picture.span`, in order) as the one token a template renders
+    for it, and the pictures as vLLM's `content_parts`; an expansion not found where the ids hold the
+    next image is an error naming `where`."""
+    out, parts, i = [], [], 0
+    for k, pic in enumerate(pictures):
+        span = list(pic.span or ())
+        j = i
+        while j < len(ids) and ids[j:j + len(span)] != span:
+            j += 1
+        if not span or j >= len(ids):
+            raise UserError(f"{where}: image {k}'s tokens are not in the prompt as the processor expands it alone, "
+                            "so a vLLM server's processor would not re-make them; sample it with "
+                            "rollout.backend = \"local\"")
+        out += ids[i:j] + [pic.token]
+        i = j + len(span)
+        parts.append({"type": "image_url", "url": "data:image/png;base64," + base64.b64encode(pic.source).decode()})
+    return out + ids[i:], parts
+
+
 def resumed_seed(seed: int, choice: int, part: int) -> int:
     """The seed of the `part`-th resumption of choice `choice` of a request seeded `seed`."""
     return int(torch.randint(0, 2**31 - 1, (1,), generator=torch.Generator().manual_seed(
@@ -67,14 +92,16 @@ class ServerRequests:
         self.model, self.in_flight = model, in_flight
         self.sent: dict[str, object] = {}  # ids of the requests in flight -> their server
 
-    def generate(self, member, ids: list[int], params: dict, n: int, seed: int, eos: list[int]) -> list[Completion]:
+    def generate(self, member, ids: list[int], params: dict, n: int, seed: int, eos: list[int], pictures=(),
+                 where: str = "the prompt") -> list[Completion]:
         """`n` samples after the token ids `ids` on `member`'s server (a pool member: the server, the step
         its weights are labelled with; /inference/v1/generate: token ids in and out, per-token log-probs
         and weight versions); `params`: vLLM's sampling parameters but n and seed; `eos`: the tokens that
         end a sample ("eos"). A sample that a publish aborted (rollout.in_flight = "resume") is resumed
         from its tokens so far, re-prefilled with the new weights, by a request of its own: its tokens
-        keep the versions they were sampled with."""
-        done = self._request(member, ids, params, n, seed, eos)
+        keep the versions they were sampled with. `pictures`: the images `ids` hold (`where` names the
+        prompt in an error)."""
+        done = self._request(member, ids, params, n, seed, eos, pictures, where)
         for c, x in enumerate(done):
             while x.reason == "abort":
                 left = params["max_tokens"] - len(x.ids)
@@ -82,16 +109,20 @@ class ServerRequests:
                     x.reason = "length"
                     break
                 (part,) = self._request(member, ids + x.ids, {**params, "max_tokens": left}, 1,
-                                        resumed_seed(seed, c, len(x.ids)), eos)
+                                        resumed_seed(seed, c, len(x.ids)), eos, pictures, where)
                 x.ids, x.reason = x.ids + part.ids, part.reason
                 x.logprobs = torch.cat([x.logprobs, part.logprobs])
                 x.versions = torch.cat([x.versions, part.versions])
         return done
 
-    def _request(self, member, ids: list[int], params: dict, n: int, seed: int, eos: list[int]) -> list[Completion]:
+    def _request(self, member, ids: list[int], params: dict, n: int, seed: int, eos: list[int], pictures=(),
+                 where: str = "the prompt") -> list[Completion]:
         rid = f"backstream-{uuid.uuid4().hex}"
-        body = {"model": self.model, "token_ids": ids, "request_id": rid, "return_token_ids": True,
+        sent, parts = collapsed(ids, pictures, where) if pictures else (ids, None)
+        body = {"model": self.model, "token_ids": sent, "request_id": rid, "return_token_ids": True,
                 "sampling_params": {**params, "n": n, "seed": seed, "logprobs": 0, "skip_special_tokens": False}}
+        if parts:
+            body["content_parts"] = parts
         if self.in_flight == "keep":  # a publish cannot reset a cache that paused requests hold: keyed by version
             body["cache_salt"] = f"weights-{member.label}"
         self.sent[rid] = member.server
@@ -99,6 +130,13 @@ class ServerRequests:
             answer = member.server.post("/inference/v1/generate", body)
         finally:
             self.sent.pop(rid, None)
+        if pictures and answer.get("prompt_token_ids") != ids:
+            got = answer.get("prompt_token_ids") or []
+            raise UserError(f"{where}: the vLLM server's processor expanded its images into other tokens than the "
+                            f"learner's ({len(got)} prompt ids, the learner's {len(ids)}: "
+                            f"{sum(t == pictures[0].token for t in got)} image tokens against "
+                            f"{sum(t == pictures[0].token for t in ids)}); serve the model folder the run trains, "
+                            "with the same processor files")
         if answer.get("prompt_token_ids") not in (None, ids):
             raise RuntimeError("vLLM answered for other prompt ids than those sent; the sequence would not be what "
                                "the policy saw")

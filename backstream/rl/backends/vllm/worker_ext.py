@@ -174,11 +174,11 @@ class WorkerExtension(_weights.WorkerWeights if _weights is not None else object
 
     def backstream_info(self, probe: str = "") -> dict:
         """What this server runs, as its model runner has it, for a run that connects to a server it did
-        not start (`vllm.urls`): its log-prob mode, context, dtype, LoRA, platform and weight-transfer
-        engine, which the run checks against its own needs (rl/backends/vllm/serve.py `check_server`). `probe`: a
-        file the run just wrote under its run folder, read back here: the disk path hands over weights
-        as paths under that folder, so this worker must see it at the same path (a server on another
-        host: a shared filesystem)."""
+        not start (`vllm.urls`): its log-prob mode, context, dtype, LoRA, platform, weight-transfer
+        engine and the model class it serves (config.json's), which the run checks against its own
+        needs (rl/backends/vllm/serve.py `check_server`). `probe`: a file the run just wrote under its
+        run folder, read back here: the disk path hands over weights as paths under that folder, so
+        this worker must see it at the same path (a server on another host: a shared filesystem)."""
         from vllm.platforms import current_platform  # noqa: PLC0415
 
         model, lora = self.model_runner.model_config, self.model_runner.lora_config
@@ -189,7 +189,8 @@ class WorkerExtension(_weights.WorkerWeights if _weights is not None else object
                "max_lora_rank": int(lora.max_lora_rank) if lora is not None else 0,
                "chunked_prefill": bool(scheduler.enable_chunked_prefill),
                "platform": str(current_platform.device_type),
-               "transfer": getattr(transfer, "backend", None) if transfer is not None else None}
+               "transfer": getattr(transfer, "backend", None) if transfer is not None else None,
+               "architecture": (getattr(model.hf_config, "architectures", None) or [""])[0]}
         if probe:
             try:
                 with open(probe) as f:

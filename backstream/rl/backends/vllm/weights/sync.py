@@ -408,7 +408,8 @@ class TransferSync(WeightSync):
         one_host = all(on_loopback(m.server.url) for m in members)
         shm = os.path.join("/dev/shm", f"backstream-{os.getpid()}-weights") if one_host and os.path.isdir(
             "/dev/shm") and self.device == "gloo" and self.shared_memory else ""
-        self.group = Group([m.server for m in members], self.host, self.timeout_s, self.device, shm)
+        self.group = Group([m.server for m in members], self.host, self.timeout_s, self.device, shm,
+                           names=[m.name for m in members])
         self.members = [m.server.url for m in members]
 
     def close(self) -> None:

@@ -54,12 +54,15 @@ def buckets_of(sizes: list[int], limit: int | None = None) -> list[int]:
 
 
 class Group:
-    """The transfer group over `servers` (objects with `url`, `post(path, body, timeout)` and `name`):
-    joined at construction. `host`: the learner's address the servers reach; `device`: "gloo" (CPU) or
-    "nccl"; `shm_path`: the shared file of a one-host group ("" over the network)."""
+    """The transfer group over `servers` (objects with `url` and `post(path, body, timeout)`), named in
+    errors by `names` (the pool's "vLLM server i (its log: ...)"; default their URLs): joined at
+    construction. `host`: the learner's address the servers reach; `device`: "gloo" (CPU) or "nccl";
+    `shm_path`: the shared file of a one-host group ("" over the network)."""
 
-    def __init__(self, servers: list, host: str, timeout_s: float, device: str = "gloo", shm_path: str = ""):
+    def __init__(self, servers: list, host: str, timeout_s: float, device: str = "gloo", shm_path: str = "",
+                 names: list[str] | None = None):
         self.servers, self.timeout_s, self.device, self.shm_path = list(servers), timeout_s, device, shm_path
+        self.names = list(names) if names else [f"the server at {s.url}" for s in self.servers]
         self.shm = None
         self.late = list  # the phases still unanswered, by server (while one runs)
         sizes = [int(_ask(s, "/get_world_size?include_dp=true", None, timeout_s, "get")["world_size"])
@@ -97,18 +100,18 @@ class Group:
 
         def wait() -> list:
             out = []
-            for s, f in zip(self.servers, futures):
+            for name, f in zip(self.names, futures):
                 try:
                     out.append(f.result(timeout=max(0.0, deadline - time.monotonic())))
                 except concurrent.futures.TimeoutError:
                     raise TransferError(f"the weight transfer's {path} did not finish within vllm.transfer_timeout_s "
-                                        f"= {self.timeout_s:g} on {s.name}; raise it, or look at that server's "
+                                        f"= {self.timeout_s:g} on {name}; raise it, or look at that server's "
                                         "log") from None
                 except Exception as e:  # noqa: BLE001  (named, with the server)
-                    raise TransferError(f"the weight transfer's {path} failed on {s.name}: {e}") from None
+                    raise TransferError(f"the weight transfer's {path} failed on {name}: {e}") from None
             return out
 
-        self.late = lambda: [f"{path} on {s.name}" for s, f in zip(self.servers, futures) if not f.done()]
+        self.late = lambda: [f"{path} on {name}" for name, f in zip(self.names, futures) if not f.done()]
         try:
             yield wait
         except BaseException:
