@@ -21,6 +21,7 @@ import os
 import re
 import socket
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -270,6 +271,9 @@ def vllm_error(log_path: str | None) -> str:
 _group_alive = group_alive  # (the name tests use)
 
 
+_LIFELINES = threading.Lock()  # guards each started server's `lifeline` while it is closed (`Server.stop`)
+
+
 class Server:
     """A vLLM server: started here (`start`) or the user's (`connect`); `post`/`get` with deadlines."""
 
@@ -378,6 +382,7 @@ class Server:
         if self.proc is None:
             return
         stop(self.proc, grace=20.0, group=True)
-        if self.lifeline is not None:
-            os.close(self.lifeline)
-            self.lifeline = None
+        with _LIFELINES:  # the pool's close and a dead server's restart may stop it at once: one closes the fd
+            fd, self.lifeline = self.lifeline, None
+        if fd is not None:
+            os.close(fd)
