@@ -316,9 +316,9 @@ class Picture:
     embeds: Tensor | None = field(default=None, repr=False)
     calls: int = 0
     deep: Tensor | None = field(default=None, repr=False)  # a deepstack family's [levels, tokens, H], with embeds
-    # for a server that runs the processor itself (a vLLM server): the image (PNG bytes), the token a
+    # for a server that runs the processor itself (a vLLM server): the image (a PIL image), the token a
     # template renders for it, and the ids the processor expands that token into for this image alone
-    source: bytes | None = field(default=None, repr=False)
+    source: object | None = field(default=None, repr=False)
     token: int | None = None
     span: tuple[int, ...] | None = field(default=None, repr=False)
 

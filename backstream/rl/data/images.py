@@ -160,8 +160,8 @@ class Pictures:
         self._tokens: dict = {}  # image size -> (its placeholder count, the ids its image token expands into)
 
     def picture(self, img) -> Picture:
-        """`img` (a PIL image) as the processor makes it alone; it keeps the image as PNG bytes and its
-        expansion, for a server that runs the processor itself (rl/backends/vllm/requests.py)."""
+        """`img` (a PIL image) as the processor makes it alone; it keeps the image and its expansion,
+        for a server that runs the processor itself (rl/backends/vllm/requests.py)."""
         out = self.processor.image_processor(images=[img], return_tensors="pt")
         inputs = {k: v for k, v in out.items() if isinstance(v, torch.Tensor)}
         h = hashlib.sha256()
@@ -171,10 +171,8 @@ class Pictures:
         if img.size not in self._tokens:  # its placeholders, as the processor expands one image alone
             ids = self.processor(text=[self.token], images=[img], add_special_tokens=False)["input_ids"][0]
             self._tokens[img.size] = (sum(t == self.image_token_id for t in ids), tuple(int(t) for t in ids))
-        png = io.BytesIO()
-        img.save(png, format="PNG")
         count, span = self._tokens[img.size]
-        return Picture(h.hexdigest(), inputs, count, source=png.getvalue(), token=self.image_token_id, span=span)
+        return Picture(h.hexdigest(), inputs, count, source=img, token=self.image_token_id, span=span)
 
     def from_url(self, url: str, where: str) -> Picture:
         """An `image_url` part's image (a data URL only: a run fetches nothing) as `picture` makes it;

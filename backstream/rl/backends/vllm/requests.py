@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import io
 import math
 import uuid
 
@@ -72,7 +73,9 @@ def collapsed(ids: list[int], pictures, where: str) -> tuple[list[int], list[dic
                             "rollout.backend = \"local\"")
         out += ids[i:j] + [pic.token]
         i = j + len(span)
-        parts.append({"type": "image_url", "url": "data:image/png;base64," + base64.b64encode(pic.source).decode()})
+        png = io.BytesIO()
+        pic.source.save(png, format="PNG")  # lossless: the server's processor reads the learner's pixels
+        parts.append({"type": "image_url", "url": "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()})
     return out + ids[i:], parts
 
 
