@@ -55,9 +55,18 @@ def test_wandb_offline_run_continues_on_resume(tmp_path, monkeypatch):
     trainer.train(resume=run, overrides=["train.steps=2"], model=model, tokenizer=tok)
     logs = sorted(glob.glob(os.path.join(run, "wandb", "offline-run-*", f"run-{run_id}.wandb")))
     assert len(logs) == 2  # two processes' worth of the same W&B run
+    # W&B's service process may still be writing a log when finish() returns on a loaded machine (CI
+    # once read a file that held only its 10-byte header): wait for the records, a minute at most
+    deadline = time.time() + 60
     for path in logs:
-        data = open(path, "rb").read()
-        assert b"reward/mean" in data and b"response_length/mean" in data
+        while not _has(path, b"reward/mean", b"response_length/mean") and time.time() < deadline:
+            time.sleep(0.5)
+        assert _has(path, b"reward/mean", b"response_length/mean"), (path, os.path.getsize(path))
+
+
+def _has(path, *keys):
+    data = open(path, "rb").read()
+    return all(k in data for k in keys)
 
 
 def test_wandb_calls(tmp_path, monkeypatch):
