@@ -50,13 +50,16 @@ def _text_part(folder):
     return text, AutoTokenizer.from_pretrained(folder)
 
 
-def test_a_composite_against_its_text_class_is_refused_before_the_run_folder(tmp_path, vllm_served, capsys):
-    """The weight-name trap (TRL #5269): a server of yours serving the composite class while the policy
-    is its text class (or the reverse) is refused by name before the run folder: a publish would name
-    the weights model.* where the server has model.text_model.* (vLLM: "There is no module or parameter
-    named 'model.embed_tokens'"). Both directions: the policy's text class against a server of the
-    composite folder, and the composite policy against the session's servers of a text model. The
-    servers a run starts are written from the policy itself, so they serve its class (the test above)."""
+def test_a_text_policy_publishes_under_a_composite_servers_names_and_the_reverse_is_refused(tmp_path, vllm_served,
+                                                                                             caplog, monkeypatch):
+    """The weight-name trap (TRL #5269). A server of yours serving the composite class while the policy is
+    its text class: the publish sends each tensor under the name the server's checkpoint gives it, read
+    off the server (model.* -> model.text_model.*, not a table), and the run samples the learner's
+    weights (mismatch/kl <= 1e-9 every step); the vision tower and connector, which the policy has no
+    copy of, stay as served. The ledger still guards every parameter: with one of them left out of
+    what stays as served, the first publish is an error naming it. The reverse, the composite policy
+    (images in the data) against servers of a text model, is refused before the run folder: its
+    vision tensors have no counterpart there."""
     import os
     import signal
     import subprocess
@@ -67,12 +70,16 @@ def test_a_composite_against_its_text_class_is_refused_before_the_run_folder(tmp
     from vllm_helpers import urls_of
 
     from backstream.checks import UserError
+    from backstream.rl.backends.vllm import serve
     from backstream.rl.backends.vllm.server import free_port
+    from backstream.rl.backends.vllm.weights.sync import PublishError
 
+    caplog.set_level(logging.INFO, logger="backstream")
     folder = idefics3_folder(tmp_path / "idefics3")
     # the composite policy (images in the data) against servers of the default text model (a Qwen3ForCausalLM)
     with pytest.raises(UserError, match=r"it serves Qwen3ForCausalLM, and the policy is "
-                                        r"Idefics3ForConditionalGeneration: the two name their weights differently"):
+                                        r"Idefics3ForConditionalGeneration: the two name their weights differently"
+                                        r".* they do not map onto each other: \d+ of the policy's \d+ tensors"):
         trainer.Trainer(run_cfg(tmp_path, "composite", f'model.name="{folder}"', 'model.dtype="float32"',
                                 'data.task="shapes"', 'rollout.backend="vllm"', *urls_of(vllm_served)))
     assert no_run_written(tmp_path / "composite")
@@ -83,18 +90,47 @@ def test_a_composite_against_its_text_class_is_refused_before_the_run_folder(tmp
                              "--api-key", KEY, "--max-model-len", "512", "--python", vllm_python()],
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                             env={k: v for k, v in os.environ.items() if k != "VLLM_API_KEY"})
+
+    def text_run(name):
+        text, tok = _text_part(folder)
+        return trainer.Trainer(run_cfg(
+            tmp_path, name, 'model.dtype="float32"', 'data.task="arith"', 'rollout.backend="vllm"',
+            f'vllm.url="{url}"', f'vllm.api_key="{KEY}"', "reward.functions=['rewards_for_tests:hash_turns']",
+            "train.prompts_per_step=2", "rollout.group_size=4", "rollout.max_new_tokens=4"), model=text, tokenizer=tok)
+
     try:
         url, t0 = f"http://127.0.0.1:{port}", time.monotonic()
         while f'url = "{url}"' not in (tmp_path / "serve.log").read_text():
             assert proc.poll() is None and time.monotonic() - t0 < 300, (tmp_path / "serve.log").read_text()[-3000:]
             time.sleep(0.5)
-        text, tok = _text_part(folder)
-        with pytest.raises(UserError, match=r"it serves Idefics3ForConditionalGeneration, and the policy is "
-                                            r"LlamaForCausalLM: .* a publish would not reach every parameter"):
-            trainer.Trainer(run_cfg(tmp_path, "text", 'model.dtype="float32"', 'data.task="arith"',
-                                    'rollout.backend="vllm"', f'vllm.url="{url}"', f'vllm.api_key="{KEY}"'),
-                            model=text, tokenizer=tok)
-        assert no_run_written(tmp_path / "text")
+        t = text_run("text")
+        try:
+            rows = [t.train_step() for _ in range(3)]
+        finally:
+            t.close()
+        weights = t.parts.sampling.weights
+        assert weights.kind == "transfer" and weights.rename["model.norm.weight"] == "model.text_model.norm.weight"
+        assert weights.rename["model.layers.0.self_attn.q_proj.weight"] == \
+            "model.text_model.layers.0.self_attn.q_proj.weight"
+        assert "published under the served names (model. -> model.text_model.)" in caplog.text
+        print("text policy on the composite server, mismatch/kl by step:", [r["mismatch/kl"] for r in rows])
+        for r in rows:
+            assert r["batch/zero_adv_frac"] < 1 and r["mismatch/kl"] <= EXACT, [x.get("mismatch/kl") for x in rows]
+
+        # the guard: one served tensor (the connector's projection) neither sent nor kept as served
+        real = serve.name_map
+
+        def keep_too_little(policy, served):
+            rename, keep = real(policy, served)
+            return rename, [k for k in keep if "connector" not in k]
+
+        monkeypatch.setattr(serve, "name_map", keep_too_little)
+        t = text_run("guard")
+        try:
+            with pytest.raises(PublishError, match=r"kept its old weights in 1 parameters .*connector"):
+                t.train_step()
+        finally:
+            t.close()
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(10)

@@ -57,6 +57,7 @@ from backstream.rl.backends.vllm.weights.sync import (
     DiskSync,
     TransferSync,
     base_names,
+    named_weights,
     write_weights,
 )
 from backstream.rl.parallel.dataparallel import DataParallel
@@ -217,7 +218,9 @@ class Launcher:
         if self.model is not None:
             needs = dataclasses.replace(needs, dtype=str(float_dtype(self.model.parameters())).removeprefix("torch."),
                                         lora_rank=lora_rank(self.model))
-        check_server(server, needs, self.run_dir, files=self.files)
+        info = check_server(server, needs, self.run_dir, files=self.files)
+        if info.get("keep") is not None:  # another class than the policy's: what no publish sends stays as served
+            server.post("/collective_rpc", {"method": "backstream_keep", "kwargs": {"names": info["keep"]}})
         return server
 
     def start(self, i: int, progress) -> Server:
@@ -303,7 +306,8 @@ def build(params: SamplingParams, v: VLLMConfig, *, in_flight: str, max_stalenes
                         "process, or start servers of their own (vllm.servers, vllm.devices)")
     context = ServerContext(v)
     needs = Needs(model=policy.name, mode=mode, dtype=policy.dtype, lora_rank=policy.lora_r,
-                  architecture=type(base_model(model)).__name__ if model is not None else "")
+                  architecture=type(base_model(model)).__name__ if model is not None else "",
+                  names=tuple((n, tuple(p.shape)) for n, p in named_weights(model)) if model is not None else ())
     infos = None
 
     def check(files: bool) -> list[dict]:  # yours: checked now, before the run folder (a wrong one refused by name)
@@ -318,6 +322,7 @@ def build(params: SamplingParams, v: VLLMConfig, *, in_flight: str, max_stalenes
     if v.addresses() and kind in ("disk", "adapter"):  # the weights as files: each server must see the run folder
         check(files=True)
     dp.on_main(lambda: log.info(f"vllm: the weights reach the servers by {kind} ({why})"))
+    rename = served_names(v, infos, kind, needs)
     low_bit = quant if quant.enabled else None
     way = {"transfer": TransferSync, "colocated": ColocatedSync, "disk": DiskSync, "adapter": AdapterSync}[kind]
     launcher = Launcher(v, run_dir, context, way.server_args(v), way.server_env(), kind in ("disk", "adapter"), needs,
@@ -325,7 +330,7 @@ def build(params: SamplingParams, v: VLLMConfig, *, in_flight: str, max_stalenes
     pool = ServerPool(v.servers, dp, start=launcher.start, connect=launcher.connect, urls=v.addresses(),
                       client_timeout=v.request_timeout_s, client_key=v.key())
     common = dict(pool=pool, launcher=launcher, dp=dp, folder=launcher.dir, in_flight=in_flight,
-                  timeout_s=v.transfer_timeout_s, quant=low_bit)
+                  timeout_s=v.transfer_timeout_s, quant=low_bit, rename=rename)
     if kind == "transfer":
         host = v.transfer_host or ("127.0.0.1" if all(on_loopback(u) for u in v.addresses()) else _this_host())
         weights = TransferSync(**common, host=host, device="nccl" if torch.cuda.is_available() else "gloo")
@@ -344,6 +349,40 @@ def build(params: SamplingParams, v: VLLMConfig, *, in_flight: str, max_stalenes
     for stop in (launcher.remove, pool.close, weights.close, backend.close):
         sampling.closing.callback(stop)
     return sampling
+
+
+def served_names(v: VLLMConfig, infos: list[dict] | None, kind: str, needs: Needs) -> dict | None:
+    """The served checkpoint's name of each of the policy's tensors where servers of yours serve another
+    class than the policy's (their `infos`: serve.py `check_server`), None where they serve its own; said
+    at start-up. All of them must serve one class, and a transfer is the way that sends under those names."""
+    maps = [i.get("rename") for i in infos or []]
+    if not any(m is not None for m in maps):
+        return None
+    served = sorted({i.get("architecture", "") for i in infos})
+    if len(served) > 1 or any(m != maps[0] for m in maps):
+        raise UserError(f"vllm.urls: the servers serve {served}, which name the policy's weights in different ways; "
+                        "serve one class on all of them")
+    if kind != "transfer":
+        raise UserError(f"vllm.weights: the servers serve {served[0]}, which names the policy's ({needs.architecture}) "
+                        f"weights its own way, and a publish by {kind} cannot rename them; publish by transfer "
+                        "(vllm.weights = \"auto\" or \"transfer\", servers started with `backstream vllm serve`) or "
+                        f"serve a folder whose config.json names {needs.architecture}")
+    moved = sorted({(a[: len(a) - len(t)], s[: len(s) - len(t)]) for a, s in maps[0].items() if a != s
+                    for t in [_common_tail(a, s)]})
+    keep = infos[0].get("keep") or []
+    log.info(f"vllm: the servers serve {served[0]}, the policy is {needs.architecture}: its {len(maps[0])} tensors are "
+             f"published under the served names ({', '.join(f'{a} -> {s}' for a, s in moved) or 'the same'}); "
+             f"{len(keep)} served tensors no policy tensor has stay as served (e.g. {keep[:2]})")
+    return maps[0]
+
+
+def _common_tail(a: str, b: str) -> str:
+    """The longest run of whole trailing name parts `a` and `b` share ("" : none)."""
+    x, y = a.split("."), b.split(".")
+    n = 0
+    while n < min(len(x), len(y)) and x[-1 - n] == y[-1 - n]:
+        n += 1
+    return ".".join(x[len(x) - n:]) if n else ""
 
 
 def _this_host() -> str:

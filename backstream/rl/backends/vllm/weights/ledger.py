@@ -2,7 +2,8 @@
 worker import it alike). The learner sends tensors under their Hugging Face names; the server's
 worker records, for the publish, the fingerprint of every tensor handed to the model's `load_weights`
 and the parameters `load_weights` said it loaded. The publish is checked against it: the version, every
-tensor sent with the fingerprint it was sent with, every parameter of the model loaded. A checksum of
+tensor sent with the fingerprint it was sent with, every parameter of the model loaded (but those a
+server of another class keeps as served, which its own checkpoint filled: names.py). A checksum of
 the server's parameters cannot do it on a CPU server (its linear weights live only inside the packed
 GEMM, empty tensors as parameters), nor show a head that kept an old packed copy.
 

@@ -44,6 +44,11 @@ from backstream.rl.backends.vllm.weights import ENGINE as BACKEND
 from backstream.rl.backends.vllm.weights.ledger import fingerprint
 
 LAST: dict = {}  # the ledger of this worker's last publish, by whichever path (`WorkerWeights.backstream_ledger`)
+# the checkpoint this server started from (a disk reload points the model config at the run's folder)
+STARTED_FROM: dict = {}
+# the parameters filled from that checkpoint by `backstream_keep`: the served tensors no policy tensor
+# maps to (a composite's vision tower under a text policy: rl/backends/vllm/weights/names.py)
+KEPT: set = set()
 JOINED: dict = {}  # the transfer group this worker is in: its name (`WorkerWeights.backstream_group`)
 
 try:  # inside vLLM's environment; the learner never imports this module
@@ -122,7 +127,21 @@ def unloaded(model, model_config, loaded: set[str]) -> list[str]:
     params = {n.replace(".base_layer.", ".") for n, _ in model.named_parameters()}
     if _tied(model_config):
         params.discard("lm_head.weight")
-    return sorted(params - loaded)
+    return sorted(params - loaded - KEPT)
+
+
+def _checkpoint_files(runner) -> list[str]:
+    """The safetensors files of the checkpoint the server started from, as vLLM's loader finds them
+    (a folder, or the Hub cache of a model id)."""
+    from vllm.model_executor.model_loader import get_model_loader  # noqa: PLC0415
+
+    config = runner.vllm_config.model_config
+    model, revision = STARTED_FROM.get("model", config.model), STARTED_FROM.get("revision", config.revision)
+    _, files, safetensors, *_ = get_model_loader(runner.vllm_config.load_config)._prepare_weights(
+        model, None, revision, False, None)
+    if not safetensors:
+        raise ValueError(f"the checkpoint {model} is not in safetensors files: its tensors' names are not read")
+    return files
 
 
 @contextlib.contextmanager
@@ -335,6 +354,8 @@ class WorkerWeights:
 
         runner = self.model_runner
         model, config = runner.get_model(), runner.vllm_config.model_config
+        STARTED_FROM.setdefault("model", config.model)
+        STARTED_FROM.setdefault("revision", config.revision)
         config.model, config.model_weights, config.revision = path, "", None
         weights = get_model_loader(runner.vllm_config.load_config).get_all_weights(config, model)
         ledger = Ledger(version)
@@ -344,6 +365,51 @@ class WorkerWeights:
         retie_head(model, config)
         LAST.update(ledger.record(), unloaded=unloaded(model, config, ledger.loaded))
         return {"tensors": len(ledger.fingerprints)}
+
+    def backstream_names(self) -> dict:
+        """The tensors of the checkpoint this server started from: {"names": {name: shape}}, read from
+        the safetensors headers; or {"error": ...}. What a policy of another class maps its names onto
+        (rl/backends/vllm/weights/names.py)."""
+        from safetensors import safe_open  # noqa: PLC0415
+
+        try:
+            names = {}
+            for path in _checkpoint_files(self.model_runner):
+                with safe_open(path, framework="pt") as f:
+                    for key in f.keys():
+                        names[key] = list(f.get_slice(key).get_shape())
+            return {"names": names}
+        except Exception as e:  # noqa: BLE001  (said to the run, which refuses the server with it)
+            return {"error": f"{type(e).__name__}: {e}"}
+
+    def backstream_keep(self, names: list[str]) -> dict:
+        """The served tensors `names` (those no policy tensor maps to) loaded once more from this server's
+        own checkpoint, through vLLM's reload: the parameters they fill (`KEPT`) are the ones every
+        later publish leaves as served, and the ledger counts no other parameter as loaded unless the
+        publish loaded it."""
+        from safetensors import safe_open  # noqa: PLC0415
+
+        runner = self.model_runner
+        model, config, want = runner.get_model(), runner.vllm_config.model_config, set(names)
+        files = _checkpoint_files(runner)
+
+        def tensors():
+            for path in files:
+                with safe_open(path, framework="pt") as f:
+                    for key in f.keys():
+                        if key in want:
+                            yield key, f.get_tensor(key)
+
+        ledger = Ledger("keep")
+        with _no_embedding_pack(model, config), recording(model, ledger):
+            runner.reload_weights(weights_iterator=tensors())
+        retie_head(model, config)
+        missing = sorted(want - set(ledger.fingerprints))
+        if missing:
+            raise ValueError(f"the checkpoint has no tensors {missing[:3]} ({len(missing)})")
+        KEPT.clear()
+        KEPT.update(ledger.loaded)
+        return {"tensors": len(ledger.fingerprints), "parameters": len(KEPT)}
 
     def backstream_group(self) -> str:
         """The name of the transfer group this worker is in ("": none). A server of your own may have

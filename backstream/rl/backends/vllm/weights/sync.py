@@ -91,14 +91,15 @@ def file_fingerprints(folder: str, known: dict | None = None) -> dict[str, tuple
     return out
 
 
-def named_weights(model) -> list[tuple[str, torch.Tensor]]:
+def named_weights(model, rename: dict[str, str] | None = None) -> list[tuple[str, torch.Tensor]]:
     """The model's parameters under their Hugging Face names, each once (a tied head is the embedding,
-    which vLLM loads it through): what a transfer sends."""
+    which vLLM loads it through): what a transfer sends; `rename`: the served checkpoint's name of each
+    (a server of another class: rl/backends/vllm/weights/names.py)."""
     seen, out = set(), []
     for name, p in base_model(model).named_parameters(remove_duplicate=False):
         if id(p) not in seen:
             seen.add(id(p))
-            out.append((name, p))
+            out.append((rename[name] if rename is not None else name, p))
     return out
 
 
@@ -111,10 +112,11 @@ class WeightSync:
     kind = ""
 
     def __init__(self, pool, launcher, dp, folder: str, in_flight: str = "wait", timeout_s: float = 300.0,
-                 quant=None):
+                 quant=None, rename: dict[str, str] | None = None):
         if in_flight not in PAUSE_MODES:
             raise UserError(f"rollout.in_flight: got {in_flight!r}, expected \"keep\" or \"resume\"")
         self.pool, self.launcher, self.dp, self.folder = pool, launcher, dp, folder
+        self.rename = rename  # the servers' names of the policy's tensors (another class: weights/names.py)
         self.in_flight, self.timeout_s, self.quant = in_flight, timeout_s, quant
         self.counter = 0  # the learner's weights, counted: what each server holds is compared with it
         self.seen: tuple | None = None  # this rank's versions of the weights last counted
@@ -375,7 +377,7 @@ class TransferSync(WeightSync):
         """Every rank gathers bucket after bucket; rank 0 sends each before the next is gathered, so no
         collective is interleaved with its sends (FSDP2's all-gathers beside an NCCL send deadlocked
         TRL, #7103). An error of rank 0's leaves it gathering with the others to the end."""
-        named = named_weights(model)
+        named = named_weights(model, self.rename)
         main, sent, error = self.dp.main, {}, None
         meta = ([n for n, _ in named], [p.dtype for _, p in named], [list(p.shape) for _, p in named])
         counts = buckets_of([p.numel() * p.element_size() for _, p in named])  # a DTensor's are its whole's
