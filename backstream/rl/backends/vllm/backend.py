@@ -51,6 +51,7 @@ from backstream.rl.backends.vllm.server import (
     server_args,
 )
 from backstream.rl.backends.vllm.weights import ENGINE as TRANSFER_ENGINE
+from backstream.rl.backends.vllm.weights.names import replacements
 from backstream.rl.backends.vllm.weights.sync import (
     AdapterSync,
     ColocatedSync,
@@ -367,22 +368,12 @@ def served_names(v: VLLMConfig, infos: list[dict] | None, kind: str, needs: Need
                         f"weights its own way, and a publish by {kind} cannot rename them; publish by transfer "
                         "(vllm.weights = \"auto\" or \"transfer\", servers started with `backstream vllm serve`) or "
                         f"serve a folder whose config.json names {needs.architecture}")
-    moved = sorted({(a[: len(a) - len(t)], s[: len(s) - len(t)]) for a, s in maps[0].items() if a != s
-                    for t in [_common_tail(a, s)]})
+    moved = replacements(maps[0])
     keep = infos[0].get("keep") or []
     log.info(f"vllm: the servers serve {served[0]}, the policy is {needs.architecture}: its {len(maps[0])} tensors are "
              f"published under the served names ({', '.join(f'{a} -> {s}' for a, s in moved) or 'the same'}); "
              f"{len(keep)} served tensors no policy tensor has stay as served (e.g. {keep[:2]})")
     return maps[0]
-
-
-def _common_tail(a: str, b: str) -> str:
-    """The longest run of whole trailing name parts `a` and `b` share ("" : none)."""
-    x, y = a.split("."), b.split(".")
-    n = 0
-    while n < min(len(x), len(y)) and x[-1 - n] == y[-1 - n]:
-        n += 1
-    return ".".join(x[len(x) - n:]) if n else ""
 
 
 def _this_host() -> str:

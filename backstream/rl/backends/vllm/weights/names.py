@@ -42,15 +42,14 @@ def name_map(policy: dict[str, tuple], served: dict[str, tuple]) -> tuple[dict[s
     heads: dict[str, list[str]] = {}  # the served names' heads by the rest of the name
     for s in shape_of:
         for head, rest in _splits(s):
-            if rest:
-                heads.setdefault(rest, []).append(head)
+            heads.setdefault(rest, []).append(head)
     while left:
         # every replacement (policy head -> served head) a name offers: the served names, not yet taken, it reaches
         taken = set(mapping.values())
         reach: dict[tuple[str, str], dict[str, str]] = {}
         for n, shape in left.items():
             for head, rest in _splits(n):
-                for served_head in heads.get(rest, ()) if rest else ():
+                for served_head in heads.get(rest, ()):
                     target = served_head + rest
                     if served_head != head and target not in taken and shape_of[target] == shape:
                         reach.setdefault((head, served_head), {})[n] = target
@@ -72,3 +71,17 @@ def name_map(policy: dict[str, tuple], served: dict[str, tuple]) -> tuple[dict[s
             raise NameMapError(f"the policy's tensors {targets[s]!r} and {n!r} both map to the served {s!r}")
         targets[s] = n
     return mapping, sorted(set(shape_of) - set(targets))
+
+
+def replacements(rename: dict[str, str]) -> list[tuple[str, str]]:
+    """The leading parts a map replaces, (policy's, served), each once: what the run says at start-up."""
+    out = set()
+    for a, s in rename.items():
+        x, y = a.split("."), s.split(".")
+        n = 0  # the whole trailing parts the two names share
+        while n < min(len(x), len(y)) and x[-1 - n] == y[-1 - n]:
+            n += 1
+        tail = len(".".join(x[len(x) - n:]))
+        if a != s:
+            out.add((a[: len(a) - tail], s[: len(s) - tail]))
+    return sorted(out)
